@@ -1,0 +1,273 @@
+"""ModelArch: the geometry of a Mixture-of-Experts transformer, read from a Hugging Face config.json.
+
+This module is the one place that knows config field names (DESIGN.md, Data model): the roofline,
+the planner and the executor all read the model through ModelArch.  Supported model types:
+mixtral, dbrx, qwen2_moe and olmoe.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from hrm.errors import HrmError
+from hrm.io import load_json
+from hrm.policy import dtype_bytes
+from hrm.schema import positive_int
+
+BUNDLED_DIR = Path(__file__).resolve().parent / "model_configs"
+MODEL_TYPES = ("mixtral", "dbrx", "qwen2_moe", "olmoe")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelArch:
+    name: str
+    model_type: str
+    num_layers: int
+    hidden_size: int  # h1
+    intermediate_size: int  # h2: width of one expert
+    num_attention_heads: int  # nq
+    num_key_value_heads: int  # nkv
+    head_dim: int  # d
+    num_experts: int  # n_e
+    experts_per_token: int  # k
+    vocab_size: int
+    tie_word_embeddings: bool = False
+    norm: str = "rmsnorm"  # "rmsnorm" (Mixtral) or "layernorm" (DBRX: LayerNorm without bias)
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    clip_qkv: float | None = None  # DBRX clamps q, k, v to [-clip, clip]
+    router_norm_p: float | None = None  # DBRX divides the top-k weights by their p-norm
+    renormalize_top_k: bool = True  # Mixtral renormalises the top-k softmax weights to sum 1
+    shared_expert_intermediate_size: int = 0  # qwen2_moe's always-on expert
+    attention_bias: bool = False  # qwen2_moe has biases on q, k, v
+    qk_norm: bool = False  # olmoe normalises q and k
+
+    def __post_init__(self) -> None:
+        for name in (
+            "num_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "num_experts", "experts_per_token", "vocab_size",
+        ):
+            positive_int(getattr(self, name), where=f"{self.name}: {name}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise HrmError(
+                f"{self.name}: {self.num_attention_heads} attention heads are not a multiple of "
+                f"{self.num_key_value_heads} key/value heads"
+            )
+        if self.experts_per_token > self.num_experts:
+            raise HrmError(
+                f"{self.name}: {self.experts_per_token} experts per token exceeds {self.num_experts} experts"
+            )
+
+    # -- parameter counts (per layer unless named otherwise) -----------------------------------
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @property
+    def attention_params(self) -> int:
+        """Q, K, V and O projections (+ biases and q/k norms where the family has them)."""
+        h = self.hidden_size
+        params = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        if self.attention_bias:
+            params += self.q_size + 2 * self.kv_size
+        if self.qk_norm:
+            params += self.q_size + self.kv_size
+        return params
+
+    @property
+    def expert_params(self) -> int:
+        """One expert: gate (w1), up (w3) and down (w2) projections."""
+        return 3 * self.hidden_size * self.intermediate_size
+
+    @property
+    def experts_params(self) -> int:
+        return self.num_experts * self.expert_params
+
+    @property
+    def shared_expert_params(self) -> int:
+        if not self.shared_expert_intermediate_size:
+            return 0
+        return 3 * self.hidden_size * self.shared_expert_intermediate_size + self.hidden_size
+
+    @property
+    def router_params(self) -> int:
+        return self.hidden_size * self.num_experts
+
+    @property
+    def norm_params(self) -> int:
+        return 2 * self.hidden_size
+
+    @property
+    def dense_layer_params(self) -> int:
+        """Everything in a layer except the routed experts: always needed, whichever tokens come."""
+        return self.attention_params + self.router_params + self.norm_params + self.shared_expert_params
+
+    @property
+    def layer_params(self) -> int:
+        return self.dense_layer_params + self.experts_params
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def lm_head_params(self) -> int:
+        return 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
+
+    @property
+    def total_params(self) -> int:
+        return (
+            self.num_layers * self.layer_params
+            + self.embedding_params
+            + self.lm_head_params
+            + self.hidden_size  # final norm
+        )
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token uses: its k experts instead of all of them."""
+        return self.total_params - self.num_layers * (
+            (self.num_experts - self.experts_per_token) * self.expert_params
+        )
+
+    def weight_bytes(self, dtype: str) -> float:
+        return self.total_params * dtype_bytes(dtype)
+
+    def kv_bytes_per_token(self, dtype: str) -> float:
+        """K and V of one token across all layers."""
+        return 2 * self.num_layers * self.kv_size * dtype_bytes(dtype)
+
+    # -- files ---------------------------------------------------------------------------------
+
+    @classmethod
+    def from_hf_config(cls, config: Any, name: str = "model", where: str = "config.json") -> "ModelArch":
+        if not isinstance(config, Mapping):
+            raise HrmError(f"{where}: expected a JSON object")
+        model_type = config.get("model_type")
+        parser = _PARSERS.get(model_type)
+        if parser is None:
+            raise HrmError(
+                f"{where}: unsupported model_type {model_type!r}; supported: {', '.join(MODEL_TYPES)}"
+            )
+        try:
+            fields = parser(config)
+        except KeyError as exc:
+            raise HrmError(f"{where}: missing field {exc.args[0]!r} for model_type {model_type}") from None
+        except (TypeError, ValueError) as exc:
+            raise HrmError(f"{where}: malformed field ({exc})") from None
+        try:
+            return cls(name=name, model_type=model_type, **fields)
+        except HrmError as exc:
+            raise HrmError(f"{where}: {exc}") from None
+
+
+def _mixtral(c: Mapping[str, Any]) -> dict[str, Any]:
+    heads = c["num_attention_heads"]
+    return dict(
+        num_layers=c["num_hidden_layers"],
+        hidden_size=c["hidden_size"],
+        intermediate_size=c["intermediate_size"],
+        num_attention_heads=heads,
+        num_key_value_heads=c.get("num_key_value_heads") or heads,
+        head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+        num_experts=c["num_local_experts"],
+        experts_per_token=c["num_experts_per_tok"],
+        vocab_size=c["vocab_size"],
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+        norm="rmsnorm",
+        norm_eps=float(c.get("rms_norm_eps", 1e-5)),
+        rope_theta=float(_rope_theta(c, 1e6)),
+    )
+
+
+def _dbrx(c: Mapping[str, Any]) -> dict[str, Any]:
+    attn, ffn = c["attn_config"], c["ffn_config"]
+    heads = c["n_heads"]
+    return dict(
+        num_layers=c["n_layers"],
+        hidden_size=c["d_model"],
+        intermediate_size=ffn["ffn_hidden_size"],
+        num_attention_heads=heads,
+        num_key_value_heads=attn["kv_n_heads"],
+        head_dim=c["d_model"] // heads,
+        num_experts=ffn["moe_num_experts"],
+        experts_per_token=ffn["moe_top_k"],
+        vocab_size=c["vocab_size"],
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+        norm="layernorm",
+        norm_eps=1e-5,
+        rope_theta=float(attn.get("rope_theta", 10000.0)),
+        clip_qkv=attn.get("clip_qkv"),
+        router_norm_p=ffn.get("moe_normalize_expert_weights", 1.0),
+        renormalize_top_k=False,
+    )
+
+
+def _qwen2_moe(c: Mapping[str, Any]) -> dict[str, Any]:
+    heads = c["num_attention_heads"]
+    return dict(
+        num_layers=c["num_hidden_layers"],
+        hidden_size=c["hidden_size"],
+        intermediate_size=c["moe_intermediate_size"],
+        num_attention_heads=heads,
+        num_key_value_heads=c.get("num_key_value_heads") or heads,
+        head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+        num_experts=c["num_experts"],
+        experts_per_token=c["num_experts_per_tok"],
+        vocab_size=c["vocab_size"],
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+        norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(_rope_theta(c, 1e6)),
+        renormalize_top_k=bool(c.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=c.get("shared_expert_intermediate_size", 0),
+        attention_bias=True,
+    )
+
+
+def _olmoe(c: Mapping[str, Any]) -> dict[str, Any]:
+    fields = _mixtral({**c, "num_local_experts": c["num_experts"]})
+    fields.update(
+        renormalize_top_k=bool(c.get("norm_topk_prob", False)),
+        qk_norm=True,
+        rope_theta=float(_rope_theta(c, 10000.0)),
+    )
+    return fields
+
+
+def _rope_theta(c: Mapping[str, Any], default: float) -> float:
+    """transformers 5.x moved rope_theta into rope_parameters; read either."""
+    params = c.get("rope_parameters") or {}
+    return params.get("rope_theta", c.get("rope_theta", default))
+
+
+_PARSERS = {"mixtral": _mixtral, "dbrx": _dbrx, "qwen2_moe": _qwen2_moe, "olmoe": _olmoe}
+
+
+def bundled_model_names() -> list[str]:
+    return sorted(p.stem for p in BUNDLED_DIR.glob("*.json"))
+
+
+def resolve_model(name_or_path: str | os.PathLike) -> ModelArch:
+    """`--model NAME` (bundled), a config.json, or a checkpoint directory holding one."""
+    text = str(name_or_path)
+    bundled = BUNDLED_DIR / f"{text}.json"
+    if os.sep not in text and bundled.is_file():
+        return ModelArch.from_hf_config(load_json(bundled), name=text, where=str(bundled))
+    path = Path(text)
+    if path.is_dir():
+        path = path / "config.json"
+        if not path.is_file():
+            raise HrmError(f"{path.parent}: no config.json in this directory; is it a checkpoint?")
+    elif not path.exists():
+        known = ", ".join(bundled_model_names())
+        raise HrmError(f"unknown model {text!r}: use one of {known}, a config.json or a checkpoint directory")
+    name = path.parent.name if path.name == "config.json" else path.stem
+    return ModelArch.from_hf_config(load_json(path), name=name, where=str(path))

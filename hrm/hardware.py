@@ -1,0 +1,327 @@
+"""HardwareProfile: what a machine can do, as the roofline model and the planner see it.
+
+A profile is a YAML file (bundled in hardware_profiles/ or anywhere on disk) with a `cpu`, an
+optional `gpu` (absent = a CPU-only machine) and, with a GPU, the `link` between them. Files use
+decimal units ("24 GB", "300 GB/s", "121 TFLOP/s"); the dataclasses hold SI base units. GPU
+figures are per GPU, with `count` GPUs joined by tensor parallelism (reference, section 4), and
+the link figures are per GPU too.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from hrm import units
+from hrm.errors import HrmError
+from hrm.io import atomic_write_yaml, load_yaml
+from hrm.schema import check_keys, positive_int
+
+BUNDLED_DIR = Path(__file__).resolve().parent.parent / "hardware_profiles"
+SOURCES = ("datasheet", "measured")
+DTYPES = ("float32", "bfloat16", "float16", "int8", "float8")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Curve:
+    """Achieved rate against size, interpolated linearly in log(size); flat beyond the ends.
+
+    Matmul curves: x = tokens (rows of the GEMM), y = FLOP/s.  Link curves: x = bytes per
+    transfer, y = bytes/s.  Measured curves let the planner charge achieved, not peak, rates.
+    """
+
+    points: tuple[tuple[float, float], ...]
+
+    def __post_init__(self) -> None:
+        xs = [x for x, _ in self.points]
+        if not self.points or xs != sorted(xs) or len(set(xs)) != len(xs):
+            raise HrmError("curve: points must be non-empty with strictly increasing sizes")
+        if any(x <= 0 or y <= 0 for x, y in self.points):
+            raise HrmError("curve: sizes and rates must be positive")
+
+    def at(self, x: float) -> float:
+        xs = [p[0] for p in self.points]
+        if x <= xs[0]:
+            return self.points[0][1]
+        if x >= xs[-1]:
+            return self.points[-1][1]
+        i = bisect.bisect_right(xs, x)
+        (x0, y0), (x1, y1) = self.points[i - 1], self.points[i]
+        t = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+        return y0 + t * (y1 - y0)
+
+    @property
+    def best(self) -> float:
+        return max(y for _, y in self.points)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceSpec:
+    """One kind of processor with its local memory. For a GPU the figures are per GPU."""
+
+    name: str
+    count: int = 1
+    cores: int | None = None
+    memory_bytes: float
+    memory_bandwidth_bytes_per_s: float
+    peak_flops_per_s: Mapping[str, float]
+    matmul_curves: Mapping[str, Curve] = field(default_factory=dict)
+
+    def flops_per_s(self, dtype: str) -> float:
+        """Peak FLOP/s of all `count` devices for `dtype`; falls back to float32 when absent."""
+        rate = self.peak_flops_per_s.get(dtype, self.peak_flops_per_s.get("float32"))
+        if rate is None:
+            raise HrmError(f"{self.name}: no FLOP rate for {dtype} or float32 in the profile")
+        return rate * self.count
+
+    def matmul_flops_per_s(self, dtype: str, tokens: float) -> float:
+        """Achieved GEMM FLOP/s of all devices at `tokens` rows: the measured curve if any, else peak."""
+        curve = self.matmul_curves.get(dtype)
+        return curve.at(tokens) * self.count if curve else self.flops_per_s(dtype)
+
+    @property
+    def total_memory_bytes(self) -> float:
+        return self.memory_bytes * self.count
+
+    @property
+    def total_memory_bandwidth_bytes_per_s(self) -> float:
+        return self.memory_bandwidth_bytes_per_s * self.count
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinkSpec:
+    """The CPU <-> GPU link (PCIe), per GPU; both directions can run at once."""
+
+    h2d_bytes_per_s: float
+    d2h_bytes_per_s: float
+    h2d_curve: Curve | None = None
+    d2h_curve: Curve | None = None
+
+    def h2d_at(self, nbytes: float) -> float:
+        return self.h2d_curve.at(nbytes) if self.h2d_curve else self.h2d_bytes_per_s
+
+    def d2h_at(self, nbytes: float) -> float:
+        return self.d2h_curve.at(nbytes) if self.d2h_curve else self.d2h_bytes_per_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class HardwareProfile:
+    name: str
+    source: str
+    description: str = ""
+    provenance: Mapping[str, Any] = field(default_factory=dict)
+    cpu: DeviceSpec
+    gpu: DeviceSpec | None = None
+    link: LinkSpec | None = None
+
+    def __post_init__(self) -> None:
+        if self.source not in SOURCES:
+            raise HrmError(f"{self.name}: source must be one of {', '.join(SOURCES)}, got {self.source!r}")
+        if (self.gpu is None) != (self.link is None):
+            raise HrmError(f"{self.name}: a profile with a gpu needs a link, and one without a gpu none")
+
+    @property
+    def has_gpu(self) -> bool:
+        return self.gpu is not None
+
+    @property
+    def gpu_count(self) -> int:
+        return self.gpu.count if self.gpu else 0
+
+    @property
+    def h2d_bytes_per_s(self) -> float:
+        """Aggregate host-to-device bandwidth: each GPU has its own PCIe link."""
+        return self.link.h2d_bytes_per_s * self.gpu_count if self.link else 0.0
+
+    @property
+    def d2h_bytes_per_s(self) -> float:
+        return self.link.d2h_bytes_per_s * self.gpu_count if self.link else 0.0
+
+    def with_resources(
+        self,
+        *,
+        gpu_memory_bytes: float | None = None,
+        cpu_memory_bytes: float | None = None,
+        link_bytes_per_s: float | None = None,
+    ) -> "HardwareProfile":
+        """The same machine with one resource changed (for --gpu-mem, --cpu-mem and sweeps).
+
+        Changing the link bandwidth drops the measured link curves, which would contradict it.
+        """
+        gpu, cpu, link = self.gpu, self.cpu, self.link
+        if gpu_memory_bytes is not None:
+            if gpu is None:
+                raise HrmError(f"{self.name}: has no GPU, so its GPU memory cannot be set")
+            gpu = dataclasses.replace(gpu, memory_bytes=gpu_memory_bytes)
+        if cpu_memory_bytes is not None:
+            cpu = dataclasses.replace(cpu, memory_bytes=cpu_memory_bytes)
+        if link_bytes_per_s is not None:
+            if link is None:
+                raise HrmError(f"{self.name}: has no GPU, so its PCIe bandwidth cannot be set")
+            link = LinkSpec(h2d_bytes_per_s=link_bytes_per_s, d2h_bytes_per_s=link_bytes_per_s)
+        return dataclasses.replace(self, gpu=gpu, cpu=cpu, link=link)
+
+    # -- files ---------------------------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "profile") -> "HardwareProfile":
+        data = check_keys(
+            data,
+            where=where,
+            required={"name", "source", "cpu"},
+            optional={"description", "provenance", "gpu", "link"},
+        )
+        name = str(data["name"])
+        provenance = data.get("provenance") or {}
+        if not isinstance(provenance, Mapping):
+            raise HrmError(f"{where}: provenance must be a mapping")
+        gpu = _device_from_dict(data["gpu"], f"{where}: gpu") if data.get("gpu") is not None else None
+        link = _link_from_dict(data["link"], f"{where}: link") if data.get("link") is not None else None
+        if gpu is not None and link is None:
+            raise HrmError(f"{where}: a profile with a gpu needs a 'link' section (h2d, d2h)")
+        if gpu is None and link is not None:
+            raise HrmError(f"{where}: has a 'link' section but no 'gpu'; remove one or add the other")
+        source = data["source"]
+        if source not in SOURCES:
+            raise HrmError(f"{where}: source must be one of {', '.join(SOURCES)}, got {source!r}")
+        return cls(
+            name=name,
+            source=source,
+            description=str(data.get("description") or ""),
+            provenance=dict(provenance),
+            cpu=_device_from_dict(data["cpu"], f"{where}: cpu", is_cpu=True),
+            gpu=gpu,
+            link=link,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": self.name, "source": self.source}
+        if self.description:
+            out["description"] = self.description
+        if self.provenance:
+            out["provenance"] = dict(self.provenance)
+        if self.gpu is not None:
+            out["gpu"] = _device_to_dict(self.gpu)
+        out["cpu"] = _device_to_dict(self.cpu)
+        if self.link is not None:
+            out["link"] = _link_to_dict(self.link)
+        return out
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "HardwareProfile":
+        return cls.from_dict(load_yaml(path), where=str(path))
+
+    def save(self, path: str | os.PathLike) -> Path:
+        return atomic_write_yaml(path, self.to_dict())
+
+
+def bundled_profile_names() -> list[str]:
+    return sorted(p.stem for p in BUNDLED_DIR.glob("*.yaml"))
+
+
+def resolve_hardware(name_or_path: str) -> HardwareProfile:
+    """`--hardware NAME` (a bundled profile) or `--hardware path/to/file.yaml`."""
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or os.sep in name_or_path:
+        return HardwareProfile.load(path)
+    bundled = BUNDLED_DIR / f"{name_or_path}.yaml"
+    if bundled.is_file():
+        return HardwareProfile.load(bundled)
+    known = ", ".join(bundled_profile_names())
+    raise HrmError(f"unknown hardware profile {name_or_path!r}: use one of {known} or a path to a .yaml file")
+
+
+# -- (de)serialisation helpers ------------------------------------------------------------------
+
+_DEVICE_KEYS = {"name", "memory", "memory_bandwidth", "flops"}
+_DEVICE_OPTIONAL = {"count", "cores", "matmul_curves"}
+
+
+def _device_from_dict(data: Any, where: str, is_cpu: bool = False) -> DeviceSpec:
+    data = check_keys(data, where=where, required=_DEVICE_KEYS, optional=_DEVICE_OPTIONAL)
+    flops = check_keys(data["flops"], where=f"{where}: flops", required=set(), optional=set(DTYPES))
+    if not flops:
+        raise HrmError(f"{where}: flops must name at least one dtype ({', '.join(DTYPES)})")
+    curves_in = data.get("matmul_curves") or {}
+    curves_in = check_keys(curves_in, where=f"{where}: matmul_curves", required=set(), optional=set(DTYPES))
+    count = positive_int(data.get("count", 1), where=f"{where}: count")
+    if is_cpu and count != 1:
+        raise HrmError(f"{where}: count must be 1 for the cpu (give the total cores and memory)")
+    cores = data.get("cores")
+    return DeviceSpec(
+        name=str(data["name"]),
+        count=count,
+        cores=positive_int(cores, where=f"{where}: cores") if cores is not None else None,
+        memory_bytes=units.parse_bytes(data["memory"], f"{where}: memory"),
+        memory_bandwidth_bytes_per_s=units.parse_bandwidth(
+            data["memory_bandwidth"], f"{where}: memory_bandwidth"
+        ),
+        peak_flops_per_s={
+            dtype: units.parse_flops(rate, f"{where}: flops: {dtype}") for dtype, rate in flops.items()
+        },
+        matmul_curves={
+            dtype: _curve_from_list(points, f"{where}: matmul_curves: {dtype}", units.parse_flops)
+            for dtype, points in curves_in.items()
+        },
+    )
+
+
+def _device_to_dict(device: DeviceSpec) -> dict[str, Any]:
+    out: dict[str, Any] = {"name": device.name}
+    if device.count != 1:
+        out["count"] = device.count
+    if device.cores is not None:
+        out["cores"] = device.cores
+    out["memory"] = units.format_bytes(device.memory_bytes, None)
+    out["memory_bandwidth"] = units.format_bandwidth(device.memory_bandwidth_bytes_per_s, None)
+    out["flops"] = {d: units.format_flops(r, None) for d, r in device.peak_flops_per_s.items()}
+    if device.matmul_curves:
+        out["matmul_curves"] = {d: _curve_to_list(c) for d, c in device.matmul_curves.items()}
+    return out
+
+
+def _link_from_dict(data: Any, where: str) -> LinkSpec:
+    data = check_keys(data, where=where, required={"h2d", "d2h"}, optional={"h2d_curve", "d2h_curve"})
+    return LinkSpec(
+        h2d_bytes_per_s=units.parse_bandwidth(data["h2d"], f"{where}: h2d"),
+        d2h_bytes_per_s=units.parse_bandwidth(data["d2h"], f"{where}: d2h"),
+        h2d_curve=_curve_from_list(data["h2d_curve"], f"{where}: h2d_curve", units.parse_bandwidth)
+        if data.get("h2d_curve")
+        else None,
+        d2h_curve=_curve_from_list(data["d2h_curve"], f"{where}: d2h_curve", units.parse_bandwidth)
+        if data.get("d2h_curve")
+        else None,
+    )
+
+
+def _link_to_dict(link: LinkSpec) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "h2d": units.format_bandwidth(link.h2d_bytes_per_s, None),
+        "d2h": units.format_bandwidth(link.d2h_bytes_per_s, None),
+    }
+    if link.h2d_curve:
+        out["h2d_curve"] = _curve_to_list(link.h2d_curve)
+    if link.d2h_curve:
+        out["d2h_curve"] = _curve_to_list(link.d2h_curve)
+    return out
+
+
+def _curve_from_list(points: Any, where: str, parse_rate) -> Curve:
+    if not isinstance(points, list) or not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in points):
+        raise HrmError(f"{where}: expected a list of [size, rate] pairs")
+    parsed = tuple(
+        (units.parse_bytes(x, f"{where}: size"), parse_rate(y, f"{where}: rate")) for x, y in points
+    )
+    try:
+        return Curve(points=parsed)
+    except HrmError as exc:
+        raise HrmError(f"{where}: {exc}") from None
+
+
+def _curve_to_list(curve: Curve) -> list[list[float]]:
+    return [[float(x), float(y)] for x, y in curve.points]

@@ -1,0 +1,94 @@
+"""Reading and writing the project's files: strict loaders and atomic writers.
+
+Every output goes through `atomic_write_*` so that a failure never leaves a partial file
+(DESIGN.md, Conventions), and every input through `load_*` so that a missing or malformed file is
+one HrmError naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+from hrm.errors import HrmError
+
+
+def load_json(path: str | os.PathLike) -> Any:
+    """Parse a JSON file; a missing or malformed file is an HrmError naming it."""
+    text = _read_text(path)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise HrmError(f"{path}: malformed JSON ({exc.msg} at line {exc.lineno}); fix the file") from None
+
+
+def load_yaml(path: str | os.PathLike) -> Any:
+    """Parse a YAML file; a missing or malformed file is an HrmError naming it."""
+    text = _read_text(path)
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        line = f" at line {where.line + 1}" if where is not None else ""
+        raise HrmError(f"{path}: malformed YAML{line}; fix the file") from None
+
+
+def _read_text(path: str | os.PathLike) -> str:
+    p = Path(path)
+    if not p.exists():
+        raise HrmError(f"{p}: no such file; check the path")
+    if p.is_dir():
+        raise HrmError(f"{p}: is a directory, expected a file")
+    try:
+        return p.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise HrmError(f"{p}: cannot read ({exc.__class__.__name__}); check the file") from None
+
+
+def check_writable(path: str | os.PathLike) -> Path:
+    """Fail early, before any long work, if `path` cannot be written."""
+    p = Path(path)
+    parent = p.parent if str(p.parent) else Path(".")
+    if p.is_dir():
+        raise HrmError(f"{p}: is a directory; give a file name to write")
+    if not parent.is_dir():
+        raise HrmError(f"{p}: directory {parent} does not exist; create it or choose another path")
+    if not os.access(parent, os.W_OK):
+        raise HrmError(f"{p}: directory {parent} is not writable; choose another path")
+    return p
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
+    """Call `write(tmp_path)`, then rename the temporary file onto `path`.
+
+    The temporary file sits in the destination directory, so the rename is atomic and a crash
+    or error inside `write` leaves no partial output behind.
+    """
+    p = check_writable(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=p.suffix, dir=p.parent or ".")
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        write(tmp_path)
+        os.replace(tmp_path, p)
+    except BaseException:
+        tmp_path.unlink(missing_ok=True)
+        raise
+    return p
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    return atomic_write(path, lambda tmp: tmp.write_text(text))
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
+    return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def atomic_write_yaml(path: str | os.PathLike, obj: Any) -> Path:
+    return atomic_write_text(path, yaml.safe_dump(obj, sort_keys=False))

@@ -1,0 +1,166 @@
+"""Plan: a Policy with its schedule and the planner's prediction, the file `hrm plan -o` writes.
+
+`hrm run --plan plan.json` reads exactly this file, so the executor allocates by the same
+accounting the planner checked (DESIGN.md, Data model).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from hrm.errors import HrmError
+from hrm.io import atomic_write_json, load_json
+from hrm.policy import Policy
+from hrm.schema import check_keys, dataclass_keys
+from hrm.workload import Workload
+
+SCHEDULES = ("cgopipe", "serial", "overlap", "gpu-attention")
+RESOURCES = ("gpu", "cpu", "h2d", "d2h")
+
+
+def check_schedule(name: str) -> str:
+    if name not in SCHEDULES:
+        raise HrmError(f"unknown schedule {name!r}: use one of {', '.join(SCHEDULES)}")
+    return name
+
+
+@dataclass(frozen=True, kw_only=True)
+class Prediction:
+    """End-to-end time of one batch: prefill of all prompts, then every decode step."""
+
+    prefill_s: float
+    decode_s: float
+    generated_tokens: int
+
+    @property
+    def total_s(self) -> float:
+        return self.prefill_s + self.decode_s
+
+    @property
+    def throughput_tok_s(self) -> float:
+        """Generated tokens / (prefill + decode time), the paper's metric."""
+        return self.generated_tokens / self.total_s if self.total_s > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "throughput_tok_s": self.throughput_tok_s,
+            "prefill_s": self.prefill_s,
+            "decode_s": self.decode_s,
+            "generated_tokens": self.generated_tokens,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "predicted") -> "Prediction":
+        data = check_keys(
+            data, where=where, required={"prefill_s", "decode_s", "generated_tokens"},
+            optional={"throughput_tok_s"},
+        )
+        return cls(
+            prefill_s=float(data["prefill_s"]),
+            decode_s=float(data["decode_s"]),
+            generated_tokens=int(data["generated_tokens"]),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryFootprint:
+    """Bytes per buffer on each device, and each device's usable capacity (after headroom)."""
+
+    gpu: Mapping[str, float]
+    cpu: Mapping[str, float]
+    gpu_capacity_bytes: float
+    cpu_capacity_bytes: float
+
+    @property
+    def gpu_bytes(self) -> float:
+        return float(sum(self.gpu.values()))
+
+    @property
+    def cpu_bytes(self) -> float:
+        return float(sum(self.cpu.values()))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "gpu_bytes": self.gpu_bytes,
+            "cpu_bytes": self.cpu_bytes,
+            "gpu_capacity_bytes": self.gpu_capacity_bytes,
+            "cpu_capacity_bytes": self.cpu_capacity_bytes,
+            "gpu": dict(self.gpu),
+            "cpu": dict(self.cpu),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "memory") -> "MemoryFootprint":
+        data = check_keys(
+            data, where=where, required={"gpu", "cpu", "gpu_capacity_bytes", "cpu_capacity_bytes"},
+            optional={"gpu_bytes", "cpu_bytes"},
+        )
+        return cls(
+            gpu={k: float(v) for k, v in data["gpu"].items()},
+            cpu={k: float(v) for k, v in data["cpu"].items()},
+            gpu_capacity_bytes=float(data["gpu_capacity_bytes"]),
+            cpu_capacity_bytes=float(data["cpu_capacity_bytes"]),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    model: str
+    hardware: str
+    workload: Workload
+    policy: Policy
+    schedule: str
+    predicted: Prediction
+    busy_s: Mapping[str, float] = field(default_factory=dict)  # per resource, whole run
+    memory: MemoryFootprint
+    bottleneck: str  # the binding roof or queue, e.g. "h2d" or "cpu attention"
+    binding_memory: str  # the memory constraint closest to its capacity, e.g. "gpu"
+
+    def __post_init__(self) -> None:
+        check_schedule(self.schedule)
+
+    @property
+    def busy_fraction(self) -> dict[str, float]:
+        total = self.predicted.total_s
+        return {r: (self.busy_s.get(r, 0.0) / total if total > 0 else 0.0) for r in RESOURCES}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "hardware": self.hardware,
+            "workload": self.workload.to_dict(),
+            "policy": self.policy.to_dict(),
+            "schedule": self.schedule,
+            "predicted": self.predicted.to_dict(),
+            "busy_s": dict(self.busy_s),
+            "memory": self.memory.to_dict(),
+            "bottleneck": self.bottleneck,
+            "binding_memory": self.binding_memory,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "plan") -> "Plan":
+        required, optional = dataclass_keys(cls)
+        data = check_keys(data, where=where, required=required, optional=optional)
+        return cls(
+            model=str(data["model"]),
+            hardware=str(data["hardware"]),
+            workload=Workload.from_dict(data["workload"], f"{where}: workload"),
+            policy=Policy.from_dict(data["policy"], f"{where}: policy"),
+            schedule=data["schedule"],
+            predicted=Prediction.from_dict(data["predicted"], f"{where}: predicted"),
+            busy_s={k: float(v) for k, v in (data.get("busy_s") or {}).items()},
+            memory=MemoryFootprint.from_dict(data["memory"], f"{where}: memory"),
+            bottleneck=str(data["bottleneck"]),
+            binding_memory=str(data["binding_memory"]),
+        )
+
+    def save(self, path: str | os.PathLike) -> Path:
+        return atomic_write_json(path, self.to_dict())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Plan":
+        return cls.from_dict(load_json(path), where=str(path))

@@ -1,0 +1,69 @@
+"""Policy: where each part of the model lives and runs, and how the batch is cut.
+
+The paper's P = (N, mu, A_g, F_g, r_w, r_c) (reference, section 2), plus the dtypes. Fractions are
+fractions (0..1), never percents (STYLE.md habit 1).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from hrm.errors import HrmError
+from hrm.schema import check_keys, dataclass_keys, fraction, positive_int
+
+DTYPE_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "int8": 1.0, "float8": 1.0, "int4": 0.5}
+
+
+def dtype_bytes(dtype: str) -> float:
+    try:
+        return DTYPE_BYTES[dtype]
+    except KeyError:
+        raise HrmError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPE_BYTES)}") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Policy:
+    batch_size: int  # N: sequences in one pass of the model
+    micro_batch_size: int  # mu: sequences per GPU kernel launch
+    attention_on_gpu: bool  # A_g
+    ffn_on_gpu: bool  # F_g
+    weights_gpu_fraction: float  # r_w: fraction of the weights resident on the GPU
+    kv_gpu_fraction: float  # r_c: fraction of the KV cache on the GPU
+    weight_dtype: str = "bfloat16"
+    kv_dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        positive_int(self.batch_size, where="policy: batch_size")
+        positive_int(self.micro_batch_size, where="policy: micro_batch_size")
+        if self.micro_batch_size > self.batch_size:
+            raise HrmError(
+                f"policy: micro_batch_size {self.micro_batch_size} exceeds batch_size {self.batch_size}"
+            )
+        fraction(self.weights_gpu_fraction, where="policy: weights_gpu_fraction")
+        fraction(self.kv_gpu_fraction, where="policy: kv_gpu_fraction")
+        dtype_bytes(self.weight_dtype)
+        dtype_bytes(self.kv_dtype)
+
+    @property
+    def num_micro_batches(self) -> int:
+        return math.ceil(self.batch_size / self.micro_batch_size)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "batch_size": self.batch_size,
+            "micro_batch_size": self.micro_batch_size,
+            "attention_on_gpu": self.attention_on_gpu,
+            "ffn_on_gpu": self.ffn_on_gpu,
+            "weights_gpu_fraction": self.weights_gpu_fraction,
+            "kv_gpu_fraction": self.kv_gpu_fraction,
+            "weight_dtype": self.weight_dtype,
+            "kv_dtype": self.kv_dtype,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "policy") -> "Policy":
+        required, optional = dataclass_keys(cls)
+        data = check_keys(data, where=where, required=required, optional=optional)
+        return cls(**data)

@@ -1,0 +1,19 @@
+"""Progress bars for long work: shown on a terminal, silent with --quiet or when not a TTY."""
+
+from __future__ import annotations
+
+import sys
+from typing import Iterable, TypeVar
+
+T = TypeVar("T")
+
+
+def show_progress(quiet: bool) -> bool:
+    return not quiet and sys.stderr.isatty()
+
+
+def progress(iterable: Iterable[T], *, desc: str, quiet: bool, total: int | None = None) -> Iterable[T]:
+    """Wrap `iterable` in a tqdm bar on stderr when a person is watching."""
+    from tqdm import tqdm
+
+    return tqdm(iterable, desc=desc, total=total, disable=not show_progress(quiet), leave=False)
