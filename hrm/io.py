@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import yaml
 
@@ -24,7 +25,9 @@ def load_json(path: str | os.PathLike) -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise HrmError(f"{path}: malformed JSON ({exc.msg} at line {exc.lineno}); fix the file") from None
+        raise HrmError(
+            f"{path}: malformed JSON ({exc.msg} at line {exc.lineno}); fix the file"
+        ) from None
 
 
 def load_yaml(path: str | os.PathLike) -> Any:
@@ -65,7 +68,9 @@ def check_writable(path: str | os.PathLike) -> Path:
     try:
         fd, probe = tempfile.mkstemp(prefix=f".{p.name}.", dir=parent)
     except OSError as exc:
-        raise HrmError(f"{p}: directory {parent} is not writable ({exc.strerror}); choose another path") from None
+        raise HrmError(
+            f"{p}: directory {parent} is not writable ({exc.strerror}); choose another path"
+        ) from None
     os.close(fd)
     os.unlink(probe)
     return p

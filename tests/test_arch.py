@@ -41,7 +41,9 @@ def test_bundled_names():
 
 
 def _config(**changes):
-    config = json.loads((resolve_model.__globals__["BUNDLED_DIR"] / "mixtral-8x7b.json").read_text())
+    config = json.loads(
+        (resolve_model.__globals__["BUNDLED_DIR"] / "mixtral-8x7b.json").read_text()
+    )
     config.update(changes)
     return config
 
@@ -53,18 +55,34 @@ def test_rope_theta_from_transformers_5_rope_parameters():
 
 
 def test_qwen2_moe_and_olmoe_parse():
-    qwen = ModelArch.from_hf_config({
-        "model_type": "qwen2_moe", "num_hidden_layers": 24, "hidden_size": 2048,
-        "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
-        "num_attention_heads": 16, "num_key_value_heads": 16, "num_experts": 60,
-        "num_experts_per_tok": 4, "vocab_size": 151936,
-    })
+    qwen = ModelArch.from_hf_config(
+        {
+            "model_type": "qwen2_moe",
+            "num_hidden_layers": 24,
+            "hidden_size": 2048,
+            "moe_intermediate_size": 1408,
+            "shared_expert_intermediate_size": 5632,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 16,
+            "num_experts": 60,
+            "num_experts_per_tok": 4,
+            "vocab_size": 151936,
+        }
+    )
     assert qwen.total_params == pytest.approx(14.3e9, rel=0.01)  # Qwen1.5-MoE-A2.7B
-    olmoe = ModelArch.from_hf_config({
-        "model_type": "olmoe", "num_hidden_layers": 16, "hidden_size": 2048,
-        "intermediate_size": 1024, "num_attention_heads": 16, "num_key_value_heads": 16,
-        "num_experts": 64, "num_experts_per_tok": 8, "vocab_size": 50304,
-    })
+    olmoe = ModelArch.from_hf_config(
+        {
+            "model_type": "olmoe",
+            "num_hidden_layers": 16,
+            "hidden_size": 2048,
+            "intermediate_size": 1024,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 16,
+            "num_experts": 64,
+            "num_experts_per_tok": 8,
+            "vocab_size": 50304,
+        }
+    )
     assert olmoe.total_params == pytest.approx(6.9e9, rel=0.01)  # OLMoE-1B-7B
 
 

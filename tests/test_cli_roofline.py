@@ -22,8 +22,9 @@ def test_draws_every_bundled_model_on_every_profile(run_cli, tmp_path, model, ha
 
 
 def test_json_numbers(run_cli, tmp_path):
-    status, stdout, _ = run_cli("roofline", "--hardware", "l4", "--batch", "64,1024", "--json",
-                                "-o", tmp_path / "r.png")
+    status, stdout, _ = run_cli(
+        "roofline", "--hardware", "l4", "--batch", "64,1024", "--json", "-o", tmp_path / "r.png"
+    )
     assert status == 0
     report = json.loads(stdout)
     assert report["turning"]["p1"] == pytest.approx(81.25)
@@ -72,16 +73,40 @@ def test_bad_arguments(run_cli, tmp_path, args, fragment):
 def test_bad_files(run_cli, tmp_path):
     out = tmp_path / "r.png"
     malformed = _bad_profile(tmp_path, "gpu: [unclosed\n")
-    assert_one_line_error(*run_cli("roofline", "--hardware", malformed, "-o", out)[::2], "malformed YAML")
-    negative = _bad_profile(tmp_path, yaml.safe_dump(
-        {**resolve_hardware("l4").to_dict(), "cpu": {**resolve_hardware("l4").to_dict()["cpu"], "memory": "-1 GB"}}))
-    assert_one_line_error(*run_cli("roofline", "--hardware", negative, "-o", out)[::2], "cpu: memory")
+    assert_one_line_error(
+        *run_cli("roofline", "--hardware", malformed, "-o", out)[::2], "malformed YAML"
+    )
+    negative = _bad_profile(
+        tmp_path,
+        yaml.safe_dump(
+            {
+                **resolve_hardware("l4").to_dict(),
+                "cpu": {**resolve_hardware("l4").to_dict()["cpu"], "memory": "-1 GB"},
+            }
+        ),
+    )
+    assert_one_line_error(
+        *run_cli("roofline", "--hardware", negative, "-o", out)[::2], "cpu: memory"
+    )
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
-    assert_one_line_error(*run_cli("roofline", "--model", config, "-o", out)[::2], "unsupported model_type")
-    config.write_text(json.dumps({"model_type": "mixtral", "num_hidden_layers": 2, "hidden_size": -8,
-                                  "intermediate_size": 8, "num_attention_heads": 2,
-                                  "num_local_experts": 2, "num_experts_per_tok": 1, "vocab_size": 9}))
+    assert_one_line_error(
+        *run_cli("roofline", "--model", config, "-o", out)[::2], "unsupported model_type"
+    )
+    config.write_text(
+        json.dumps(
+            {
+                "model_type": "mixtral",
+                "num_hidden_layers": 2,
+                "hidden_size": -8,
+                "intermediate_size": 8,
+                "num_attention_heads": 2,
+                "num_local_experts": 2,
+                "num_experts_per_tok": 1,
+                "vocab_size": 9,
+            }
+        )
+    )
     assert_one_line_error(*run_cli("roofline", "--model", config, "-o", out)[::2], "hidden_size")
     config.write_text("{")
     assert_one_line_error(*run_cli("roofline", "--model", config, "-o", out)[::2], "malformed JSON")

@@ -57,8 +57,12 @@ def test_cpu_only_profile_is_valid():
         (lambda d: d.pop("link"), "needs a 'link'"),
         (lambda d: d["link"].update(h2d="16 GB"), "link: h2d"),
         (lambda d: d.update(source="guessed"), "source must be one of"),
-        (lambda d: d["cpu"].update(matmul_curves={"float32": [[2, "1 TFLOP/s"], [1, "1 TFLOP/s"]]}),
-         "matmul_curves: float32"),
+        (
+            lambda d: d["cpu"].update(
+                matmul_curves={"float32": [[2, "1 TFLOP/s"], [1, "1 TFLOP/s"]]}
+            ),
+            "matmul_curves: float32",
+        ),
     ],
 )
 def test_invalid_profiles_name_the_problem(mutate, fragment):
@@ -105,6 +109,8 @@ def test_with_resources_changes_one_thing():
     more = l4.with_resources(cpu_memory_bytes=400e9, link_bytes_per_s=32e9)
     assert more.cpu.memory_bytes == 400e9 and more.link.h2d_bytes_per_s == 32e9
     assert more.gpu == l4.gpu
-    cpu_only = HardwareProfile.from_dict({k: v for k, v in _l4_dict().items() if k not in ("gpu", "link")})
+    cpu_only = HardwareProfile.from_dict(
+        {k: v for k, v in _l4_dict().items() if k not in ("gpu", "link")}
+    )
     with pytest.raises(HrmError, match="has no GPU"):
         cpu_only.with_resources(gpu_memory_bytes=1e9)

@@ -6,8 +6,19 @@ import sys
 import pytest
 
 HRM_MODULES = [
-    "hrm", "hrm.arch", "hrm.hardware", "hrm.ops", "hrm.roofline", "hrm.roofline_report",
-    "hrm.plots", "hrm.policy", "hrm.plan", "hrm.record", "hrm.workload", "hrm.units", "hrm.cli",
+    "hrm",
+    "hrm.arch",
+    "hrm.hardware",
+    "hrm.ops",
+    "hrm.roofline",
+    "hrm.roofline_report",
+    "hrm.plots",
+    "hrm.policy",
+    "hrm.plan",
+    "hrm.record",
+    "hrm.workload",
+    "hrm.units",
+    "hrm.cli",
 ]
 
 

@@ -34,7 +34,7 @@ def test_attention_intensity_does_not_depend_on_batch_and_grows_with_smaller_kv(
     many = attention_op(MIXTRAL, batch=256, new_tokens=1, context=512, kv_dtype="bfloat16")
     int4 = attention_op(MIXTRAL, batch=256, new_tokens=1, context=512, kv_dtype="int4")
     assert many.intensity == pytest.approx(one.intensity)
-    # a quarter of the KV bytes (q and the output stay bf16): about 4x the intensity (paper: ~8 in MACs)
+    # a quarter of the KV bytes (q and output stay bf16): about 4x the intensity (paper: ~8 MAC/B)
     assert int4.intensity == pytest.approx(4 * one.intensity, rel=0.05)
 
 
@@ -59,8 +59,12 @@ def test_expected_distinct_experts():
 
 def test_layer_and_lm_head_flops_match_active_parameters():
     ops = layer_ops(MIXTRAL, batch=1, new_tokens=1, context=1)
-    matmul_flops = sum(op.flops for op in ops if op.name in ("qkv_proj", "o_proj", "router", "expert_ffn"))
-    per_layer_active = (MIXTRAL.active_params - 2 * MIXTRAL.embedding_params - MIXTRAL.hidden_size) / 32
+    matmul_flops = sum(
+        op.flops for op in ops if op.name in ("qkv_proj", "o_proj", "router", "expert_ffn")
+    )
+    per_layer_active = (
+        MIXTRAL.active_params - 2 * MIXTRAL.embedding_params - MIXTRAL.hidden_size
+    ) / 32
     assert matmul_flops == pytest.approx(2 * per_layer_active, rel=1e-3)
     assert lm_head_op(MIXTRAL, batch=3).flops == 2 * 3 * 4096 * 32000
 
@@ -73,7 +77,9 @@ def test_turning_points_l4():
 
 def test_turning_points_absent_without_gpu_or_when_roofs_do_not_cross():
     data = L4.to_dict()
-    cpu_only = HardwareProfile.from_dict({k: v for k, v in data.items() if k not in ("gpu", "link")})
+    cpu_only = HardwareProfile.from_dict(
+        {k: v for k, v in data.items() if k not in ("gpu", "link")}
+    )
     assert turning_points(cpu_only, "bfloat16") is None
     fast_link = L4.with_resources(link_bytes_per_s=200e9)  # faster than CPU memory (100 GB/s)
     assert turning_points(fast_link, "bfloat16").p1 is None
@@ -83,7 +89,9 @@ def test_cross_level_roof_eq7():
     # Left of P1 the link binds: B_link * I^j
     assert cross_level_flops_per_s(L4, "bfloat16", gpu_intensity=4, cpu_intensity=4) == 16e9 * 4
     # With a small micro-batch the GPU's own memory roof binds: B_gpu * I^i
-    assert cross_level_flops_per_s(L4, "bfloat16", gpu_intensity=10, cpu_intensity=1000) == 300e9 * 10
+    assert (
+        cross_level_flops_per_s(L4, "bfloat16", gpu_intensity=10, cpu_intensity=1000) == 300e9 * 10
+    )
     assert cross_level_flops_per_s(L4, "bfloat16", gpu_intensity=1e6, cpu_intensity=1e6) == 121e12
 
 
@@ -101,7 +109,9 @@ def test_op_time_breakdown():
     assert t.compute_s == pytest.approx(op.flops / 1.3e12)
     assert t.memory_s == pytest.approx(op.bytes / 100e9)
     assert t.time_s == max(t.compute_s, t.memory_s)
-    serial = op_time(op, L4.gpu, "bfloat16", link_bytes=op.weight_bytes, link_bytes_per_s=16e9, overlap="sum")
+    serial = op_time(
+        op, L4.gpu, "bfloat16", link_bytes=op.weight_bytes, link_bytes_per_s=16e9, overlap="sum"
+    )
     assert serial.binding == "link"
     assert serial.time_s == pytest.approx(serial.compute_s + serial.memory_s + serial.link_s)
 

@@ -10,19 +10,34 @@ from hrm.policy import Policy
 from hrm.record import Measurement, RunRecord
 from hrm.workload import Workload
 
-POLICY = Policy(batch_size=256, micro_batch_size=64, attention_on_gpu=False, ffn_on_gpu=True,
-                weights_gpu_fraction=0.25, kv_gpu_fraction=0.0)
+POLICY = Policy(
+    batch_size=256,
+    micro_batch_size=64,
+    attention_on_gpu=False,
+    ffn_on_gpu=True,
+    weights_gpu_fraction=0.25,
+    kv_gpu_fraction=0.0,
+)
 WORKLOAD = Workload(prompt_len_mean=77, prompt_len_max=418, gen_len=128)
 
 
 def _plan() -> Plan:
     return Plan(
-        model="mixtral-8x7b", hardware="l4", workload=WORKLOAD, policy=POLICY, schedule="cgopipe",
+        model="mixtral-8x7b",
+        hardware="l4",
+        workload=WORKLOAD,
+        policy=POLICY,
+        schedule="cgopipe",
         predicted=Prediction(prefill_s=10.0, decode_s=90.0, generated_tokens=256 * 128),
         busy_s={"gpu": 40.0, "cpu": 80.0, "h2d": 95.0, "d2h": 1.0},
-        memory=MemoryFootprint(gpu={"resident_weights": 5e9, "paged_buffer": 2e9}, cpu={"kv_cache": 9e9},
-                               gpu_capacity_bytes=20e9, cpu_capacity_bytes=150e9),
-        bottleneck="h2d", binding_memory="gpu",
+        memory=MemoryFootprint(
+            gpu={"resident_weights": 5e9, "paged_buffer": 2e9},
+            cpu={"kv_cache": 9e9},
+            gpu_capacity_bytes=20e9,
+            cpu_capacity_bytes=150e9,
+        ),
+        bottleneck="h2d",
+        binding_memory="gpu",
     )
 
 
@@ -71,10 +86,14 @@ def test_plan_files_are_strict(tmp_path):
 
 def test_run_record_round_trips_and_reports_error(tmp_path):
     record = RunRecord(
-        model="tiny", hardware="ci-cpu", workload=WORKLOAD.to_dict(), plan=None,
+        model="tiny",
+        hardware="ci-cpu",
+        workload=WORKLOAD.to_dict(),
+        plan=None,
         predicted=Prediction(prefill_s=1.0, decode_s=3.0, generated_tokens=400).to_dict(),
-        measured=Measurement(prefill_s=1.0, decode_s=4.0, generated_tokens=400,
-                             peak_memory_bytes={"cpu": 1e9}),
+        measured=Measurement(
+            prefill_s=1.0, decode_s=4.0, generated_tokens=400, peak_memory_bytes={"cpu": 1e9}
+        ),
         environment={"torch": "2.13.0"},
     )
     assert record.measured.throughput_tok_s == 80.0
