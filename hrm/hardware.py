@@ -131,6 +131,14 @@ class HardwareProfile:
             )
 
     @property
+    def half_dtype(self) -> str:
+        """The 16-bit dtype this machine computes fastest: float16 on GPUs without bf16 units
+        (T4), else bfloat16."""
+        device = self.gpu or self.cpu
+        rates = device.peak_flops_per_s
+        return "float16" if rates.get("float16", 0) > rates.get("bfloat16", 0) else "bfloat16"
+
+    @property
     def has_gpu(self) -> bool:
         return self.gpu is not None
 

@@ -60,6 +60,7 @@ def _bad_profile(tmp_path, text):
         (["--batch", "64,-1"], "--batch"),
         (["--batch", "lots"], "--batch"),
         (["--kv-dtypes", "int3"], "unknown dtype 'int3'"),
+        (["--dtype", "bfloat16,float16"], "expected one dtype"),
         (["--context", "0"], "--context"),
     ],
 )

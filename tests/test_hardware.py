@@ -33,6 +33,12 @@ def test_datasheet_figures_are_dense_and_per_gpu():
     assert t4x4.h2d_bytes_per_s == 4 * t4x4.link.h2d_bytes_per_s
 
 
+def test_half_dtype_is_float16_on_t4_and_bfloat16_on_l4():
+    assert resolve_hardware("t4").half_dtype == "float16"
+    assert resolve_hardware("4xt4").half_dtype == "float16"
+    assert resolve_hardware("l4").half_dtype == "bfloat16"
+
+
 def _l4_dict():
     return resolve_hardware("l4").to_dict()
 

@@ -10,7 +10,6 @@ from hrm.policy import DTYPE_BYTES
 from hrm.units import format_bandwidth, format_flops
 
 DEFAULT_BATCHES = "16,64,256,1024,4096"
-DEFAULT_KV_DTYPES = "bfloat16,int8,int4"
 
 
 def add_parser(subparsers) -> None:
@@ -30,9 +29,12 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument("--context", type=int, default=512, help="decode context length (512)")
     p.add_argument(
-        "--kv-dtypes", default=DEFAULT_KV_DTYPES, help=f"KV cache dtypes ({DEFAULT_KV_DTYPES})"
+        "--kv-dtypes", help="KV cache dtypes, comma-separated (default: the --dtype, int8, int4)"
     )
-    p.add_argument("--dtype", default="bfloat16", help="weight and compute dtype (bfloat16)")
+    p.add_argument(
+        "--dtype",
+        help="weight and compute dtype (default: the machine's faster of bfloat16 and float16)",
+    )
     p.add_argument(
         "--micro-batch", type=int, default=64, help="GPU micro-batch size for the FFN kernel (64)"
     )
@@ -71,12 +73,14 @@ def run(args: argparse.Namespace) -> int:
     from hrm.roofline_report import build_roofline_report
 
     batches = _positive_ints(args.batch, "--batch")
-    kv_dtypes = _dtypes(args.kv_dtypes, "--kv-dtypes")
-    (dtype,) = _dtypes(args.dtype, "--dtype")
     if args.context <= 0 or args.micro_batch <= 0:
         raise HrmError("--context and --micro-batch must be positive")
     arch = resolve_model(args.model)
     hardware = resolve_hardware(args.hardware)
+    dtype = args.dtype or hardware.half_dtype
+    if _dtypes(dtype, "--dtype") != [dtype]:
+        raise HrmError(f"--dtype: expected one dtype, got {dtype!r}")
+    kv_dtypes = _dtypes(args.kv_dtypes or f"{dtype},int8,int4", "--kv-dtypes")
     output = check_writable(args.output or f"roofline-{arch.name}-{hardware.name}.png")
     report = build_roofline_report(
         arch,
