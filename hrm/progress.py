@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import sys
-from typing import Iterable, TypeVar
+from collections.abc import Iterable
+from typing import TypeVar
 
 T = TypeVar("T")
 
@@ -17,3 +18,10 @@ def progress(iterable: Iterable[T], *, desc: str, quiet: bool, total: int | None
     from tqdm import tqdm
 
     return tqdm(iterable, desc=desc, total=total, disable=not show_progress(quiet), leave=False)
+
+
+def progress_bar(*, total: int, desc: str, quiet: bool):
+    """A tqdm bar to advance by hand (bar.update()) when the work is not one loop."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, disable=not show_progress(quiet), leave=False)
