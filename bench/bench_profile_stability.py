@@ -68,7 +68,9 @@ def main() -> int:
         )
         if gated and spread > THRESHOLD:
             failures.append(name)
+    busy = [run.provenance["other_processes_cpu_share"] for run, _ in runs]
     print(f"wall time: run 1 {first_s:.1f} s, run 2 {second_s:.1f} s")
+    print(f"other processes' share of CPU time while measuring: run 1 {busy[0]}, run 2 {busy[1]}")
     print(f"load average (1, 5, 15 min): before {load_before}, after {load_after}")
     atomic_write_json(
         REPORT,
@@ -82,6 +84,7 @@ def main() -> int:
             "load_average_before": list(load_before),
             "load_average_after": list(load_after),
             "wall_s": [first_s, second_s],
+            "other_processes_cpu_share": busy,
             "figures": rows,
             "passed": not failures,
         },

@@ -11,6 +11,7 @@ import pytest
 from hrm.arch import resolve_model
 from hrm.hardware import HardwareProfile
 from hrm.profiling import SweepPlan, measure_profile
+from hrm.profiling.cpu import CpuTimes, others_cpu_share
 from hrm.profiling.matmul import GemmShape, fit_shape, sweep_matmul
 from hrm.profiling.timing import Timing, time_calls
 
@@ -116,6 +117,14 @@ def test_a_dtype_without_a_kernel_is_left_out_not_guessed():
     )
 
 
+def test_other_processes_share_excludes_our_own_cpu_time():
+    start = CpuTimes(busy=1000, total=5000, own=100)
+    # 200 ticks on two CPUs: all busy, 100 of them ours -> others took half the machine
+    assert others_cpu_share(start, CpuTimes(busy=1200, total=5200, own=200)) == 0.5
+    assert others_cpu_share(start, CpuTimes(busy=1100, total=5200, own=200)) == 0.0
+    assert others_cpu_share(start, start) == 0.0
+
+
 @pytest.fixture(scope="module")
 def tiny_profile() -> HardwareProfile:
     warnings: list[str] = []
@@ -147,7 +156,8 @@ def test_a_tiny_run_gives_plausible_numbers(tiny_profile):
 
 def test_a_tiny_run_records_its_provenance(tiny_profile):
     provenance = tiny_profile.provenance
-    for key in ("date", "host", "cpu_model", "cores", "torch", "command", "load_average_1min"):
+    keys = ("date", "host", "cpu_model", "cores", "torch", "command", "load_average_1min")
+    for key in (*keys, "other_processes_cpu_share"):
         assert key in provenance, key
     bandwidth = provenance["cpu_memory_bandwidth"]
     assert bandwidth["stored_as_memory_bandwidth"] == "read"

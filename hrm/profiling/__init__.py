@@ -26,6 +26,7 @@ from hrm.profiling.timing import Timing, perf_counter_clock
 from hrm.progress import progress_bar
 
 STORED_CPU_BANDWIDTH = "read"  # decode streams weights and KV cache: a read, not a copy
+BUSY_WARNING_SHARE = 0.1  # other processes' share of CPU time above which figures are suspect
 _MATMUL_MEMORY_FRACTION = 0.25  # of available memory, for one sweep's weight, input and output
 
 
@@ -93,12 +94,20 @@ def measure_profile(
     if device == "cuda":
         ticks += len(plan.tokens_grid) * len(SWEPT_DTYPES) + 4 * len(plan.link_sizes_bytes)
     warnings: list[str] = []
+    times_before = cpu.cpu_times()
     try:
         with progress_bar(total=ticks, desc="hrm profile", quiet=quiet) as bar:
             cpu_part, cpu_notes = _measure_cpu(plan, facts, arch, bar.update, warnings)
             gpu_part = _measure_gpu(plan, arch, bar.update, warnings) if device == "cuda" else None
     finally:
         torch.set_num_threads(threads_before)
+    times_after = cpu.cpu_times()
+    busy = cpu.others_cpu_share(times_before, times_after) if times_before and times_after else None
+    if busy is not None and busy > BUSY_WARNING_SHARE:
+        warnings.append(
+            f"other processes took {busy:.0%} of the CPU time while measuring: the figures are "
+            "likely understated; measure again on a quiet machine"
+        )
     for warning in warnings:
         warn(warning)
     provenance: dict[str, Any] = {
@@ -116,6 +125,7 @@ def measure_profile(
             "before": round(load_before, 2),
             "after": round(os.getloadavg()[0], 2),
         },
+        "other_processes_cpu_share": round(busy, 3) if busy is not None else "unknown",
         "how_measured": (
             f"median of {plan.repeats} timed samples after one warm-up call, each sample at least "
             f"{plan.min_sample_s:g} s; spreads are the slowest and fastest sample; CPU timed with "

@@ -81,6 +81,37 @@ def _last_level_cache_bytes() -> float | None:
     return best_size
 
 
+@dataclass(frozen=True, kw_only=True)
+class CpuTimes:
+    """Clock ticks since boot, summed over all CPUs (/proc/stat), and this process's own."""
+
+    busy: int  # user, nice, system, irq, softirq and steal (the hypervisor's share counts)
+    total: int
+    own: int  # this process, all its threads (/proc/self/stat utime + stime)
+
+
+def cpu_times() -> CpuTimes | None:
+    """Now's tick counts, or None where /proc is not there (contention then goes unmeasured)."""
+    try:
+        ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+        own = Path("/proc/self/stat").read_text().rpartition(")")[2].split()
+    except (OSError, ValueError):
+        return None
+    idle = ticks[3] + ticks[4]  # idle + iowait
+    return CpuTimes(busy=sum(ticks) - idle, total=sum(ticks), own=int(own[11]) + int(own[12]))
+
+
+def others_cpu_share(start: CpuTimes, end: CpuTimes) -> float:
+    """Fraction of all CPU time between two readings that other processes (or the host) took.
+
+    Measurements share the cores with whatever else runs; 0.5 on two cores means another process
+    held one core throughout, and the figures are then understated.
+    """
+    total = end.total - start.total
+    others = (end.busy - start.busy) - (end.own - start.own)
+    return min(1.0, max(0.0, others / total)) if total > 0 else 0.0
+
+
 def measure_bandwidth(
     *, array_bytes: float, repeats: int, min_sample_s: float, tick: Callable[[], None]
 ) -> dict[str, tuple[Timing, float]]:
