@@ -61,3 +61,15 @@ def test_bad_available_memory_is_named():
     with pytest.raises(HrmError, match="cpu: available_memory"):
         HardwareProfile.from_dict(data)
 
+
+def test_bundled_ci_cpu_profile_loads_as_a_cpu_only_measured_profile():
+    profile = resolve_hardware("ci-cpu")
+    assert profile == HardwareProfile.load(BUNDLED_DIR / "ci-cpu.yaml")
+    assert profile.source == "measured"
+    assert not profile.has_gpu and profile.link is None
+    assert profile.cpu.available_memory_bytes is not None
+    assert 1e9 <= profile.cpu.memory_bandwidth_bytes_per_s <= 1e13
+    assert 1e9 <= profile.cpu.flops_per_s("float32") <= 1e16
+    curve = profile.cpu.matmul_curves["float32"]
+    assert curve.best == profile.cpu.flops_per_s("float32")
+    assert profile.provenance["command"].startswith("hrm profile")
