@@ -72,6 +72,8 @@ class DeviceSpec:
     memory_bandwidth_bytes_per_s: float
     peak_flops_per_s: Mapping[str, float]
     matmul_curves: Mapping[str, Curve] = field(default_factory=dict)
+    # Free memory when a measured profile was taken (MemAvailable, cudaMemGetInfo); None if unknown.
+    available_memory_bytes: float | None = None
 
     def flops_per_s(self, dtype: str) -> float:
         """Peak FLOP/s of all `count` devices for `dtype`; falls back to float32 when absent."""
@@ -102,6 +104,8 @@ class LinkSpec:
     d2h_bytes_per_s: float
     h2d_curve: Curve | None = None
     d2h_curve: Curve | None = None
+    # Bytes per second moved in both directions together when h2d and d2h run at once (measured).
+    bidirectional_bytes_per_s: float | None = None
 
     def h2d_at(self, nbytes: float) -> float:
         return self.h2d_curve.at(nbytes) if self.h2d_curve else self.h2d_bytes_per_s
@@ -164,15 +168,20 @@ class HardwareProfile:
     ) -> HardwareProfile:
         """The same machine with one resource changed (for --gpu-mem, --cpu-mem and sweeps).
 
-        Changing the link bandwidth drops the measured link curves, which would contradict it.
+        Changing a memory drops its measured available figure, and changing the link bandwidth
+        drops the measured link curves: both would contradict the new figure.
         """
         gpu, cpu, link = self.gpu, self.cpu, self.link
         if gpu_memory_bytes is not None:
             if gpu is None:
                 raise HrmError(f"{self.name}: has no GPU, so its GPU memory cannot be set")
-            gpu = dataclasses.replace(gpu, memory_bytes=gpu_memory_bytes)
+            gpu = dataclasses.replace(
+                gpu, memory_bytes=gpu_memory_bytes, available_memory_bytes=None
+            )
         if cpu_memory_bytes is not None:
-            cpu = dataclasses.replace(cpu, memory_bytes=cpu_memory_bytes)
+            cpu = dataclasses.replace(
+                cpu, memory_bytes=cpu_memory_bytes, available_memory_bytes=None
+            )
         if link_bytes_per_s is not None:
             if link is None:
                 raise HrmError(f"{self.name}: has no GPU, so its PCIe bandwidth cannot be set")
@@ -262,7 +271,7 @@ def resolve_hardware(name_or_path: str) -> HardwareProfile:
 # -- (de)serialisation helpers ------------------------------------------------------------------
 
 _DEVICE_KEYS = {"name", "memory", "memory_bandwidth", "flops"}
-_DEVICE_OPTIONAL = {"count", "cores", "matmul_curves"}
+_DEVICE_OPTIONAL = {"count", "cores", "matmul_curves", "available_memory"}
 
 
 def _device_from_dict(data: Any, where: str, is_cpu: bool = False) -> DeviceSpec:
@@ -278,6 +287,7 @@ def _device_from_dict(data: Any, where: str, is_cpu: bool = False) -> DeviceSpec
     if is_cpu and count != 1:
         raise HrmError(f"{where}: count must be 1 for the cpu (give the total cores and memory)")
     cores = data.get("cores")
+    available = data.get("available_memory")
     return DeviceSpec(
         name=str(data["name"]),
         count=count,
@@ -294,6 +304,9 @@ def _device_from_dict(data: Any, where: str, is_cpu: bool = False) -> DeviceSpec
             dtype: _curve_from_list(points, f"{where}: matmul_curves: {dtype}", units.parse_flops)
             for dtype, points in curves_in.items()
         },
+        available_memory_bytes=units.parse_bytes(available, f"{where}: available_memory")
+        if available is not None
+        else None,
     )
 
 
@@ -304,6 +317,8 @@ def _device_to_dict(device: DeviceSpec) -> dict[str, Any]:
     if device.cores is not None:
         out["cores"] = device.cores
     out["memory"] = units.format_bytes(device.memory_bytes, None)
+    if device.available_memory_bytes is not None:
+        out["available_memory"] = units.format_bytes(device.available_memory_bytes, None)
     out["memory_bandwidth"] = units.format_bandwidth(device.memory_bandwidth_bytes_per_s, None)
     out["flops"] = {d: units.format_flops(r, None) for d, r in device.peak_flops_per_s.items()}
     if device.matmul_curves:
@@ -313,7 +328,10 @@ def _device_to_dict(device: DeviceSpec) -> dict[str, Any]:
 
 def _link_from_dict(data: Any, where: str) -> LinkSpec:
     data = check_keys(
-        data, where=where, required={"h2d", "d2h"}, optional={"h2d_curve", "d2h_curve"}
+        data,
+        where=where,
+        required={"h2d", "d2h"},
+        optional={"h2d_curve", "d2h_curve", "bidirectional"},
     )
     return LinkSpec(
         h2d_bytes_per_s=units.parse_bandwidth(data["h2d"], f"{where}: h2d"),
@@ -323,6 +341,11 @@ def _link_from_dict(data: Any, where: str) -> LinkSpec:
         else None,
         d2h_curve=_curve_from_list(data["d2h_curve"], f"{where}: d2h_curve", units.parse_bandwidth)
         if data.get("d2h_curve")
+        else None,
+        bidirectional_bytes_per_s=units.parse_bandwidth(
+            data["bidirectional"], f"{where}: bidirectional"
+        )
+        if data.get("bidirectional") is not None
         else None,
     )
 
@@ -336,6 +359,8 @@ def _link_to_dict(link: LinkSpec) -> dict[str, Any]:
         out["h2d_curve"] = _curve_to_list(link.h2d_curve)
     if link.d2h_curve:
         out["d2h_curve"] = _curve_to_list(link.d2h_curve)
+    if link.bidirectional_bytes_per_s is not None:
+        out["bidirectional"] = units.format_bandwidth(link.bidirectional_bytes_per_s, None)
     return out
 
 

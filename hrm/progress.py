@@ -20,3 +20,10 @@ def progress(
     from tqdm import tqdm
 
     return tqdm(iterable, desc=desc, total=total, disable=not show_progress(quiet), leave=False)
+
+
+def progress_bar(*, total: int, desc: str, quiet: bool):
+    """A tqdm bar to advance by hand (bar.update()) when the work is not one loop."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, disable=not show_progress(quiet), leave=False)

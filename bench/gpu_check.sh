@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# GPU checks for `hrm profile`, for a session lent a CUDA machine: the GPU tests, then a profile
+# of the machine compared with its datasheet profile. Installs nothing heavy (torch with CUDA must
+# already be there); results go under $OUT (default reports/gpu_check).
+#   bench/gpu_check.sh [PROFILE_NAME [DATASHEET]]     e.g. bench/gpu_check.sh h200-measured h200-sxm
+#   QUICK=1 bench/gpu_check.sh                        the --quick sweep (about a minute)
+# The full sweep is bounded by its CPU matmul budget (150 s per dtype) plus about a minute of GPU
+# and link work; then copy $OUT/PROFILE_NAME.yaml to hardware_profiles/ and commit it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+name=${1:-h200-measured}
+datasheet=${2:-h200-sxm}
+out=${OUT:-reports/gpu_check}
+python=${PYTHON:-python3}
+mkdir -p "$out"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+"$python" -c "import yaml, tqdm, pytest" 2>/dev/null || "$python" -m pip install -q pyyaml tqdm pytest
+"$python" - <<'PY'
+import torch
+assert torch.cuda.is_available(), "no CUDA device visible to torch"
+print("torch", torch.__version__, "CUDA", torch.version.cuda, "on", torch.cuda.get_device_name())
+PY
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,pcie.link.gen.max,pcie.link.width.max \
+    --format=csv > "$out/nvidia-smi.csv" 2>&1 || true
+status=0
+"$python" -m pytest -q -m gpu tests/test_profile_gpu.py 2>&1 | tee "$out/gpu_tests.txt" || status=$?
+quick=()
+[ -n "${QUICK:-}" ] && quick=(--quick)
+uptime > "$out/load.txt"
+start=$SECONDS
+"$python" -m hrm profile "${quick[@]}" --device cuda --quiet -o "$out/$name.yaml" \
+    --compare "$datasheet" 2>&1 | tee "$out/profile.txt" || status=$?
+echo "hrm profile wall time: $((SECONDS - start)) s" | tee -a "$out/profile.txt"
+uptime >> "$out/load.txt"
+exit "$status"

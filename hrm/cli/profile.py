@@ -1,0 +1,151 @@
+"""`hrm profile`: measure this machine's ceilings and write a hardware profile the planner uses."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from hrm import units
+from hrm.errors import HrmError
+from hrm.hardware import HardwareProfile, resolve_hardware
+from hrm.io import check_writable
+
+DEFAULT_MODEL = "mixtral-8x7b"
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "profile",
+        help="measure this machine (matmul FLOP/s, memory and PCIe bandwidth) into a profile",
+        description=(
+            "Measure matmul FLOP/s per dtype at the model's expert-GEMM shapes, memory bandwidth, "
+            "memory, and with a GPU its memory bandwidth and the host<->device link; write a "
+            "hardware profile (source: measured) that --hardware accepts."
+        ),
+    )
+    parser.add_argument(
+        "-o", "--output", required=True, metavar="FILE.yaml", help="profile to write"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="a shorter sweep: under a minute on a 2-core machine"
+    )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        help="cpu: a CPU-only profile; cuda: CPU, GPU and link (default: cuda when available)",
+    )
+    parser.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=(
+            "model whose expert GEMM shape is timed: bundled name or config.json "
+            f"(default {DEFAULT_MODEL})"
+        ),
+    )
+    parser.add_argument(
+        "--compare", metavar="NAME", help="also print the measurement beside this profile (e.g. t4)"
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from hrm.arch import resolve_model
+    from hrm.profiling import PRESETS, measure_profile
+
+    # Everything a user can get wrong fails here, before minutes of measuring.
+    output = check_writable(args.output)
+    if output.suffix not in (".yaml", ".yml"):
+        raise HrmError(f"{output}: the profile is YAML; name the output FILE.yaml")
+    arch = resolve_model(args.model)
+    reference = resolve_hardware(args.compare) if args.compare else None
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    profile = measure_profile(
+        plan=PRESETS["quick" if args.quick else "full"],
+        device=device,
+        arch=arch,
+        name=output.stem,
+        command=_command_line(args),
+        quiet=args.quiet,
+        warn=lambda message: print(f"hrm profile: warning: {message}", file=sys.stderr),
+    )
+    profile.save(output)
+    print(format_summary(profile, output))
+    if reference is not None:
+        print(format_comparison(profile, reference))
+    return 0
+
+
+def _command_line(args: argparse.Namespace) -> str:
+    """The measuring options as a command, for the provenance (not sys.argv: tests call main)."""
+    words = ["hrm", "profile"]
+    if args.quick:
+        words.append("--quick")
+    if args.device:
+        words += ["--device", args.device]
+    if args.model != DEFAULT_MODEL:
+        words += ["--model", args.model]
+    return " ".join(words + ["-o", args.output])
+
+
+def format_summary(profile: HardwareProfile, path: Path) -> str:
+    lines = [f"wrote {path} ({profile.description})"]
+    for label, device in (("cpu", profile.cpu), ("gpu", profile.gpu)):
+        if device is None:
+            continue
+        memory = units.format_bytes(device.memory_bytes)
+        if device.available_memory_bytes is not None:
+            memory += f" ({units.format_bytes(device.available_memory_bytes)} available)"
+        flops = ", ".join(
+            f"{d} {units.format_flops(r)}" for d, r in device.peak_flops_per_s.items()
+        )
+        lines.append(
+            f"  {label}: memory {memory}, bandwidth "
+            f"{units.format_bandwidth(device.memory_bandwidth_bytes_per_s)}; peak {flops}"
+        )
+    if profile.link is not None:
+        both = profile.link.bidirectional_bytes_per_s
+        lines.append(
+            f"  link: h2d {units.format_bandwidth(profile.link.h2d_bytes_per_s)}, "
+            f"d2h {units.format_bandwidth(profile.link.d2h_bytes_per_s)}"
+            + (f", both at once {units.format_bandwidth(both)}" if both else "")
+        )
+    return "\n".join(lines)
+
+
+def format_comparison(measured: HardwareProfile, reference: HardwareProfile) -> str:
+    """A table: each figure as measured, as in the reference profile, and their ratio."""
+    mine, theirs = _figures(measured), _figures(reference)
+    title = f"{reference.name} ({reference.source})"
+    lines = [f"{'':24} {'measured':>16} {title:>24} {'ratio':>8}"]
+    for name in dict.fromkeys([*mine, *theirs]):
+        (ours, fmt), (other, _) = mine.get(name, (None, None)), theirs.get(name, (None, None))
+        fmt = fmt or theirs[name][1]
+        ratio = f"{ours / other:.3g}x" if ours and other else "-"
+        ours_text = fmt(ours) if ours else "-"
+        other_text = fmt(other) if other else "-"
+        lines.append(f"{name:24} {ours_text:>16} {other_text:>24} {ratio:>8}")
+    return "\n".join(lines)
+
+
+def _figures(profile: HardwareProfile) -> dict[str, tuple[float, Callable[[float], str]]]:
+    """The profile's headline figures by name, each with the function that prints it."""
+    figures: dict[str, tuple[float, Callable[[float], str]]] = {}
+    for label, device in (("cpu", profile.cpu), ("gpu", profile.gpu)):
+        if device is None:
+            continue
+        figures[f"{label} memory"] = (device.memory_bytes, units.format_bytes)
+        figures[f"{label} memory bandwidth"] = (
+            device.memory_bandwidth_bytes_per_s,
+            units.format_bandwidth,
+        )
+        for dtype, rate in device.peak_flops_per_s.items():
+            figures[f"{label} {dtype}"] = (rate, units.format_flops)
+    if profile.link is not None:
+        figures["link h2d"] = (profile.link.h2d_bytes_per_s, units.format_bandwidth)
+        figures["link d2h"] = (profile.link.d2h_bytes_per_s, units.format_bandwidth)
+    return figures

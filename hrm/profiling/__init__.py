@@ -1,0 +1,350 @@
+"""`hrm profile`: measure this machine's ceilings and return them as a HardwareProfile.
+
+The planner charges achieved, not datasheet, rates: peak FLOP/s per dtype is the best median an
+expert-shaped GEMM reached, the matmul curves give the rate at each token count, and memory
+bandwidth is the streaming-read rate a decode step sees. Free-form detail (every bandwidth kind,
+spreads, load average, the command) goes in `provenance`. Nothing here imports torch at module
+level: `import hrm` stays light (DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from hrm import units
+from hrm.arch import ModelArch
+from hrm.errors import HrmError
+from hrm.hardware import Curve, DeviceSpec, HardwareProfile, LinkSpec
+from hrm.profiling import cpu, gpu
+from hrm.profiling.matmul import SWEPT_DTYPES, MatmulSweep, fit_shape, sweep_matmul
+from hrm.profiling.timing import Timing, perf_counter_clock
+from hrm.progress import progress_bar
+
+STORED_CPU_BANDWIDTH = "read"  # decode streams weights and KV cache: a read, not a copy
+BUSY_WARNING_SHARE = 0.1  # other processes' share of CPU time above which figures are suspect
+_MATMUL_MEMORY_FRACTION = 0.25  # of available memory, for one sweep's weight, input and output
+
+
+@dataclass(frozen=True, kw_only=True)
+class SweepPlan:
+    """How much to measure: the `quick` and `full` presets (tests build smaller ones)."""
+
+    name: str
+    tokens_grid: tuple[int, ...]
+    repeats: int
+    min_sample_s: float  # each timed sample spans at least this long
+    matmul_budget_s: float  # per dtype and device; the sweep stops before overrunning it
+    min_array_bytes: float  # CPU bandwidth arrays: at least this and 8x the last-level cache
+    link_sizes_bytes: tuple[float, ...]
+    both_directions_bytes: float
+    device_copy_bytes: float
+
+
+PRESETS = {
+    "quick": SweepPlan(
+        name="quick",
+        tokens_grid=(1, 4, 16, 64, 256, 1024),
+        repeats=3,
+        min_sample_s=0.05,
+        matmul_budget_s=12.0,
+        min_array_bytes=256e6,
+        link_sizes_bytes=(1e6, 32e6, 1e9),
+        both_directions_bytes=256e6,
+        device_copy_bytes=1e9,
+    ),
+    "full": SweepPlan(
+        name="full",
+        tokens_grid=tuple(2**i for i in range(13)),
+        repeats=5,
+        min_sample_s=0.1,
+        matmul_budget_s=150.0,
+        min_array_bytes=512e6,
+        link_sizes_bytes=(1e6, 4e6, 16e6, 64e6, 256e6, 1e9),
+        both_directions_bytes=1e9,
+        device_copy_bytes=2e9,
+    ),
+}
+
+
+def measure_profile(
+    *,
+    plan: SweepPlan,
+    device: str,
+    arch: ModelArch,
+    name: str,
+    command: str,
+    quiet: bool,
+    warn: Callable[[str], None],
+) -> HardwareProfile:
+    """Measure the CPU (and with device="cuda" the GPU and its link) and build the profile."""
+    import torch
+
+    if device == "cuda":
+        gpu.require_cuda()
+    facts = cpu.host_facts()
+    load_before = os.getloadavg()[0]
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(facts.cores)
+    ticks = len(plan.tokens_grid) * len(SWEPT_DTYPES) + len(cpu.BANDWIDTH_KINDS)
+    if device == "cuda":
+        ticks += len(plan.tokens_grid) * len(SWEPT_DTYPES) + 4 * len(plan.link_sizes_bytes)
+    warnings: list[str] = []
+    times_before = cpu.cpu_times()
+    try:
+        with progress_bar(total=ticks, desc="hrm profile", quiet=quiet) as bar:
+            cpu_part, cpu_notes = _measure_cpu(plan, facts, arch, bar.update, warnings)
+            gpu_part = _measure_gpu(plan, arch, bar.update, warnings) if device == "cuda" else None
+    finally:
+        torch.set_num_threads(threads_before)
+    times_after = cpu.cpu_times()
+    busy = cpu.others_cpu_share(times_before, times_after) if times_before and times_after else None
+    if busy is not None and busy > BUSY_WARNING_SHARE:
+        warnings.append(
+            f"other processes took {busy:.0%} of the CPU time while measuring: the figures are "
+            "likely understated; measure again on a quiet machine"
+        )
+    for warning in warnings:
+        warn(warning)
+    provenance: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "os": platform.platform(),
+        "cpu_model": facts.cpu_model,
+        "cores": facts.cores,
+        "torch": str(torch.__version__),
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "python": platform.python_version(),
+        "command": command,
+        "sweep": plan.name,
+        "load_average_1min": {
+            "before": round(load_before, 2),
+            "after": round(os.getloadavg()[0], 2),
+        },
+        "other_processes_cpu_share": round(busy, 3) if busy is not None else "unknown",
+        "how_measured": (
+            f"median of {plan.repeats} timed samples after one warm-up call, each sample at least "
+            f"{plan.min_sample_s:g} s; spreads are the slowest and fastest sample; CPU timed with "
+            "time.perf_counter on all cores, GPU with CUDA events after a synchronize"
+        ),
+        **cpu_notes,
+    }
+    gpu_spec = link = None
+    if gpu_part is not None:
+        gpu_spec, link, gpu_notes = gpu_part
+        provenance.update(gpu_notes)
+    if warnings:
+        provenance["warnings"] = warnings
+    description = f"measured by hrm profile ({plan.name}): {facts.cpu_model}, {facts.cores} cores"
+    if gpu_spec is not None:
+        description += f"; {gpu_spec.count}x {gpu_spec.name}"
+    return HardwareProfile(
+        name=name,
+        source="measured",
+        description=description,
+        provenance=provenance,
+        cpu=cpu_part,
+        gpu=gpu_spec,
+        link=link,
+    )
+
+
+def _measure_cpu(
+    plan: SweepPlan,
+    facts: cpu.HostFacts,
+    arch: ModelArch,
+    tick: Callable[[], None],
+    warnings: list[str],
+) -> tuple[DeviceSpec, dict[str, Any]]:
+    available = facts.available_memory_bytes or facts.memory_bytes
+    shape = fit_shape(
+        arch,
+        max_tokens=max(plan.tokens_grid),
+        memory_budget_bytes=_MATMUL_MEMORY_FRACTION * available,
+    )
+    sweeps = [
+        sweep_matmul(
+            dtype=dtype,
+            shape=shape,
+            tokens_grid=plan.tokens_grid,
+            device="cpu",
+            clock=perf_counter_clock,
+            repeats=plan.repeats,
+            min_sample_s=plan.min_sample_s,
+            budget_s=plan.matmul_budget_s,
+            tick=tick,
+        )
+        for dtype in SWEPT_DTYPES
+    ]
+    cache = facts.last_level_cache_bytes or 0.0
+    array_bytes = min(max(plan.min_array_bytes, 8 * cache), available / 8)
+    if array_bytes < 4 * cache:
+        warnings.append(
+            f"cpu bandwidth arrays of {units.format_bytes(array_bytes)} are under 4x the "
+            f"{units.format_bytes(cache)} last-level cache: bandwidth may be overstated"
+        )
+    bandwidth = cpu.measure_bandwidth(
+        array_bytes=array_bytes, repeats=plan.repeats, min_sample_s=plan.min_sample_s, tick=tick
+    )
+    stored_timing, stored_bytes = bandwidth[STORED_CPU_BANDWIDTH]
+    spec = DeviceSpec(
+        name=facts.cpu_model,
+        cores=facts.cores,
+        memory_bytes=facts.memory_bytes,
+        available_memory_bytes=facts.available_memory_bytes,
+        memory_bandwidth_bytes_per_s=stored_timing.rate(stored_bytes),
+        **_flops_fields(sweeps, "cpu", warnings),
+    )
+    notes = {
+        "cpu_memory_bandwidth": {
+            "stored_as_memory_bandwidth": STORED_CPU_BANDWIDTH,
+            "array_bytes": units.format_bytes(array_bytes),
+            "last_level_cache": units.format_bytes(cache) if cache else "unknown",
+            **{
+                kind: _rate_summary(t, moved, units.format_bandwidth)
+                for kind, (t, moved) in bandwidth.items()
+            },
+        },
+        "cpu_matmul": _matmul_notes(sweeps, threads=facts.cores),
+    }
+    if facts.available_memory_bytes is None:
+        warnings.append(
+            "available CPU memory is unknown (no /proc/meminfo); only the total is recorded"
+        )
+    return spec, notes
+
+
+def _measure_gpu(
+    plan: SweepPlan, arch: ModelArch, tick: Callable[[], None], warnings: list[str]
+) -> tuple[DeviceSpec, LinkSpec, dict[str, Any]]:
+    import torch
+
+    facts = gpu.gpu_facts()
+    shape = fit_shape(
+        arch,
+        max_tokens=max(plan.tokens_grid),
+        memory_budget_bytes=_MATMUL_MEMORY_FRACTION * facts.available_memory_bytes,
+    )
+    sweeps = [
+        sweep_matmul(
+            dtype=dtype,
+            shape=shape,
+            tokens_grid=plan.tokens_grid,
+            device="cuda",
+            clock=gpu.cuda_event_clock,
+            repeats=plan.repeats,
+            min_sample_s=plan.min_sample_s,
+            budget_s=plan.matmul_budget_s,
+            tick=tick,
+        )
+        for dtype in SWEPT_DTYPES
+    ]
+    torch.cuda.empty_cache()
+    copy_timing, copy_bytes = gpu.measure_device_bandwidth(
+        copy_bytes=min(plan.device_copy_bytes, facts.available_memory_bytes / 4),
+        repeats=plan.repeats,
+        min_sample_s=plan.min_sample_s,
+    )
+    link_sweep = gpu.measure_link_sweep(
+        sizes_bytes=plan.link_sizes_bytes,
+        repeats=plan.repeats,
+        min_sample_s=plan.min_sample_s,
+        tick=tick,
+    )
+    both_timing, both_bytes = gpu.measure_both_directions(
+        size_bytes=plan.both_directions_bytes, repeats=plan.repeats, min_sample_s=plan.min_sample_s
+    )
+    spec = DeviceSpec(
+        name=facts.name,
+        count=facts.count,
+        memory_bytes=facts.memory_bytes,
+        available_memory_bytes=facts.available_memory_bytes,
+        memory_bandwidth_bytes_per_s=copy_timing.rate(copy_bytes),
+        **_flops_fields(sweeps, "cuda", warnings),
+    )
+    pinned = {d: _link_curve(link_sweep[(d, "pinned")]) for d in gpu.DIRECTIONS}
+    link = LinkSpec(
+        h2d_bytes_per_s=pinned["h2d"].best,
+        d2h_bytes_per_s=pinned["d2h"].best,
+        h2d_curve=pinned["h2d"],
+        d2h_curve=pinned["d2h"],
+        bidirectional_bytes_per_s=both_timing.rate(both_bytes),
+    )
+    notes = {
+        "gpu_matmul": {
+            **_matmul_notes(sweeps, threads=None),
+            "float32_allows_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
+            "measured_on": f"GPU 0 of {facts.count}",
+        },
+        "gpu_memory_bandwidth": {
+            "kind": "device-to-device copy, bytes read + written",
+            "copy_bytes": units.format_bytes(copy_bytes / 2),
+            **_rate_summary(copy_timing, copy_bytes, units.format_bandwidth),
+        },
+        "link": {
+            "stored": "pinned host memory; h2d and d2h are the best median over the sweep",
+            "columns": "bytes per transfer, median, slowest, fastest",
+            **{
+                f"{direction}_{kind}": [
+                    [
+                        units.format_bytes(size),
+                        *_rate_summary(t, size, units.format_bandwidth).values(),
+                    ]
+                    for size, t in points
+                ]
+                for (direction, kind), points in link_sweep.items()
+            },
+            "both_directions": {
+                "bytes_each_way": units.format_bytes(both_bytes / 2),
+                **_rate_summary(both_timing, both_bytes, units.format_bandwidth),
+            },
+        },
+    }
+    return spec, link, notes
+
+
+def _flops_fields(sweeps: list[MatmulSweep], device: str, warnings: list[str]) -> dict[str, Any]:
+    """peak_flops_per_s and matmul_curves for the dtypes that ran; a warning for each other."""
+    measured = [s for s in sweeps if s.points]
+    for sweep in sweeps:
+        if sweep.stopped:
+            warnings.append(sweep.stopped)
+        if not sweep.points:
+            warnings.append(
+                f"{sweep.dtype} matmul on {device} not measured: left out of the profile"
+            )
+    if not measured:
+        raise HrmError(f"no matmul dtype could be measured on {device}; see the warnings above")
+    return {
+        "peak_flops_per_s": {s.dtype: s.peak_flops_per_s for s in measured},
+        "matmul_curves": {s.dtype: s.curve() for s in measured},
+    }
+
+
+def _link_curve(points: list[tuple[float, Timing]]) -> Curve:
+    return Curve(points=tuple((size, t.rate(size)) for size, t in points))
+
+
+def _rate_summary(timing: Timing, work: float, fmt: Callable[[float], str]) -> dict[str, str]:
+    slowest, fastest = timing.rate_range(work)
+    return {"median": fmt(timing.rate(work)), "slowest": fmt(slowest), "fastest": fmt(fastest)}
+
+
+def _matmul_notes(sweeps: list[MatmulSweep], threads: int | None) -> dict[str, Any]:
+    notes: dict[str, Any] = {"shape": sweeps[0].shape.describe()}
+    if threads is not None:
+        notes["threads"] = threads
+    notes["spread_columns"] = "tokens, median, slowest, fastest"
+    notes["spread"] = {
+        s.dtype: [
+            [tokens, *_rate_summary(t, s.shape.flops(tokens), units.format_flops).values()]
+            for tokens, t in s.points
+        ]
+        for s in sweeps
+        if s.points
+    }
+    return notes

@@ -1,0 +1,133 @@
+"""The expert-GEMM sweep: achieved FLOP/s against tokens, for one dtype on one device.
+
+The expert GEMM is x[T, H] times w1[I, H]^T (nn.Linear's layout, as checkpoints store it and the
+executor runs it; T = tokens, H = hidden size, I = expert width). The weight keeps the model's
+size unless memory forbids: a scaled-down weight fits in the last-level cache and overstates the
+small-token (decode) rates, which are bound by reading the weight from memory.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+from hrm.arch import ModelArch
+from hrm.hardware import Curve
+from hrm.profiling.timing import Clock, Timing, estimated_duration_s, time_calls
+
+SWEPT_DTYPES = ("float32", "bfloat16", "float16")
+_ALIGN = 64  # scaled sizes stay multiples of 64, as real layer sizes are
+
+
+@dataclass(frozen=True, kw_only=True)
+class GemmShape:
+    model: str
+    hidden: int
+    intermediate: int
+    scale: float = 1.0  # fraction of the model's hidden and intermediate sizes used
+
+    def flops(self, tokens: int) -> float:
+        return 2.0 * tokens * self.hidden * self.intermediate
+
+    def buffer_bytes(self, max_tokens: int, dtype_bytes: int) -> float:
+        """Weight, input and output of the largest point."""
+        return dtype_bytes * (
+            self.hidden * self.intermediate + max_tokens * (self.hidden + self.intermediate)
+        )
+
+    def describe(self) -> str:
+        size = "full size" if self.scale == 1.0 else f"scaled to {self.scale:g} of each size"
+        return (
+            f"x[tokens, {self.hidden}] @ w1[{self.intermediate}, {self.hidden}]^T "
+            f"({self.model} expert, {size})"
+        )
+
+
+def fit_shape(arch: ModelArch, *, max_tokens: int, memory_budget_bytes: float) -> GemmShape:
+    """The model's expert shape, halved (in both sizes) until the fp32 buffers fit the budget."""
+    scale = 1.0
+    while True:
+        shape = GemmShape(
+            model=arch.name,
+            hidden=max(_ALIGN, round(arch.hidden_size * scale / _ALIGN) * _ALIGN),
+            intermediate=max(_ALIGN, round(arch.intermediate_size * scale / _ALIGN) * _ALIGN),
+            scale=scale,
+        )
+        if shape.buffer_bytes(max_tokens, 4) <= memory_budget_bytes or shape.hidden == _ALIGN:
+            return shape
+        scale /= 2
+
+
+@dataclass(frozen=True, kw_only=True)
+class MatmulSweep:
+    dtype: str
+    shape: GemmShape
+    points: tuple[tuple[int, Timing], ...]  # (tokens, timing of one GEMM)
+    stopped: str | None = None  # why the sweep ended before the last point of the grid
+
+    def rates(self) -> list[tuple[int, float]]:
+        return [(tokens, t.rate(self.shape.flops(tokens))) for tokens, t in self.points]
+
+    def curve(self) -> Curve:
+        return Curve(points=tuple((float(tokens), rate) for tokens, rate in self.rates()))
+
+    @property
+    def peak_flops_per_s(self) -> float:
+        """Peak = the best median rate achieved over the sweep."""
+        return max(rate for _, rate in self.rates())
+
+
+def sweep_matmul(
+    *,
+    dtype: str,
+    shape: GemmShape,
+    tokens_grid: tuple[int, ...],
+    device: str,
+    clock: Clock,
+    repeats: int,
+    min_sample_s: float,
+    budget_s: float,
+    tick: Callable[[], None],
+) -> MatmulSweep:
+    """Time the GEMM at each token count; stop before a point that would overrun `budget_s`.
+
+    The next point's call time is extrapolated linearly in tokens from the last one, which
+    overestimates it (efficiency grows with tokens), so the budget holds. `tick` is called once
+    per grid point, measured or not, to drive the progress bar.
+    """
+    import torch
+
+    # T = tokens, H = hidden, I = expert width
+    on = {"dtype": getattr(torch, dtype), "device": device}
+    max_tokens = max(tokens_grid)
+    weight = torch.randn(shape.intermediate, shape.hidden, **on)  # [I, H]
+    inputs = torch.randn(max_tokens, shape.hidden, **on)  # [T, H]
+    outputs = torch.empty(max_tokens, shape.intermediate, **on)  # [T, I]
+    points: list[tuple[int, Timing]] = []
+    stopped = None
+    started = time.perf_counter()
+    for tokens in tokens_grid:
+        if stopped is None and points:
+            last_tokens, last = points[-1]
+            predicted_s = estimated_duration_s(
+                last.median_s * tokens / last_tokens, repeats=repeats, min_sample_s=min_sample_s
+            )
+            spent_s = time.perf_counter() - started
+            if spent_s + predicted_s > budget_s:
+                stopped = (
+                    f"{dtype} sweep on {device} stopped before {tokens} tokens: {spent_s:.0f} s "
+                    f"spent, and that point would take about {predicted_s:.0f} s more, past the "
+                    f"{budget_s:.0f} s budget"
+                )
+        if stopped is None:
+            # [T, H] @ [H, I] -> [T, I], into a preallocated output: the kernel, not malloc
+            gemm = partial(torch.mm, inputs[:tokens], weight.t(), out=outputs[:tokens])
+            try:
+                timing = time_calls(gemm, clock=clock, repeats=repeats, min_sample_s=min_sample_s)
+                points.append((tokens, timing))
+            except RuntimeError as exc:  # the device has no kernel for this dtype
+                stopped = f"{dtype} matmul does not run on {device}: {str(exc).splitlines()[0]}"
+        tick()
+    return MatmulSweep(dtype=dtype, shape=shape, points=tuple(points), stopped=stopped)

@@ -1,0 +1,173 @@
+"""hrm profile's measuring code on the CPU: timing loop, sweep budget, shapes, a tiny real run."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from hrm.arch import resolve_model
+from hrm.hardware import HardwareProfile
+from hrm.profiling import SweepPlan, measure_profile
+from hrm.profiling.cpu import CpuTimes, others_cpu_share
+from hrm.profiling.matmul import GemmShape, fit_shape, sweep_matmul
+from hrm.profiling.timing import Timing, time_calls
+
+TINY_PLAN = SweepPlan(
+    name="tiny",
+    tokens_grid=(1, 8, 64),
+    repeats=3,
+    min_sample_s=0.002,
+    matmul_budget_s=3.0,
+    min_array_bytes=64e6,
+    link_sizes_bytes=(1e6, 8e6),
+    both_directions_bytes=8e6,
+    device_copy_bytes=64e6,
+)
+# Mixtral's geometry with small expert matrices, so a real sweep takes a second or two.
+TINY_ARCH = dataclasses.replace(
+    resolve_model("mixtral-8x7b"), name="tiny-mixtral", hidden_size=512, intermediate_size=1024
+)
+
+
+def test_importing_the_profile_command_does_not_load_torch():
+    code = "import sys, hrm.cli, hrm.cli.profile, hrm.profiling; print('torch' in sys.modules)"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "False"
+
+
+def test_timing_takes_the_median_and_keeps_the_spread():
+    timing = Timing(samples_s=(2.0, 1.0, 4.0), calls_per_sample=1)
+    assert timing.median_s == 2.0
+    assert timing.rate(10.0) == 5.0
+    assert timing.rate_range(8.0) == (2.0, 8.0)
+    assert timing.relative_spread == 1.5
+
+
+def test_time_calls_warms_up_then_samples_enough_calls():
+    seen = []
+
+    def clock(fn, calls):
+        seen.append(calls)
+        return 0.001 * calls  # 1 ms per call
+
+    timing = time_calls(lambda: None, clock=clock, repeats=4, min_sample_s=0.01)
+    assert seen == [1, 10, 10, 10, 10]  # one warm-up call, then samples of 10 calls
+    assert timing.calls_per_sample == 10
+    assert timing.median_s == pytest.approx(0.001)
+
+
+def test_fit_shape_keeps_the_model_size_when_it_fits_and_halves_when_not():
+    arch = resolve_model("mixtral-8x7b")
+    full = fit_shape(arch, max_tokens=4096, memory_budget_bytes=1e12)
+    assert (full.hidden, full.intermediate, full.scale) == (4096, 14336, 1.0)
+    small = fit_shape(arch, max_tokens=4096, memory_budget_bytes=100e6)
+    assert small.scale < 1.0
+    assert small.hidden % 64 == 0 and small.intermediate % 64 == 0
+    assert small.buffer_bytes(4096, 4) <= 100e6
+    assert "scaled" in small.describe()
+
+
+def test_sweep_stops_before_a_point_that_would_overrun_its_budget():
+    ticks = []
+    shape = GemmShape(model="t", hidden=64, intermediate=64)
+
+    def slow_clock(fn, calls):
+        fn()
+        return 0.5 * calls  # pretend every call takes half a second
+
+    sweep = sweep_matmul(
+        dtype="float32",
+        shape=shape,
+        tokens_grid=(1, 2, 4),
+        device="cpu",
+        clock=slow_clock,
+        repeats=2,
+        min_sample_s=0.0,
+        budget_s=1.0,
+        tick=lambda: ticks.append(1),
+    )
+    assert [tokens for tokens, _ in sweep.points] == [1]
+    assert "stopped before 2 tokens" in sweep.stopped
+    assert len(ticks) == 3  # the progress bar still reaches the end
+
+
+def test_a_dtype_without_a_kernel_is_left_out_not_guessed():
+    def failing_clock(fn, calls):
+        raise RuntimeError("\"addmm\" not implemented for 'Half'\nmore detail")
+
+    sweep = sweep_matmul(
+        dtype="float16",
+        shape=GemmShape(model="t", hidden=64, intermediate=64),
+        tokens_grid=(1, 2),
+        device="cpu",
+        clock=failing_clock,
+        repeats=2,
+        min_sample_s=0.0,
+        budget_s=10.0,
+        tick=lambda: None,
+    )
+    assert sweep.points == ()
+    assert (
+        sweep.stopped == "float16 matmul does not run on cpu: \"addmm\" not implemented for 'Half'"
+    )
+
+
+def test_other_processes_share_excludes_our_own_cpu_time():
+    start = CpuTimes(busy=1000, total=5000, own=100)
+    # 200 ticks on two CPUs: all busy, 100 of them ours -> others took half the machine
+    assert others_cpu_share(start, CpuTimes(busy=1200, total=5200, own=200)) == 0.5
+    assert others_cpu_share(start, CpuTimes(busy=1100, total=5200, own=200)) == 0.0
+    assert others_cpu_share(start, start) == 0.0
+
+
+@pytest.fixture(scope="module")
+def tiny_profile() -> HardwareProfile:
+    warnings: list[str] = []
+    profile = measure_profile(
+        plan=TINY_PLAN,
+        device="cpu",
+        arch=TINY_ARCH,
+        name="tiny",
+        command="hrm profile (test)",
+        quiet=True,
+        warn=warnings.append,
+    )
+    assert warnings == list(profile.provenance.get("warnings", []))
+    return profile
+
+
+def test_a_tiny_run_gives_plausible_numbers(tiny_profile):
+    cpu = tiny_profile.cpu
+    assert tiny_profile.source == "measured" and tiny_profile.gpu is None
+    assert 1e9 <= cpu.memory_bandwidth_bytes_per_s <= 1e13
+    assert "float32" in cpu.peak_flops_per_s
+    for dtype, rate in cpu.peak_flops_per_s.items():
+        assert 1e9 <= rate <= 1e16, dtype
+        assert cpu.matmul_curves[dtype].best == rate  # peak = best achieved point
+    assert [x for x, _ in cpu.matmul_curves["float32"].points] == [1.0, 8.0, 64.0]
+    assert 0 < cpu.available_memory_bytes <= cpu.memory_bytes
+    assert cpu.cores >= 1
+
+
+def test_a_tiny_run_records_its_provenance(tiny_profile):
+    provenance = tiny_profile.provenance
+    keys = ("date", "host", "cpu_model", "cores", "torch", "command", "load_average_1min")
+    for key in (*keys, "other_processes_cpu_share"):
+        assert key in provenance, key
+    bandwidth = provenance["cpu_memory_bandwidth"]
+    assert bandwidth["stored_as_memory_bandwidth"] == "read"
+    assert set(bandwidth) >= {"read", "copy", "triad"}
+    assert set(bandwidth["read"]) == {"median", "slowest", "fastest"}
+    assert "512" in provenance["cpu_matmul"]["shape"]
+
+
+def test_the_written_profile_validates_and_round_trips(tiny_profile, tmp_path):
+    path = tiny_profile.save(tmp_path / "tiny.yaml")
+    loaded = HardwareProfile.load(path)
+    assert loaded.to_dict() == tiny_profile.to_dict()
+    assert loaded.cpu.memory_bandwidth_bytes_per_s == tiny_profile.cpu.memory_bandwidth_bytes_per_s

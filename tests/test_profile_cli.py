@@ -1,0 +1,93 @@
+"""`hrm profile` on the command line: bad input is one line and exit 2, good input a profile."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from hrm.cli import main
+from hrm.cli.profile import format_comparison
+from hrm.hardware import HardwareProfile, resolve_hardware
+from hrm.profiling import PRESETS
+from tests.test_profile import TINY_ARCH, TINY_PLAN
+
+
+def _fails_with_one_line(capsys, argv: list[str], expected: str) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert expected in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["profile", "-o", "no/such/dir/p.yaml"], "does not exist"),
+        (["profile", "-o", "{tmp}"], "is a directory"),
+        (["profile", "-o", "{tmp}/p.txt"], "name the output FILE.yaml"),
+        (["profile", "-o", "{tmp}/p.yaml", "--model", "no-such-model"], "no-such-model"),
+        (["profile", "-o", "{tmp}/p.yaml", "--compare", "no-such-gpu"], "no-such-gpu"),
+        (["profile", "-o", "{tmp}/p.yaml", "--device", "tpu"], "invalid choice: 'tpu'"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path, argv, expected):
+    argv = [arg.replace("{tmp}", str(tmp_path)) for arg in argv]
+    try:
+        status = main(argv)
+    except SystemExit as exit_:  # argparse usage errors exit from inside parse_args
+        status = exit_.code
+    assert status == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert expected in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_unwritable_directory_is_refused_before_measuring(capsys, tmp_path):
+    if os.geteuid() == 0:
+        pytest.skip("root can write anywhere")
+    tmp_path.chmod(0o500)
+    try:
+        _fails_with_one_line(capsys, ["profile", "-o", str(tmp_path / "p.yaml")], "not writable")
+    finally:
+        tmp_path.chmod(0o700)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is present here")
+def test_cuda_requested_but_absent_is_one_line_and_exit_2(capsys, tmp_path):
+    output = tmp_path / "p.yaml"
+    _fails_with_one_line(capsys, ["profile", "--device", "cuda", "-o", str(output)], "--device cpu")
+    assert not output.exists()
+
+
+def test_a_quick_run_writes_a_measured_cpu_profile(capsys, tmp_path, monkeypatch):
+    config = json.loads(Path("hrm/model_configs/mixtral-8x7b.json").read_text())
+    config.update(hidden_size=TINY_ARCH.hidden_size, intermediate_size=TINY_ARCH.intermediate_size)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    monkeypatch.setitem(PRESETS, "quick", TINY_PLAN)
+    output = tmp_path / "box.yaml"
+    argv = ["profile", "--quick", "--device", "cpu", "--model", str(tmp_path / "config.json")]
+    assert main([*argv, "-o", str(output), "--compare", "t4", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert f"wrote {output}" in out and "t4 (datasheet)" in out
+    profile = HardwareProfile.load(output)
+    assert profile.name == "box" and profile.source == "measured" and not profile.has_gpu
+    assert profile.provenance["command"] == " ".join(["hrm", *argv, "-o", str(output)])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["box.yaml", "config.json"]
+
+
+def test_comparison_lists_every_figure_of_both_profiles_with_ratios():
+    table = format_comparison(resolve_hardware("l4"), resolve_hardware("t4"))
+    lines = table.splitlines()
+    assert "t4 (datasheet)" in lines[0]
+    link = next(line for line in lines if line.startswith("link h2d"))
+    assert link.split()[-1].endswith("x")
+    cpu_only = dataclasses.replace(resolve_hardware("t4"), gpu=None, link=None)
+    rows = format_comparison(cpu_only, resolve_hardware("t4")).splitlines()
+    gpu_row = next(line for line in rows if line.startswith("gpu memory "))
+    assert gpu_row.split()[-1] == "-"
