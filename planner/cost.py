@@ -36,7 +36,7 @@ from hrm.hardware import Curve, DeviceSpec, HardwareProfile
 from hrm.ops import ACTIVATION_DTYPE, Op, expected_distinct_experts, layer_ops, lm_head_op
 from hrm.policy import dtype_bytes
 from hrm.workload import Workload
-from planner.memory import ATT, FFN, ONE, PREFILL_CHUNK_TOKENS, RC, RW, WeightBytes
+from planner.memory import PREFILL_CHUNK_TOKENS, WeightBytes
 from planner.memory import placement_vector as vec
 
 DENSE_OPS = ("norms", "qkv_proj", "o_proj", "router", "shared_expert")
@@ -84,7 +84,7 @@ class Expr:
     unscaled: np.ndarray  # [steps, 5], once per layer
     weights: np.ndarray  # [5]
 
-    def __add__(self, other: "Expr") -> "Expr":
+    def __add__(self, other: Expr) -> Expr:
         return Expr(self.scaled + other.scaled, self.unscaled + other.unscaled, self.weights + other.weights)
 
     def coefficients(self, m: float, weight_stream_s: float) -> np.ndarray:
@@ -168,7 +168,7 @@ def micro_batch_seconds(setting: Setting, b: float) -> MicroBatchSeconds:
     arch, hw, wl = setting.arch, setting.hardware, setting.workload
     dtype = setting.compute_dtype
     adt, kdt = dtype_bytes(ACTIVATION_DTYPE), dtype_bytes(setting.kv_dtype)
-    k, e = arch.experts_per_token, arch.num_experts
+    k = arch.experts_per_token
     steps = setting.steps
     s_pre = wl.prefill_len
     chunk = min(b * s_pre, PREFILL_CHUNK_TOKENS)
@@ -206,8 +206,8 @@ def micro_batch_seconds(setting: Setting, b: float) -> MicroBatchSeconds:
     qkv = b * (arch.q_size + 2 * arch.kv_size) * adt
     kv_per_token_layer = 2 * arch.kv_size * kdt
     decode_kv_read = b * setting.decode_contexts * kv_per_token_layer
-    h2d = lambda x: link_seconds(hw, x, "h2d")  # noqa: E731
-    d2h = lambda x: link_seconds(hw, x, "d2h")  # noqa: E731
+    h2d = lambda x: link_seconds(hw, x, "h2d")
+    d2h = lambda x: link_seconds(hw, x, "d2h")
     return MicroBatchSeconds(
         gpu_dense=gpu["dense"], gpu_ffn=gpu["ffn"], gpu_attention=gpu["attention"],
         cpu_dense=cpu["dense"], cpu_ffn=cpu["ffn"], cpu_attention=cpu["attention"],

@@ -163,12 +163,16 @@ def footprint(memory: MemoryTerms, hardware: HardwareProfile, v: np.ndarray) -> 
     )
 
 
+# A device whose use is within this fraction of its usable memory is a binding constraint.
+TIGHT_FRACTION = 0.99
+
+
 def binding_memory(memory: MemoryFootprint) -> str:
-    """The device whose usable memory is the most used."""
-    use = {"cpu": memory.cpu_bytes / memory.cpu_capacity_bytes}
-    if memory.gpu_capacity_bytes > 0:
-        use["gpu"] = memory.gpu_bytes / memory.gpu_capacity_bytes
-    return max(use, key=use.get)
+    """The devices whose usable memory is (nearly) full, e.g. "gpu+cpu"; else the most used."""
+    use = {"gpu": memory.gpu_bytes / memory.gpu_capacity_bytes if memory.gpu_capacity_bytes else 0.0,
+           "cpu": memory.cpu_bytes / memory.cpu_capacity_bytes}
+    tight = [name for name, u in use.items() if u >= TIGHT_FRACTION]
+    return "+".join(tight) if tight else max(use, key=use.get)
 
 
 def check_policy(policy: Policy, hardware: HardwareProfile, schedule: str) -> None:

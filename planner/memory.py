@@ -47,7 +47,7 @@ class WeightBytes:
     num_layers: int
 
     @classmethod
-    def of(cls, arch: ModelArch, weight_dtype: str) -> "WeightBytes":
+    def of(cls, arch: ModelArch, weight_dtype: str) -> WeightBytes:
         wdt = dtype_bytes(weight_dtype)
         return cls(
             layer=arch.layer_params * wdt,

@@ -223,7 +223,7 @@ def _frontier_optimum(setting: Setting, fill: Fill, idx: np.ndarray, throughput)
     a concave r_w(r_c)), so a golden-section search finds the optimum."""
     lo, hi = fill.kv_after_weights[idx], np.minimum(fill.kv_alone[idx], fill.kv_cpu_limit[idx])
     hi = np.maximum(hi, lo)
-    rw_at = lambda rc: fill.weights_for_kv(rc, idx)  # noqa: E731
+    rw_at = lambda rc: fill.weights_for_kv(rc, idx)
     ratio = (math.sqrt(5) - 1) / 2
     a, b = lo.copy(), hi.copy()
     x1, x2 = b - ratio * (b - a), a + ratio * (b - a)

@@ -12,7 +12,7 @@ import sys
 
 from hrm.errors import HrmError
 
-SUBCOMMANDS = ("roofline",)
+SUBCOMMANDS = ("roofline", "plan")
 
 
 class _Parser(argparse.ArgumentParser):
