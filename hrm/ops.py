@@ -36,7 +36,7 @@ class Op:
         """FLOPs per byte when every byte the op reads comes from one memory level."""
         return self.flops / self.bytes if self.bytes else float("inf")
 
-    def scaled(self, factor: float) -> "Op":
+    def scaled(self, factor: float) -> Op:
         """The same op repeated `factor` times (e.g. over layers)."""
         return Op(
             name=self.name,
@@ -63,7 +63,9 @@ def _linear(name: str, tokens: float, d_in: int, d_out: int, wdt: float, adt: fl
     )
 
 
-def attention_op(arch: ModelArch, *, batch: float, new_tokens: float, context: float, kv_dtype: str) -> Op:
+def attention_op(
+    arch: ModelArch, *, batch: float, new_tokens: float, context: float, kv_dtype: str
+) -> Op:
     """Scaled dot-product attention, projections excluded.
 
     Decode (s = 1): FLOPs = 4*b*c*nq*d (QK^T and PV, 2 per MAC) + 5*b*c*nq (softmax);
@@ -83,7 +85,9 @@ def attention_op(arch: ModelArch, *, batch: float, new_tokens: float, context: f
     )
 
 
-def expert_ffn_op(arch: ModelArch, *, tokens: float, weight_dtype: str, group_tokens: float | None = None) -> Op:
+def expert_ffn_op(
+    arch: ModelArch, *, tokens: float, weight_dtype: str, group_tokens: float | None = None
+) -> Op:
     """Routed experts over `tokens` tokens.
 
     FLOPs = 6 * T * h * i * k (three projections per active expert, reference section 1).
@@ -120,8 +124,12 @@ def layer_ops(
     t = batch * new_tokens
     h = arch.hidden_size
     ops = [
-        Op(name="norms", flops=2 * 4.0 * t * h, weight_bytes=arch.norm_params * wdt,
-           activation_bytes=2 * 2.0 * t * h * adt),
+        Op(
+            name="norms",
+            flops=2 * 4.0 * t * h,
+            weight_bytes=arch.norm_params * wdt,
+            activation_bytes=2 * 2.0 * t * h * adt,
+        ),
         _linear("qkv_proj", t, h, arch.q_size + 2 * arch.kv_size, wdt, adt),
         attention_op(arch, batch=batch, new_tokens=new_tokens, context=context, kv_dtype=kv_dtype),
         _linear("o_proj", t, arch.q_size, h, wdt, adt),
@@ -129,7 +137,9 @@ def layer_ops(
         expert_ffn_op(arch, tokens=t, weight_dtype=weight_dtype, group_tokens=ffn_group_tokens),
     ]
     if arch.shared_expert_params:
-        ops.append(_linear("shared_expert", t, h, 3 * arch.shared_expert_intermediate_size, wdt, adt))
+        ops.append(
+            _linear("shared_expert", t, h, 3 * arch.shared_expert_intermediate_size, wdt, adt)
+        )
     return ops
 
 

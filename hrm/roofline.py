@@ -161,8 +161,12 @@ def run_time_bound(
         ops = [
             op.scaled(arch.num_layers)
             for op in layer_ops(
-                arch, batch=batch, new_tokens=new_tokens, context=context,
-                weight_dtype=dtype, kv_dtype=kv_dtype,
+                arch,
+                batch=batch,
+                new_tokens=new_tokens,
+                context=context,
+                weight_dtype=dtype,
+                kv_dtype=kv_dtype,
             )
         ]
         ops.append(lm_head_op(arch, batch=batch, weight_dtype=dtype))
@@ -175,4 +179,6 @@ def run_time_bound(
 
     prefill = step_time(prompt_len, prompt_len)
     decode = sum(step_time(1, prompt_len + t) for t in range(1, gen_len))
-    return RunBound(prefill_s=prefill, decode_s=decode, generated_tokens=batch * gen_len, binding=binding)
+    return RunBound(
+        prefill_s=prefill, decode_s=decode, generated_tokens=batch * gen_len, binding=binding
+    )

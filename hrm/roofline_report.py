@@ -79,14 +79,36 @@ def build_roofline_report(
     for kv_dtype in kv_dtypes:
         for batch in batches:
             op = attention_op(arch, batch=batch, new_tokens=1, context=context, kv_dtype=kv_dtype)
-            points.append(_point(hardware, dtype, f"attention b={batch} KV {kv_dtype}", "attention",
-                                 batch, kv_dtype, op.intensity, op.intensity, op.intensity))
+            points.append(
+                _point(
+                    hardware,
+                    dtype,
+                    f"attention b={batch} KV {kv_dtype}",
+                    "attention",
+                    batch,
+                    kv_dtype,
+                    op.intensity,
+                    op.intensity,
+                    op.intensity,
+                )
+            )
     for batch in batches:
         op = expert_ffn_op(arch, tokens=batch, weight_dtype=dtype)
         # On the GPU the kernel runs per micro-batch: its GPU-memory intensity is set by mu.
         micro = expert_ffn_op(arch, tokens=min(batch, micro_batch), weight_dtype=dtype)
-        points.append(_point(hardware, dtype, f"expert FFN N={batch}", "expert_ffn", batch, None,
-                             op.intensity, micro.intensity, op.intensity))
+        points.append(
+            _point(
+                hardware,
+                dtype,
+                f"expert FFN N={batch}",
+                "expert_ffn",
+                batch,
+                None,
+                op.intensity,
+                micro.intensity,
+                op.intensity,
+            )
+        )
     gpu = hardware.gpu
     return RooflineReport(
         model=arch.name,
@@ -100,7 +122,9 @@ def build_roofline_report(
         gpu_bandwidth_bytes_per_s=gpu.total_memory_bandwidth_bytes_per_s if gpu else None,
         link_bytes_per_s=hardware.h2d_bytes_per_s if gpu else None,
         turning=turning_points(hardware, dtype),
-        ffn_balance_batch=ffn_balance_batch(arch, hardware, micro_batch=micro_batch, weight_dtype=dtype),
+        ffn_balance_batch=ffn_balance_batch(
+            arch, hardware, micro_batch=micro_batch, weight_dtype=dtype
+        ),
         points=tuple(points),
     )
 
@@ -112,7 +136,12 @@ def _point(hardware, dtype, label, op, batch, kv_dtype, cpu_i, gpu_i, link_i) ->
         else None
     )
     return OpPoint(
-        label=label, op=op, batch=batch, kv_dtype=kv_dtype, cpu_intensity=cpu_i, gpu_intensity=gpu_i,
+        label=label,
+        op=op,
+        batch=batch,
+        kv_dtype=kv_dtype,
+        cpu_intensity=cpu_i,
+        gpu_intensity=gpu_i,
         cpu_flops_per_s=attainable_flops_per_s(hardware.cpu, dtype, cpu_i),
         gpu_streamed_flops_per_s=streamed,
     )
