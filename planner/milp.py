@@ -10,6 +10,7 @@ All coefficients come from planner/evaluate.BatchModel; nothing here knows the m
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,9 +68,10 @@ def add_placement_constraints(prob, x: _Vars, model: BatchModel, allowed: dict[s
 def add_memory_constraints(prob, x: _Vars, model: BatchModel) -> None:
     """sum of buffers on each device <= its usable memory (planner/memory.py)."""
     hw = model.setting.hardware
-    gpu_cap = usable_bytes(hw.gpu.total_memory_bytes) if hw.gpu else 0.0
-    # resident weights + paged buffer + head + r_c*KV + activations + workspace <= usable GPU
-    prob += x.affine(model.memory.gpu_total() / _GB) <= gpu_cap / _GB - _SLACK_GB, "gpu_memory"
+    if hw.gpu is not None:  # without one, F_g = A_g = 0 leave nothing on it
+        gpu_cap = usable_bytes(hw.gpu.total_memory_bytes)
+        # resident weights + paged buffer + head + r_c*KV + activations + workspace <= usable GPU
+        prob += x.affine(model.memory.gpu_total() / _GB) <= gpu_cap / _GB - _SLACK_GB, "gpu_memory"
     # (1-r_w) weights + embedding + (1-r_c)*KV + offload + staging + ... <= usable CPU
     prob += x.affine(model.memory.cpu_total() / _GB) <= usable_bytes(hw.cpu.memory_bytes) / _GB - _SLACK_GB, "cpu_memory"
 
@@ -78,7 +80,7 @@ def add_time_constraints(prob, x: _Vars, model: BatchModel) -> list[pulp.LpVaria
     """T_s >= every bound on the layer time at step s (schedule_terms in planner/cost.py)."""
     rows = model.layer_coefficients()
     steps = next(iter(rows.values())).shape[0]
-    t = [pulp.LpVariable(f"T_{s}", lowBound=0) for s in range(steps)]
+    t = [_variable(prob, f"T_{s}", 0, None) for s in range(steps)]
     for name, coef in rows.items():
         for s in range(steps):
             # T_layer(s) >= term(s)   (paper Eq 12: max over queues, as an epigraph)
@@ -90,10 +92,10 @@ def solve_placement(model: BatchModel, allowed: dict[str, bool | None]) -> MilpR
     """Minimise prefill + decode time over the placement at this (N, mu)."""
     prob = pulp.LpProblem("placement", pulp.LpMinimize)
     x = _Vars(
-        att=pulp.LpVariable("A_g", cat="Binary"),
-        ffn=pulp.LpVariable("F_g", cat="Binary"),
-        rw=pulp.LpVariable("r_w", lowBound=0, upBound=1),
-        rc=pulp.LpVariable("r_c", lowBound=0, upBound=1),
+        att=_variable(prob, "A_g", 0, 1, "Binary"),
+        ffn=_variable(prob, "F_g", 0, 1, "Binary"),
+        rw=_variable(prob, "r_w", 0, 1),
+        rc=_variable(prob, "r_c", 0, 1),
     )
     add_placement_constraints(prob, x, model, allowed)
     add_memory_constraints(prob, x, model)
@@ -101,7 +103,9 @@ def solve_placement(model: BatchModel, allowed: dict[str, bool | None]) -> MilpR
     layers = model.setting.arch.num_layers
     # total = sum_s (L * T_s + fill_s + head_s)
     prob += layers * pulp.lpSum(t) + x.affine(model.extra_coefficients().sum(axis=0))
-    prob.solve(pulp.PULP_CBC_CMD(msg=False, gapRel=1e-9))
+    with warnings.catch_warnings():  # PuLP 3.x announces its 4.0 API; the bundled CBC is this one
+        warnings.simplefilter("ignore", DeprecationWarning)
+        prob.solve(pulp.PULP_CBC_CMD(msg=False, gapRel=1e-9))
     status = pulp.LpStatus[prob.status]
     if status != "Optimal":
         return MilpResult(status=status, total_s=None)
@@ -113,6 +117,13 @@ def solve_placement(model: BatchModel, allowed: dict[str, bool | None]) -> MilpR
         weights_gpu_fraction=_fraction(x.rw.value()),
         kv_gpu_fraction=_fraction(x.rc.value()),
     )
+
+
+def _variable(prob, name: str, low, high, cat: str = "Continuous") -> pulp.LpVariable:
+    """prob.add_variable where PuLP has it (3.x), else the older LpVariable constructor."""
+    if hasattr(prob, "add_variable"):
+        return prob.add_variable(name, lowBound=low, upBound=high, cat=cat)
+    return pulp.LpVariable(name, lowBound=low, upBound=high, cat=cat)
 
 
 def _fraction(value: float | None) -> float:

@@ -305,6 +305,8 @@ def search(
     if not points:
         raise HrmError(infeasibility_message(setting, combos))
     top, solved = _solve_best(setting, points, incumbents[0], top_k)
+    if not top:
+        raise HrmError(infeasibility_message(setting, combos))
     stats = SearchStats(grid_points=evaluated, rows_skipped=skipped, milps_solved=solved)
     return SearchResult(status="optimal", top=tuple(top), stats=stats)
 

@@ -33,7 +33,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--cpu-mem", help="CPU memory to plan for, e.g. '128 GB' (default: profile)")
     p.add_argument("--gpu-mem", help="memory per GPU to plan for, e.g. '12 GB' (default: profile)")
     p.add_argument("--pcie", help="host-to-device bandwidth per GPU, e.g. '16 GB/s'")
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPE_BYTES), help="weights")
+    p.add_argument("--dtype", choices=sorted(DTYPE_BYTES),
+                   help="weights (default: the machine's faster of bfloat16 and float16)")
     p.add_argument("--kv-dtype", choices=sorted(DTYPE_BYTES), help="KV cache (default: --dtype)")
     p.add_argument("--schedule", default="cgopipe", choices=SCHEDULES, help="(cgopipe)")
     p.add_argument("--top", type=int, default=5, help="how many plans to list (5)")
@@ -85,8 +86,8 @@ def run(args: argparse.Namespace) -> int:
         raise HrmError("-o writes one plan; leave it out with --sweep (use --plot for the chart)")
     arch = resolve_model(args.model)
     hardware = _hardware(args)
-    options = {"schedule": args.schedule, "weight_dtype": args.dtype,
-               "kv_dtype": args.kv_dtype or args.dtype}
+    dtype = args.dtype or hardware.half_dtype
+    options = {"schedule": args.schedule, "weight_dtype": dtype, "kv_dtype": args.kv_dtype or dtype}
     if args.sweep:
         return _run_sweep(args, arch, hardware, workload, options)
     from planner.baselines import baselines
