@@ -29,23 +29,36 @@ def run_all() -> list[dict]:
         for named in workloads():
             row = {"model": model, "hardware": machine, "workload": named.name, "dtype": dtype}
             try:
-                result = search(arch, hw, named.workload, weight_dtype=dtype, kv_dtype=dtype,
-                                top_k=3)
+                result = search(
+                    arch, hw, named.workload, weight_dtype=dtype, kv_dtype=dtype, top_k=3
+                )
             except HrmError as exc:
                 rows.append({**row, "error": str(exc)})
                 continue
-            setting = Setting(arch=arch, hardware=hw, workload=named.workload,
-                              weight_dtype=dtype, kv_dtype=dtype)
-            rows.append({**row, "plan": result.best.to_dict(),
-                         "busy_fraction": result.best.busy_fraction,
-                         "baselines": [b.to_dict() for b in baselines(setting)]})
-            print(f"{model:>14} {machine:>5} {named.name:<20} "
-                  f"{result.best.predicted.throughput_tok_s:9.1f} tok/s")
+            setting = Setting(
+                arch=arch, hardware=hw, workload=named.workload, weight_dtype=dtype, kv_dtype=dtype
+            )
+            rows.append(
+                {
+                    **row,
+                    "plan": result.best.to_dict(),
+                    "busy_fraction": result.best.busy_fraction,
+                    "baselines": [b.to_dict() for b in baselines(setting)],
+                }
+            )
+            print(
+                f"{model:>14} {machine:>5} {named.name:<20} "
+                f"{result.best.predicted.throughput_tok_s:9.1f} tok/s"
+            )
     return rows
 
 
 def _tput(entry) -> float | None:
     return entry["predicted"]["throughput_tok_s"] if entry and entry.get("predicted") else None
+
+
+def _device(on_gpu: bool) -> str:
+    return "GPU" if on_gpu else "CPU"
 
 
 def markdown(rows: list[dict]) -> str:
@@ -74,13 +87,13 @@ def markdown(rows: list[dict]) -> str:
         best = plan["predicted"]["throughput_tok_s"]
         base = {b["name"]: _tput(b) for b in r["baselines"]}
 
-        def vs(name: str) -> str:
+        def vs(name: str, base=base, best=best) -> str:
             value = base.get(name)
             return "does not fit" if value is None else f"{value:.1f} ({best / value:.1f}x)"
 
         lines.append(
             f"{head} {p['batch_size']} | {p['micro_batch_size']} | "
-            f"{'GPU' if p['attention_on_gpu'] else 'CPU'} | {'GPU' if p['ffn_on_gpu'] else 'CPU'} | "
+            f"{_device(p['attention_on_gpu'])} | {_device(p['ffn_on_gpu'])} | "
             f"{p['weights_gpu_fraction']:.0%} | {p['kv_gpu_fraction']:.0%} | {best:.1f} | "
             f"{plan['predicted']['prefill_s']:.0f} | {plan['predicted']['decode_s']:.0f} | "
             f"{plan['bottleneck']} | {vs('flexgen-like')} | {vs('deepspeed-like')} |"

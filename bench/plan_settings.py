@@ -1,4 +1,4 @@
-"""The settings of reports/plans.md: the paper's machines, models and workloads (reference, s. 4)."""
+"""Settings of reports/plans.md: the paper's machines, models and workloads (reference, s. 4)."""
 
 from __future__ import annotations
 
@@ -28,10 +28,20 @@ def workloads() -> list[NamedWorkload]:
     for gen in (32, 64, 128, 256):
         for padding in (False, True):
             name = f"mtbench g{gen}" + (" (p)" if padding else "")
-            out.append(NamedWorkload(name, Workload(prompt_len_mean=77, prompt_len_max=418,
-                                                    gen_len=gen, padding=padding)))
-    out.append(NamedWorkload("helm-reasoning g50",
-                             Workload(prompt_len_mean=242, prompt_len_max=256, gen_len=50)))
-    out.append(NamedWorkload("helm-xsum g64",
-                             Workload(prompt_len_mean=1693, prompt_len_max=1984, gen_len=64)))
+            out.append(
+                NamedWorkload(
+                    name,
+                    Workload(prompt_len_mean=77, prompt_len_max=418, gen_len=gen, padding=padding),
+                )
+            )
+    out.append(
+        NamedWorkload(
+            "helm-reasoning g50", Workload(prompt_len_mean=242, prompt_len_max=256, gen_len=50)
+        )
+    )
+    out.append(
+        NamedWorkload(
+            "helm-xsum g64", Workload(prompt_len_mean=1693, prompt_len_max=1984, gen_len=64)
+        )
+    )
     return out

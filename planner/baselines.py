@@ -16,8 +16,8 @@ evaluated with our model, so that the comparison is of policies and schedules, n
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -57,8 +57,12 @@ def baselines(setting: Setting) -> list[Baseline]:
     if not setting.hardware.has_gpu:
         return []
     gpu_setting = Setting(
-        arch=setting.arch, hardware=setting.hardware, workload=setting.workload,
-        schedule=BASELINE_SCHEDULE, weight_dtype=setting.weight_dtype, kv_dtype=setting.kv_dtype,
+        arch=setting.arch,
+        hardware=setting.hardware,
+        workload=setting.workload,
+        schedule=BASELINE_SCHEDULE,
+        weight_dtype=setting.weight_dtype,
+        kv_dtype=setting.kv_dtype,
     )
     return [flexgen_like(gpu_setting), deepspeed_like(gpu_setting)]
 
@@ -69,14 +73,17 @@ def deepspeed_like(setting: Setting) -> Baseline:
 
     n = _largest(lambda n: _fits(setting, policy(n)))
     plan = build_plan(batch_model(setting, n, n), policy(n)) if n else None
-    return Baseline(name="deepspeed-like", plan=plan,
-                    rule="all weights streamed, KV cache and attention on the GPU, one micro-batch")
+    return Baseline(
+        name="deepspeed-like",
+        plan=plan,
+        rule="all weights streamed, KV cache and attention on the GPU, one micro-batch",
+    )
 
 
 def flexgen_like(setting: Setting) -> Baseline:
     best: tuple[float, Policy] | None = None
     for gbs in FLEXGEN_GBS:
-        blocks = _largest(lambda ngb: _fits(setting, _flexgen_policy(setting, gbs, ngb)))
+        blocks = _largest(lambda ngb, gbs=gbs: _fits(setting, _flexgen_policy(setting, gbs, ngb)))
         if not blocks:
             break  # a larger gbs needs more memory still
         policy = _flexgen_policy(setting, gbs, blocks)
@@ -87,14 +94,19 @@ def flexgen_like(setting: Setting) -> Baseline:
     if best is not None:
         p = best[1]
         plan = build_plan(batch_model(setting, p.batch_size, p.micro_batch_size), p)
-    return Baseline(name="flexgen-like", plan=plan,
-                    rule="GPU attention with KV prefetch, largest block, its own decode-only cost")
+    return Baseline(
+        name="flexgen-like",
+        plan=plan,
+        rule="GPU attention with KV prefetch, largest block, its own decode-only cost",
+    )
 
 
 def _flexgen_policy(setting: Setting, gbs: int, blocks: int) -> Policy:
     fill = fill_gpu(setting, gbs * blocks, gbs, (1, 1))
     # rounded down to 1e-9 so that round-off never tips a full GPU over its capacity
-    weights, kv = (math.floor(float(x[0]) * 1e9) / 1e9 for x in (fill.weights, fill.kv_after_weights))
+    weights, kv = (
+        math.floor(float(x[0]) * 1e9) / 1e9 for x in (fill.weights, fill.kv_after_weights)
+    )
     return _policy(setting, gbs * blocks, gbs, weights=weights, kv=kv)
 
 
@@ -106,8 +118,14 @@ def _flexgen_seconds_per_token(setting: Setting, policy: Policy) -> float:
     gbs, n = policy.micro_batch_size, policy.batch_size
     ctx = wl.max_context_len
     w_layer = setting.weights.layer
-    ops = layer_ops(arch, batch=gbs, new_tokens=1, context=ctx, weight_dtype=setting.weight_dtype,
-                    kv_dtype=setting.kv_dtype)
+    ops = layer_ops(
+        arch,
+        batch=gbs,
+        new_tokens=1,
+        context=ctx,
+        weight_dtype=setting.weight_dtype,
+        kv_dtype=setting.kv_dtype,
+    )
     flops = sum(op.flops for op in ops)
     local_bytes = w_layer + sum(op.kv_bytes + op.activation_bytes for op in ops)
     compute = policy.num_micro_batches * max(
@@ -123,16 +141,28 @@ def _flexgen_seconds_per_token(setting: Setting, policy: Policy) -> float:
 
 
 def _policy(setting: Setting, n: int, mu: int, *, weights: float, kv: float) -> Policy:
-    return Policy(batch_size=n, micro_batch_size=mu, attention_on_gpu=True, ffn_on_gpu=True,
-                  weights_gpu_fraction=weights, kv_gpu_fraction=kv,
-                  weight_dtype=setting.weight_dtype, kv_dtype=setting.kv_dtype)
+    return Policy(
+        batch_size=n,
+        micro_batch_size=mu,
+        attention_on_gpu=True,
+        ffn_on_gpu=True,
+        weights_gpu_fraction=weights,
+        kv_gpu_fraction=kv,
+        weight_dtype=setting.weight_dtype,
+        kv_dtype=setting.kv_dtype,
+    )
 
 
 def _fits(setting: Setting, policy: Policy) -> bool:
     hw = setting.hardware
-    mem = memory_terms(setting.arch, setting.workload, batch_size=policy.batch_size,
-                       micro_batch_size=policy.micro_batch_size,
-                       weight_dtype=setting.weight_dtype, kv_dtype=setting.kv_dtype)
+    mem = memory_terms(
+        setting.arch,
+        setting.workload,
+        batch_size=policy.batch_size,
+        micro_batch_size=policy.micro_batch_size,
+        weight_dtype=setting.weight_dtype,
+        kv_dtype=setting.kv_dtype,
+    )
     v = policy_vector(policy)
     return bool(
         np.all(mem.gpu_total() @ v <= usable_bytes(hw.gpu.total_memory_bytes))

@@ -67,7 +67,9 @@ class Setting:
     @property
     def decode_contexts(self) -> np.ndarray:
         """Keys a decode step attends over: S + t for t = 1..G-1 (S the mean, or the max padded)."""
-        start = self.workload.prompt_len_max if self.workload.padding else self.workload.prompt_len_mean
+        start = (
+            self.workload.prompt_len_max if self.workload.padding else self.workload.prompt_len_mean
+        )
         return start + np.arange(1, self.steps, dtype=float)
 
     @property
@@ -85,14 +87,16 @@ class Expr:
     weights: np.ndarray  # [5]
 
     def __add__(self, other: Expr) -> Expr:
-        return Expr(self.scaled + other.scaled, self.unscaled + other.unscaled, self.weights + other.weights)
+        return Expr(
+            self.scaled + other.scaled, self.unscaled + other.unscaled, self.weights + other.weights
+        )
 
     def coefficients(self, m: float, weight_stream_s: float) -> np.ndarray:
         """[steps, 5] coefficients at one (N, mu): what the MILP constrains."""
         return m * self.scaled + self.unscaled + weight_stream_s * self.weights[None, :]
 
     def evaluate(self, m: np.ndarray, weight_stream_s: np.ndarray, v: np.ndarray) -> np.ndarray:
-        """[M, steps] values for M points, each with its own m, stream time and placement v [M, 5]."""
+        """[M, steps] values at M points, each with its m, stream time and placement v [M, 5]."""
         return (
             m[:, None] * (v @ self.scaled.T)
             + v @ self.unscaled.T
@@ -139,7 +143,10 @@ def op_seconds(op: Op, device: DeviceSpec, dtype: str, rows) -> np.ndarray:
     """T_op = max(FLOPs / P(rows), bytes / B)  (paper Eq 13-14), P from the profile's GEMM curve
     at `rows` rows when it has one, else the peak."""
     rate = device.matmul_flops_per_s(dtype, float(rows))
-    return np.maximum(np.asarray(op.flops) / rate, np.asarray(op.bytes) / device.total_memory_bandwidth_bytes_per_s)
+    return np.maximum(
+        np.asarray(op.flops) / rate,
+        np.asarray(op.bytes) / device.total_memory_bandwidth_bytes_per_s,
+    )
 
 
 def _curve_at(curve: Curve, x: np.ndarray) -> np.ndarray:
@@ -172,12 +179,30 @@ def micro_batch_seconds(setting: Setting, b: float) -> MicroBatchSeconds:
     steps = setting.steps
     s_pre = wl.prefill_len
     chunk = min(b * s_pre, PREFILL_CHUNK_TOKENS)
-    prefill = {op.name: op for op in layer_ops(
-        arch, batch=b, new_tokens=s_pre, context=s_pre, weight_dtype=setting.weight_dtype,
-        kv_dtype=setting.kv_dtype, ffn_group_tokens=chunk)}
-    decode = {op.name: op for op in layer_ops(
-        arch, batch=b, new_tokens=1, context=setting.decode_contexts,
-        weight_dtype=setting.weight_dtype, kv_dtype=setting.kv_dtype, ffn_group_tokens=b)}
+    prefill = {
+        op.name: op
+        for op in layer_ops(
+            arch,
+            batch=b,
+            new_tokens=s_pre,
+            context=s_pre,
+            weight_dtype=setting.weight_dtype,
+            kv_dtype=setting.kv_dtype,
+            ffn_group_tokens=chunk,
+        )
+    }
+    decode = {
+        op.name: op
+        for op in layer_ops(
+            arch,
+            batch=b,
+            new_tokens=1,
+            context=setting.decode_contexts,
+            weight_dtype=setting.weight_dtype,
+            kv_dtype=setting.kv_dtype,
+            ffn_group_tokens=b,
+        )
+    }
     group = arch.num_attention_heads / arch.num_key_value_heads
 
     def on(device: DeviceSpec | None):
@@ -192,7 +217,10 @@ def micro_batch_seconds(setting: Setting, b: float) -> MicroBatchSeconds:
             return np.concatenate([[pre], dec])
 
         # expert GEMM rows: tokens * k spread over the distinct experts they touch
-        ffn_rows = (chunk * k / expected_distinct_experts(arch, chunk), b * k / expected_distinct_experts(arch, b))
+        ffn_rows = (
+            chunk * k / expected_distinct_experts(arch, chunk),
+            b * k / expected_distinct_experts(arch, b),
+        )
         head = lm_head_op(arch, batch=b, weight_dtype=setting.weight_dtype)
         return {
             "dense": sum(both(name, chunk, b) for name in DENSE_OPS),
@@ -206,17 +234,33 @@ def micro_batch_seconds(setting: Setting, b: float) -> MicroBatchSeconds:
     qkv = b * (arch.q_size + 2 * arch.kv_size) * adt
     kv_per_token_layer = 2 * arch.kv_size * kdt
     decode_kv_read = b * setting.decode_contexts * kv_per_token_layer
-    h2d = lambda x: link_seconds(hw, x, "h2d")
-    d2h = lambda x: link_seconds(hw, x, "d2h")
+
+    def h2d(nbytes):
+        return link_seconds(hw, nbytes, "h2d")
+
+    def d2h(nbytes):
+        return link_seconds(hw, nbytes, "d2h")
+
     return MicroBatchSeconds(
-        gpu_dense=gpu["dense"], gpu_ffn=gpu["ffn"], gpu_attention=gpu["attention"],
-        cpu_dense=cpu["dense"], cpu_ffn=cpu["ffn"], cpu_attention=cpu["attention"],
-        activations_to_gpu=np.concatenate([[h2d(hidden_page)], h2d(b * arch.q_size * adt) * np.ones(steps - 1)]),
+        gpu_dense=gpu["dense"],
+        gpu_ffn=gpu["ffn"],
+        gpu_attention=gpu["attention"],
+        cpu_dense=cpu["dense"],
+        cpu_ffn=cpu["ffn"],
+        cpu_attention=cpu["attention"],
+        activations_to_gpu=np.concatenate(
+            [[h2d(hidden_page)], h2d(b * arch.q_size * adt) * np.ones(steps - 1)]
+        ),
         activations_to_cpu=np.concatenate([[d2h(hidden_page)], d2h(qkv) * np.ones(steps - 1)]),
         kv_to_gpu=np.concatenate([[0.0], h2d(decode_kv_read)]),
-        kv_to_cpu=np.concatenate([[d2h(b * s_pre * kv_per_token_layer)],
-                                  d2h(b * kv_per_token_layer) * np.ones(steps - 1)]),
-        head_gpu=gpu["head"], head_cpu=cpu["head"],
+        kv_to_cpu=np.concatenate(
+            [
+                [d2h(b * s_pre * kv_per_token_layer)],
+                d2h(b * kv_per_token_layer) * np.ones(steps - 1),
+            ]
+        ),
+        head_gpu=gpu["head"],
+        head_cpu=cpu["head"],
         embed_to_gpu=h2d(b * arch.hidden_size * adt) * np.ones(steps),
     )
 
@@ -250,7 +294,8 @@ def queue_terms(setting: Setting, mb: MicroBatchSeconds) -> QueueTerms:
     # activations cross the link in prefill when the GPU runs the layers (hidden pages), and in
     # decode when attention and layers sit on different devices: F_g - A_g  (A_g <= F_g)
     crossing = _coef(steps, ffn, ffn - att)
-    # the CPU part of the cache crosses: prefill writes (F_g - r_c), decode reads/appends (A_g - r_c)
+    # the CPU part of the cache crosses: prefill writes it (F_g - r_c), decode reads and appends
+    # to it (A_g - r_c)
     kv_crossing = _coef(steps, ffn - rc, att - rc)
     components = {
         "gpu": {
@@ -340,7 +385,11 @@ def weight_stream_seconds(setting: Setting, m: np.ndarray) -> np.ndarray:
     """Seconds to stream all of W_l at the link rate of its pages: m pages (one per micro-batch)
     under cgopipe and gpu-attention, one whole-layer copy under serial and overlap. The page size
     is taken with the whole layer streamed, so that the time stays linear in r_w."""
-    pages = np.ones_like(m, dtype=float) if setting.schedule in ("serial", "overlap") else m.astype(float)
+    pages = (
+        np.ones_like(m, dtype=float)
+        if setting.schedule in ("serial", "overlap")
+        else m.astype(float)
+    )
     w = setting.weights.layer
     hw = setting.hardware
     if hw.link is None:

@@ -67,14 +67,18 @@ class BatchModel:
     def extra_coefficients(self) -> np.ndarray:
         """Fill/drain and LM head of each step as [steps, 5] coefficients."""
         m, ws = self.full_micro_batches, self.weight_stream_s
-        return self.fill_factor * self.terms.fill.coefficients(m, ws) + self.terms.head.coefficients(m, ws)
+        return self.fill_factor * self.terms.fill.coefficients(
+            m, ws
+        ) + self.terms.head.coefficients(m, ws)
 
 
 def batch_model(setting: Setting, batch_size: int, micro_batch_size: int) -> BatchModel:
     queues = queue_terms(setting, micro_batch_seconds(setting, micro_batch_size))
     last = batch_size % micro_batch_size
     if last:
-        queues = with_last_micro_batch(queues, queue_terms(setting, micro_batch_seconds(setting, last)))
+        queues = with_last_micro_batch(
+            queues, queue_terms(setting, micro_batch_seconds(setting, last))
+        )
     return BatchModel(
         setting=setting,
         batch_size=batch_size,
@@ -82,8 +86,12 @@ def batch_model(setting: Setting, batch_size: int, micro_batch_size: int) -> Bat
         queues=queues,
         terms=schedule_terms(setting.schedule, queues),
         memory=memory_terms(
-            setting.arch, setting.workload, batch_size=batch_size, micro_batch_size=micro_batch_size,
-            weight_dtype=setting.weight_dtype, kv_dtype=setting.kv_dtype,
+            setting.arch,
+            setting.workload,
+            batch_size=batch_size,
+            micro_batch_size=micro_batch_size,
+            weight_dtype=setting.weight_dtype,
+            kv_dtype=setting.kv_dtype,
         ),
     )
 
@@ -104,8 +112,11 @@ def run_seconds(
 
 def policy_vector(policy: Policy) -> np.ndarray:
     return placement_vector(
-        one=1.0, att=float(policy.attention_on_gpu), ffn=float(policy.ffn_on_gpu),
-        rw=policy.weights_gpu_fraction, rc=policy.kv_gpu_fraction,
+        one=1.0,
+        att=float(policy.attention_on_gpu),
+        ffn=float(policy.ffn_on_gpu),
+        rw=policy.weights_gpu_fraction,
+        rc=policy.kv_gpu_fraction,
     )
 
 
@@ -118,7 +129,10 @@ def build_plan(model: BatchModel, policy: Policy) -> Plan:
     layer_values = {name: c @ v for name, c in model.layer_coefficients().items()}  # [steps]
     layer = np.max(list(layer_values.values()), axis=0)
     step = layers * layer + model.extra_coefficients() @ v
-    busy = {name: float(layers * (model.queues.queue(name).coefficients(m, ws) @ v).sum()) for name in QUEUES}
+    busy = {
+        name: float(layers * (model.queues.queue(name).coefficients(m, ws) @ v).sum())
+        for name in QUEUES
+    }
     for name, e in model.queues.head.items():
         busy[name] += float((e.coefficients(m, ws) @ v).sum())
     memory = footprint(model.memory, setting.hardware, v)
@@ -129,7 +143,8 @@ def build_plan(model: BatchModel, policy: Policy) -> Plan:
         policy=policy,
         schedule=setting.schedule,
         predicted=Prediction(
-            prefill_s=float(step[0]), decode_s=float(step[1:].sum()),
+            prefill_s=float(step[0]),
+            decode_s=float(step[1:].sum()),
             generated_tokens=model.batch_size * setting.workload.gen_len,
         ),
         busy_s=busy,
@@ -149,7 +164,9 @@ def _bottleneck(model: BatchModel, layer_values: dict[str, np.ndarray], v: np.nd
     if top == "latency":
         return "latency: one micro-batch's stages in sequence"
     m, ws = model.full_micro_batches, model.weight_stream_s
-    parts = {c: float((e.coefficients(m, ws) @ v).sum()) for c, e in model.queues.components[top].items()}
+    parts = {
+        c: float((e.coefficients(m, ws) @ v).sum()) for c, e in model.queues.components[top].items()
+    }
     return f"{top} {max(parts, key=parts.get)}"
 
 
@@ -169,8 +186,10 @@ TIGHT_FRACTION = 0.99
 
 def binding_memory(memory: MemoryFootprint) -> str:
     """The devices whose usable memory is (nearly) full, e.g. "gpu+cpu"; else the most used."""
-    use = {"gpu": memory.gpu_bytes / memory.gpu_capacity_bytes if memory.gpu_capacity_bytes else 0.0,
-           "cpu": memory.cpu_bytes / memory.cpu_capacity_bytes}
+    use = {
+        "gpu": memory.gpu_bytes / memory.gpu_capacity_bytes if memory.gpu_capacity_bytes else 0.0,
+        "cpu": memory.cpu_bytes / memory.cpu_capacity_bytes,
+    }
     tight = [name for name, u in use.items() if u >= TIGHT_FRACTION]
     return "+".join(tight) if tight else max(use, key=use.get)
 
@@ -179,7 +198,9 @@ def check_policy(policy: Policy, hardware: HardwareProfile, schedule: str) -> No
     """The placement rules the model assumes; an HrmError names the one broken."""
     check_schedule(schedule)
     if not hardware.has_gpu and (policy.attention_on_gpu or policy.ffn_on_gpu):
-        raise HrmError(f"{hardware.name} has no GPU: the policy must run attention and FFN on the CPU")
+        raise HrmError(
+            f"{hardware.name} has no GPU: the policy must run attention and FFN on the CPU"
+        )
     if policy.attention_on_gpu and not policy.ffn_on_gpu:
         raise HrmError("attention on the GPU needs the layers (ffn_on_gpu) on the GPU too")
     if policy.weights_gpu_fraction > 0 and not policy.ffn_on_gpu:
@@ -187,7 +208,9 @@ def check_policy(policy: Policy, hardware: HardwareProfile, schedule: str) -> No
     if policy.kv_gpu_fraction > 0 and not policy.attention_on_gpu:
         raise HrmError("kv_gpu_fraction > 0 needs attention_on_gpu: CPU attention reads its cache")
     if schedule in ("serial", "overlap") and policy.attention_on_gpu:
-        raise HrmError(f"schedule {schedule} runs attention on the CPU; use gpu-attention or cgopipe")
+        raise HrmError(
+            f"schedule {schedule} runs attention on the CPU; use gpu-attention or cgopipe"
+        )
     if schedule == "gpu-attention" and not policy.attention_on_gpu:
         raise HrmError("schedule gpu-attention needs attention_on_gpu")
 
@@ -205,7 +228,11 @@ def predict(
     """
     check_policy(policy, hardware, schedule)
     setting = Setting(
-        arch=arch, hardware=hardware, workload=workload, schedule=schedule,
-        weight_dtype=policy.weight_dtype, kv_dtype=policy.kv_dtype,
+        arch=arch,
+        hardware=hardware,
+        workload=workload,
+        schedule=schedule,
+        weight_dtype=policy.weight_dtype,
+        kv_dtype=policy.kv_dtype,
     )
     return build_plan(batch_model(setting, policy.batch_size, policy.micro_batch_size), policy)

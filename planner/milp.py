@@ -48,11 +48,20 @@ class _Vars:
 
     def affine(self, coef: np.ndarray) -> pulp.LpAffineExpression:
         """c_0 + c_A*A_g + c_F*F_g + c_w*r_w + c_c*r_c."""
-        terms = [(self.att, coef[ATT]), (self.ffn, coef[FFN]), (self.rw, coef[RW]), (self.rc, coef[RC])]
-        return pulp.LpAffineExpression([(v, float(c)) for v, c in terms if c != 0.0], constant=float(coef[ONE]))
+        terms = [
+            (self.att, coef[ATT]),
+            (self.ffn, coef[FFN]),
+            (self.rw, coef[RW]),
+            (self.rc, coef[RC]),
+        ]
+        return pulp.LpAffineExpression(
+            [(v, float(c)) for v, c in terms if c != 0.0], constant=float(coef[ONE])
+        )
 
 
-def add_placement_constraints(prob, x: _Vars, model: BatchModel, allowed: dict[str, bool | None]) -> None:
+def add_placement_constraints(
+    prob, x: _Vars, model: BatchModel, allowed: dict[str, bool | None]
+) -> None:
     """What the model assumes and what the schedule or machine fixes."""
     # A_g <= F_g: attention on the GPU only beside the projections it feeds
     prob += x.att <= x.ffn, "attention_needs_gpu_layers"
@@ -73,7 +82,11 @@ def add_memory_constraints(prob, x: _Vars, model: BatchModel) -> None:
         # resident weights + paged buffer + head + r_c*KV + activations + workspace <= usable GPU
         prob += x.affine(model.memory.gpu_total() / _GB) <= gpu_cap / _GB - _SLACK_GB, "gpu_memory"
     # (1-r_w) weights + embedding + (1-r_c)*KV + offload + staging + ... <= usable CPU
-    prob += x.affine(model.memory.cpu_total() / _GB) <= usable_bytes(hw.cpu.memory_bytes) / _GB - _SLACK_GB, "cpu_memory"
+    prob += (
+        x.affine(model.memory.cpu_total() / _GB)
+        <= usable_bytes(hw.cpu.memory_bytes) / _GB - _SLACK_GB,
+        "cpu_memory",
+    )
 
 
 def add_time_constraints(prob, x: _Vars, model: BatchModel) -> list[pulp.LpVariable]:

@@ -45,8 +45,30 @@ from planner.memory import (
 )
 from planner.milp import solve_placement
 
-MU_GRID = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048,
-           3072, 4096, 6144, 8192)
+MU_GRID = (
+    1,
+    2,
+    4,
+    8,
+    16,
+    32,
+    48,
+    64,
+    96,
+    128,
+    192,
+    256,
+    384,
+    512,
+    768,
+    1024,
+    1536,
+    2048,
+    3072,
+    4096,
+    6144,
+    8192,
+)
 MAX_BATCH_SIZE = 16384
 # Two throughputs closer than this (relative) are equal: the solver's tolerance.
 REL_TOL = 1e-7
@@ -101,7 +123,8 @@ def _fixed(values: list[int]) -> bool | None:
 class Fill:
     """Closed-form placements of one kind (F_g, A_g) at many N, packed into the GPU memory left.
 
-    GPU row: gpu_w * r_w + gpu_c * r_c <= budget;  CPU row: cpu_0 + cpu_w * r_w + cpu_c * r_c <= cap.
+    GPU row: gpu_w * r_w + gpu_c * r_c <= budget
+    CPU row: cpu_0 + cpu_w * r_w + cpu_c * r_c <= cpu_cap
     """
 
     ffn: int
@@ -153,7 +176,9 @@ class Fill:
 
     @property
     def fits(self) -> np.ndarray:
-        return (self.budget >= 0) & (self.cpu_use(self.weights, self.kv_after_weights) <= self.cpu_cap)
+        return (self.budget >= 0) & (
+            self.cpu_use(self.weights, self.kv_after_weights) <= self.cpu_cap
+        )
 
 
 def fill_gpu(setting: Setting, batch_size, mu: int, combo: tuple[int, int]) -> Fill:
@@ -162,8 +187,14 @@ def fill_gpu(setting: Setting, batch_size, mu: int, combo: tuple[int, int]) -> F
     none of this kind does."""
     ffn, att = combo
     hw = setting.hardware
-    mem = memory_terms(setting.arch, setting.workload, batch_size=batch_size, micro_batch_size=mu,
-                       weight_dtype=setting.weight_dtype, kv_dtype=setting.kv_dtype)
+    mem = memory_terms(
+        setting.arch,
+        setting.workload,
+        batch_size=batch_size,
+        micro_batch_size=mu,
+        weight_dtype=setting.weight_dtype,
+        kv_dtype=setting.kv_dtype,
+    )
     g, c = np.atleast_2d(mem.gpu_total()), np.atleast_2d(mem.cpu_total())
     gpu_cap = usable_bytes(hw.gpu.total_memory_bytes) if hw.gpu else 0.0
     return Fill(
@@ -196,7 +227,9 @@ def bracket_row(
     tokens = m * mu * setting.workload.gen_len
 
     def throughput(rw: np.ndarray, rc: np.ndarray, keep: np.ndarray) -> np.ndarray:
-        v = np.stack([np.ones_like(rw), np.full_like(rw, att), np.full_like(rw, ffn), rw, rc], axis=1)
+        v = np.stack(
+            [np.ones_like(rw), np.full_like(rw, att), np.full_like(rw, ffn), rw, rc], axis=1
+        )
         prefill, decode = run_seconds(setting, terms, m[keep], v)
         return np.where(fill.fits[keep], tokens[keep] / (prefill + decode), -np.inf)
 
@@ -223,7 +256,10 @@ def _frontier_optimum(setting: Setting, fill: Fill, idx: np.ndarray, throughput)
     a concave r_w(r_c)), so a golden-section search finds the optimum."""
     lo, hi = fill.kv_after_weights[idx], np.minimum(fill.kv_alone[idx], fill.kv_cpu_limit[idx])
     hi = np.maximum(hi, lo)
-    rw_at = lambda rc: fill.weights_for_kv(rc, idx)
+
+    def rw_at(rc: np.ndarray) -> np.ndarray:
+        return fill.weights_for_kv(rc, idx)
+
     ratio = (math.sqrt(5) - 1) / 2
     a, b = lo.copy(), hi.copy()
     x1, x2 = b - ratio * (b - a), a + ratio * (b - a)
@@ -245,8 +281,12 @@ def row_bound(setting: Setting, mb, combos: list[tuple[int, int]], mu: int) -> f
     gen = setting.workload.gen_len
     if gen < 2:
         return math.inf
-    per_mb = [mb.gpu_dense[1] + mb.gpu_ffn[1] if f else mb.cpu_dense[1] + mb.cpu_ffn[1] + mb.cpu_attention[1]
-              for f, _ in combos]
+    per_mb = [
+        mb.gpu_dense[1] + mb.gpu_ffn[1]
+        if f
+        else mb.cpu_dense[1] + mb.cpu_ffn[1] + mb.cpu_attention[1]
+        for f, _ in combos
+    ]
     least = min(per_mb)
     return math.inf if least <= 0 else mu * gen / ((gen - 1) * setting.arch.num_layers * least)
 
@@ -254,7 +294,9 @@ def row_bound(setting: Setting, mb, combos: list[tuple[int, int]], mu: int) -> f
 def largest_batch(setting: Setting) -> int:
     """No N above this fits: weights and every sequence's KV cache need memory somewhere."""
     hw, arch, wl = setting.hardware, setting.arch, setting.workload
-    total = usable_bytes(hw.cpu.memory_bytes) + (usable_bytes(hw.gpu.total_memory_bytes) if hw.gpu else 0.0)
+    total = usable_bytes(hw.cpu.memory_bytes) + (
+        usable_bytes(hw.gpu.total_memory_bytes) if hw.gpu else 0.0
+    )
     w = setting.weights
     free = total - arch.num_layers * w.layer - w.embedding
     per_sequence = kv_cache_bytes(arch, wl, 1, setting.kv_dtype)
@@ -274,8 +316,14 @@ def search(
     """The top_k (N, mu) points with their optimal placements, best first."""
     if top_k < 1:
         raise HrmError(f"--top must be at least 1, got {top_k}")
-    setting = Setting(arch=arch, hardware=hardware, workload=workload, schedule=schedule,
-                      weight_dtype=weight_dtype, kv_dtype=kv_dtype)
+    setting = Setting(
+        arch=arch,
+        hardware=hardware,
+        workload=workload,
+        schedule=schedule,
+        weight_dtype=weight_dtype,
+        kv_dtype=kv_dtype,
+    )
     combos = placements(hardware, schedule)
     n_hi = largest_batch(setting)
     rows = []
@@ -301,7 +349,9 @@ def search(
         upper = np.max([b.bound for b in brackets], axis=0)
         for value in feasible[np.isfinite(feasible)]:
             _push(incumbents, float(value), top_k)
-        points.extend((float(u), mu, int(k * mu)) for u, k in zip(upper, m) if np.isfinite(u))
+        points.extend(
+            (float(u), mu, int(k * mu)) for u, k in zip(upper, m, strict=True) if np.isfinite(u)
+        )
     if not points:
         raise HrmError(infeasibility_message(setting, combos))
     top, solved = _solve_best(setting, points, incumbents[0], top_k)
@@ -330,10 +380,14 @@ def _push(heap: list[float], value: float, k: int) -> None:
         heapq.heapreplace(heap, value)
 
 
-def _solve_best(setting: Setting, points, kth_feasible: float, top_k: int) -> tuple[list[Plan], int]:
+def _solve_best(
+    setting: Setting, points, kth_feasible: float, top_k: int
+) -> tuple[list[Plan], int]:
     """MILP at points in order of upper bound until no remaining bound can enter the top k."""
     allowed = fixed_binaries(setting.hardware, setting.schedule)
-    candidates = sorted((p for p in points if p[0] >= kth_feasible * (1 - REL_TOL)), key=lambda p: -p[0])
+    candidates = sorted(
+        (p for p in points if p[0] >= kth_feasible * (1 - REL_TOL)), key=lambda p: -p[0]
+    )
     top: list[Plan] = []
     solved = 0
     for bound, mu, n in candidates:
@@ -353,11 +407,14 @@ def solve_point(setting: Setting, batch_size: int, micro_batch_size: int, allowe
     if not result.optimal:
         return None
     policy = Policy(
-        batch_size=batch_size, micro_batch_size=micro_batch_size,
-        attention_on_gpu=result.attention_on_gpu, ffn_on_gpu=result.ffn_on_gpu,
+        batch_size=batch_size,
+        micro_batch_size=micro_batch_size,
+        attention_on_gpu=result.attention_on_gpu,
+        ffn_on_gpu=result.ffn_on_gpu,
         weights_gpu_fraction=result.weights_gpu_fraction if result.ffn_on_gpu else 0.0,
         kv_gpu_fraction=result.kv_gpu_fraction if result.attention_on_gpu else 0.0,
-        weight_dtype=setting.weight_dtype, kv_dtype=setting.kv_dtype,
+        weight_dtype=setting.weight_dtype,
+        kv_dtype=setting.kv_dtype,
     )
     return build_plan(model, policy)
 
@@ -373,14 +430,19 @@ def infeasibility_message(setting: Setting, combos) -> str:
         gpu_short = -float(fill.budget[0])
         cpu_short = float(fill.cpu_use(fill.weights, fill.kv_after_weights)[0]) - cpu_cap
         if gpu_short > 0:
-            shortfalls.append((gpu_short, "GPU", gpu_cap + gpu_short, gpu_cap, "--gpu-mem or a larger GPU"))
+            shortfalls.append(
+                (gpu_short, "GPU", gpu_cap + gpu_short, gpu_cap, "--gpu-mem or a larger GPU")
+            )
         else:
-            shortfalls.append((cpu_short, "CPU", cpu_cap + cpu_short, cpu_cap, "--cpu-mem or more CPU memory"))
+            shortfalls.append(
+                (cpu_short, "CPU", cpu_cap + cpu_short, cpu_cap, "--cpu-mem or more CPU memory")
+            )
     short, device, need, cap, fix = min(shortfalls)
     pct = round(100 * USABLE_MEMORY_FRACTION)
     return (
         f"{setting.arch.name} with prompts up to {setting.workload.prompt_len_max} and "
-        f"{setting.workload.gen_len} new tokens fits no policy on {hw.name}: even one sequence needs "
+        f"{setting.workload.gen_len} new tokens fits no policy on {hw.name}: even one sequence "
+        f"needs "
         f"{format_bytes(need)} of {device} memory, {format_bytes(cap)} is usable ({pct}% of the "
         f"total), {format_bytes(short)} short; try {fix}, or shorter prompts"
     )

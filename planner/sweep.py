@@ -99,13 +99,20 @@ def plot_sweep(result: Sweep, path: str | Path, title: str) -> Path:
     xs = [p.value for p in result.points if p.plan]
     ys = [p.plan.predicted.throughput_tok_s for p in result.points if p.plan]
     ax.plot(xs, ys, "o-", color="tab:blue")
-    ax.axvline(result.current, color="gray", ls="--", label=f"profile: {result.label(result.current)}")
+    ax.axvline(
+        result.current, color="gray", ls="--", label=f"profile: {result.label(result.current)}"
+    )
     ax.set_xscale("log")
     ticks = [p.value for p in result.points]
     ax.set_xticks(ticks, [result.label(t) for t in ticks])
     ax.minorticks_off()
-    ax.set_xlabel({"cpu-mem": "CPU memory", "gpu-mem": "GPU memory (per GPU)",
-                   "pcie": "PCIe host-to-device (per GPU)"}[result.resource])
+    ax.set_xlabel(
+        {
+            "cpu-mem": "CPU memory",
+            "gpu-mem": "GPU memory (per GPU)",
+            "pcie": "PCIe host-to-device (per GPU)",
+        }[result.resource]
+    )
     ax.set_ylabel("best predicted throughput (tok/s)")
     ax.set_ylim(bottom=0)
     ax.set_title(title)

@@ -33,8 +33,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--cpu-mem", help="CPU memory to plan for, e.g. '128 GB' (default: profile)")
     p.add_argument("--gpu-mem", help="memory per GPU to plan for, e.g. '12 GB' (default: profile)")
     p.add_argument("--pcie", help="host-to-device bandwidth per GPU, e.g. '16 GB/s'")
-    p.add_argument("--dtype", choices=sorted(DTYPE_BYTES),
-                   help="weights (default: the machine's faster of bfloat16 and float16)")
+    p.add_argument(
+        "--dtype",
+        choices=sorted(DTYPE_BYTES),
+        help="weights (default: the machine's faster of bfloat16 and float16)",
+    )
     p.add_argument("--kv-dtype", choices=sorted(DTYPE_BYTES), help="KV cache (default: --dtype)")
     p.add_argument("--schedule", default="cgopipe", choices=SCHEDULES, help="(cgopipe)")
     p.add_argument("--top", type=int, default=5, help="how many plans to list (5)")
@@ -56,8 +59,12 @@ def _workload(args):
         raise HrmError(f"--max-prompt-len must be positive, got {longest}")
     if args.gen_len <= 0:
         raise HrmError(f"--gen-len must be positive, got {args.gen_len}")
-    return Workload(prompt_len_mean=args.prompt_len, prompt_len_max=longest,
-                    gen_len=args.gen_len, padding=args.padding)
+    return Workload(
+        prompt_len_mean=args.prompt_len,
+        prompt_len_max=longest,
+        gen_len=args.gen_len,
+        padding=args.padding,
+    )
 
 
 def _hardware(args):
@@ -125,16 +132,25 @@ def _percent(x: float) -> str:
 
 
 def _placement(policy) -> str:
-    return (f"N={policy.batch_size} mu={policy.micro_batch_size} "
-            f"attention {'GPU' if policy.attention_on_gpu else 'CPU'} "
-            f"FFN {'GPU' if policy.ffn_on_gpu else 'CPU'} "
-            f"weights-on-GPU {_percent(policy.weights_gpu_fraction)} "
-            f"KV-on-GPU {_percent(policy.kv_gpu_fraction)}")
+    return (
+        f"N={policy.batch_size} mu={policy.micro_batch_size} "
+        f"attention {'GPU' if policy.attention_on_gpu else 'CPU'} "
+        f"FFN {'GPU' if policy.ffn_on_gpu else 'CPU'} "
+        f"weights-on-GPU {_percent(policy.weights_gpu_fraction)} "
+        f"KV-on-GPU {_percent(policy.kv_gpu_fraction)}"
+    )
 
 
 def _buffers(parts: dict[str, float]) -> str:
     shown = [f"{name} {format_bytes(b, 3)}" for name, b in parts.items() if b >= 1e6]
     return ", ".join(shown)
+
+
+def _memory_line(device: str, used: float, usable: float, parts: dict[str, float]) -> str:
+    return (
+        f"  {device} memory  {format_bytes(used, 3)} of {format_bytes(usable, 3)} usable: "
+        f"{_buffers(parts)}"
+    )
 
 
 def format_plan(result, base) -> str:
@@ -149,17 +165,18 @@ def format_plan(result, base) -> str:
         f"  policy      {_placement(pol)}",
         f"  predicted   {pred.throughput_tok_s:.1f} tok/s: prefill {pred.prefill_s:.1f} s + decode "
         f"{pred.decode_s:.1f} s for {pred.generated_tokens} tokens",
-        "  busy        " + "  ".join(f"{r.upper()} {_percent(f)}" for r, f in best.busy_fraction.items()),
+        "  busy        "
+        + "  ".join(f"{r.upper()} {_percent(f)}" for r, f in best.busy_fraction.items()),
     ]
     if mem.gpu_capacity_bytes > 0:
-        lines.append(f"  GPU memory  {format_bytes(mem.gpu_bytes, 3)} of {format_bytes(mem.gpu_capacity_bytes, 3)}"
-                     f" usable: {_buffers(mem.gpu)}")
-    lines.append(f"  CPU memory  {format_bytes(mem.cpu_bytes, 3)} of {format_bytes(mem.cpu_capacity_bytes, 3)}"
-                 f" usable: {_buffers(mem.cpu)}")
+        lines.append(_memory_line("GPU", mem.gpu_bytes, mem.gpu_capacity_bytes, mem.gpu))
+    lines.append(_memory_line("CPU", mem.cpu_bytes, mem.cpu_capacity_bytes, mem.cpu))
     lines.append(f"  binds       {best.bottleneck}; memory: {best.binding_memory}")
     lines.append("")
-    lines.append(f"  {'':<16}{'N':>6} {'mu':>5} {'attn':>5} {'ffn':>4} {'w-GPU':>6} {'KV-GPU':>7} "
-                 f"{'tok/s':>9} {'vs best':>8}")
+    lines.append(
+        f"  {'':<16}{'N':>6} {'mu':>5} {'attn':>5} {'ffn':>4} {'w-GPU':>6} {'KV-GPU':>7} "
+        f"{'tok/s':>9} {'vs best':>8}"
+    )
     rows = [(f"#{i + 1}", p) for i, p in enumerate(result.top)]
     rows += [(b.name, b.plan) for b in base]
     for name, p in rows:
@@ -184,13 +201,18 @@ def _run_sweep(args, arch, hardware, workload, options) -> int:
     parse = parse_bandwidth if args.sweep == "pcie" else parse_bytes
     values = None
     if args.sweep_values:
-        values = [parse(v.strip(), "--sweep-values") for v in args.sweep_values.split(",") if v.strip()]
+        values = [
+            parse(v.strip(), "--sweep-values") for v in args.sweep_values.split(",") if v.strip()
+        ]
         if not values:
             raise HrmError("--sweep-values: give at least one value")
     plot_path = args.plot or f"sweep-{args.sweep}-{arch.name}-{hardware.name}.png"
     check_writable(plot_path)
     result = sweep(arch, hardware, workload, resource=args.sweep, values=values, top_k=1, **options)
-    title = f"{arch.name} on {hardware.name}: prompts {workload.prompt_len_mean:g}, gen {workload.gen_len}"
+    title = (
+        f"{arch.name} on {hardware.name}: prompts {workload.prompt_len_mean:g}, "
+        f"gen {workload.gen_len}"
+    )
     plot_sweep(result, plot_path, title)
     if args.json:
         print(json.dumps({**result.to_dict(), "plot": plot_path}, indent=2))
@@ -202,8 +224,10 @@ def _run_sweep(args, arch, hardware, workload, options) -> int:
             lines.append(f"  {unit(p.value, 3):>12}  does not fit")
             continue
         q = p.plan.policy
-        lines.append(f"  {unit(p.value, 3):>12}  {p.plan.predicted.throughput_tok_s:9.1f} tok/s  "
-                     f"N={q.batch_size} mu={q.micro_batch_size}  binds: {p.plan.bottleneck}")
+        lines.append(
+            f"  {unit(p.value, 3):>12}  {p.plan.predicted.throughput_tok_s:9.1f} tok/s  "
+            f"N={q.batch_size} mu={q.micro_batch_size}  binds: {p.plan.bottleneck}"
+        )
     lines.append(f"wrote {plot_path}")
     print("\n".join(lines))
     return 0

@@ -8,6 +8,7 @@ from tiny_setup import cpu_only_profile, gpu_profile, tiny_arch
 from hrm.arch import ModelArch
 from hrm.workload import Workload
 
+
 @pytest.fixture
 def arch() -> ModelArch:
     return tiny_arch()

@@ -17,8 +17,9 @@ WORKLOAD = Workload(prompt_len_mean=77, prompt_len_max=418, gen_len=64)
 
 @pytest.fixture(scope="module")
 def l4_baselines():
-    setting = Setting(arch=resolve_model("mixtral-8x7b"), hardware=resolve_hardware("l4"),
-                      workload=WORKLOAD)
+    setting = Setting(
+        arch=resolve_model("mixtral-8x7b"), hardware=resolve_hardware("l4"), workload=WORKLOAD
+    )
     return {b.name: b for b in baselines(setting)}
 
 

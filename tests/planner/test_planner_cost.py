@@ -25,9 +25,16 @@ W_LAYER = 443904.0
 
 
 def policy(**kw) -> Policy:
-    base = dict(batch_size=2, micro_batch_size=1, attention_on_gpu=False, ffn_on_gpu=False,
-                weights_gpu_fraction=0.0, kv_gpu_fraction=0.0, weight_dtype="float32",
-                kv_dtype="float32")
+    base = dict(
+        batch_size=2,
+        micro_batch_size=1,
+        attention_on_gpu=False,
+        ffn_on_gpu=False,
+        weights_gpu_fraction=0.0,
+        kv_gpu_fraction=0.0,
+        weight_dtype="float32",
+        kv_dtype="float32",
+    )
     return Policy(**{**base, **kw})
 
 
@@ -36,6 +43,7 @@ def test_cpu_only_run_by_hand(arch, make_cpu_profile):
     hw = make_cpu_profile(flops=1e18)
     wl = Workload(prompt_len_mean=8, prompt_len_max=8, gen_len=3)
     plan = predict(arch, hw, wl, policy(), schedule="cgopipe")
+
     # Decode, one sequence at context c, bytes per layer:
     #   norms 512 + 2*2*64*2 = 1024; qkv 64*128*4 + (64+128)*2 = 33152; attention 2*c*2*16*4 +
     #   2*4*16*2 = 256c + 256; o_proj 64*64*4 + 128*2 = 16640; router 64*4*4 + 68*2 = 1160;
@@ -63,7 +71,9 @@ def test_weight_stream_term_by_hand(arch, make_gpu_profile):
     # GPU layers, CPU attention, half the weights resident, PCIe 1e8 B/s both ways.
     hw = make_gpu_profile(link_bytes_per_s=1e8)
     wl = Workload(prompt_len_mean=8, prompt_len_max=8, gen_len=3)
-    setting = Setting(arch=arch, hardware=hw, workload=wl, weight_dtype="float32", kv_dtype="float32")
+    setting = Setting(
+        arch=arch, hardware=hw, workload=wl, weight_dtype="float32", kv_dtype="float32"
+    )
     p = policy(ffn_on_gpu=True, weights_gpu_fraction=0.5)
     h2d = batch_model(setting, 2, 1).layer_coefficients()["h2d"] @ policy_vector(p)
     # (1 - r_w) * W_l / B + per micro-batch: prefill hidden page 8*64*2 = 1024 B in, decode
@@ -98,8 +108,9 @@ def test_memory_by_hand(arch, make_gpu_profile):
 def test_time_never_grows_with_resident_weights_or_cache(arch, make_gpu_profile, workload):
     """What the search's closed forms rely on: every time term is nonincreasing in r_w and r_c."""
     for schedule in ("cgopipe", "serial", "overlap", "gpu-attention"):
-        setting = Setting(arch=arch, hardware=make_gpu_profile(), workload=workload,
-                          schedule=schedule)
+        setting = Setting(
+            arch=arch, hardware=make_gpu_profile(), workload=workload, schedule=schedule
+        )
         for n, mu in ((1, 1), (6, 2), (7, 3)):
             model = batch_model(setting, n, mu)
             rows = [*model.layer_coefficients().values(), model.extra_coefficients()]
@@ -118,10 +129,16 @@ def test_last_micro_batch_counts_its_own_size(arch, make_cpu_profile, workload):
 def test_matmul_curve_slows_small_gemms(arch, make_cpu_profile, workload):
     hw = make_cpu_profile(flops=1e12, bandwidth=1e14)  # compute-bound
     slow = dataclasses.replace(
-        hw, cpu=dataclasses.replace(hw.cpu, matmul_curves={"float32": Curve(points=((1, 1e10), (1024, 1e12)))})
+        hw,
+        cpu=dataclasses.replace(
+            hw.cpu, matmul_curves={"float32": Curve(points=((1, 1e10), (1024, 1e12)))}
+        ),
     )
     p = policy()
-    assert predict(arch, slow, workload, p).predicted.total_s > 10 * predict(arch, hw, workload, p).predicted.total_s
+    assert (
+        predict(arch, slow, workload, p).predicted.total_s
+        > 10 * predict(arch, hw, workload, p).predicted.total_s
+    )
 
 
 def test_overlap_never_beats_cgopipe(arch, make_gpu_profile, workload):
@@ -153,8 +170,9 @@ def test_cpu_only_machine_refuses_gpu_placement(arch, make_cpu_profile, workload
 def test_decode_charges_each_step_its_own_context(arch, make_cpu_profile):
     hw = make_cpu_profile(flops=1e18)
     short = predict(arch, hw, Workload(prompt_len_mean=8, prompt_len_max=64, gen_len=3), policy())
-    padded = predict(arch, hw, Workload(prompt_len_mean=8, prompt_len_max=64, gen_len=3,
-                                        padding=True), policy())
+    padded = predict(
+        arch, hw, Workload(prompt_len_mean=8, prompt_len_max=64, gen_len=3, padding=True), policy()
+    )
     assert padded.predicted.prefill_s > short.predicted.prefill_s
     # decode attention: padded contexts are 56 keys longer at both steps, 256 B per key per layer
     extra = 2 * 2 * 2 * 256 * 56 / 1e9

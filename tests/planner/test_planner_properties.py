@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tiny_setup import gpu_profile, tiny_arch
 
 from hrm.errors import HrmError
 from hrm.workload import Workload
 from planner.search import search
-
-from tiny_setup import gpu_profile, tiny_arch
 
 SETTINGS = settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 ARCH = tiny_arch()

@@ -51,10 +51,17 @@ CASES = [
 def test_search_equals_brute_force(arch, make_gpu_profile, schedule, gpu_mem, cpu_mem, pcie):
     hw = make_gpu_profile(gpu_memory_bytes=gpu_mem, cpu_memory_bytes=cpu_mem, link_bytes_per_s=pcie)
     wl = Workload(prompt_len_mean=12, prompt_len_max=16, gen_len=6)
-    setting = Setting(arch=arch, hardware=hw, workload=wl, schedule=schedule,
-                      weight_dtype="float32", kv_dtype="float32")
-    result = search(arch, hw, wl, schedule=schedule, weight_dtype="float32", kv_dtype="float32",
-                    top_k=3)
+    setting = Setting(
+        arch=arch,
+        hardware=hw,
+        workload=wl,
+        schedule=schedule,
+        weight_dtype="float32",
+        kv_dtype="float32",
+    )
+    result = search(
+        arch, hw, wl, schedule=schedule, weight_dtype="float32", kv_dtype="float32", top_k=3
+    )
     everything = brute_force(setting)
     assert len(everything) > 20, "the instance should have a real grid"
     found = [p.predicted.throughput_tok_s for p in result.top]
