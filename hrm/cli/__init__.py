@@ -12,7 +12,7 @@ import sys
 
 from hrm.errors import HrmError
 
-SUBCOMMANDS = ("roofline", "profile")
+SUBCOMMANDS = ("roofline", "profile", "plan")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -1,0 +1,47 @@
+"""Settings of reports/plans.md: the paper's machines, models and workloads (reference, s. 4)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hrm.workload import Workload
+
+MACHINES = (
+    ("mixtral-8x7b", "t4"),
+    ("mixtral-8x7b", "l4"),
+    ("mixtral-8x22b", "2xt4"),
+    ("mixtral-8x22b", "4xt4"),
+    ("dbrx", "2xt4"),
+    ("dbrx", "4xt4"),
+)
+
+
+@dataclass(frozen=True)
+class NamedWorkload:
+    name: str
+    workload: Workload
+
+
+def workloads() -> list[NamedWorkload]:
+    """MTBench-like (prompt mean 77, max 418; generation 32-256; padded and not) and HELM-like."""
+    out = []
+    for gen in (32, 64, 128, 256):
+        for padding in (False, True):
+            name = f"mtbench g{gen}" + (" (p)" if padding else "")
+            out.append(
+                NamedWorkload(
+                    name,
+                    Workload(prompt_len_mean=77, prompt_len_max=418, gen_len=gen, padding=padding),
+                )
+            )
+    out.append(
+        NamedWorkload(
+            "helm-reasoning g50", Workload(prompt_len_mean=242, prompt_len_max=256, gen_len=50)
+        )
+    )
+    out.append(
+        NamedWorkload(
+            "helm-xsum g64", Workload(prompt_len_mean=1693, prompt_len_max=1984, gen_len=64)
+        )
+    )
+    return out

@@ -1,0 +1,233 @@
+"""`hrm plan`: the best policy for a model, machine and workload, its predicted throughput, what
+binds it, and the FlexGen-like and DeepSpeed-like baselines beside it; `--sweep` shows what a
+resource is worth. The planner (and PuLP) are imported inside `run`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+from hrm.errors import HrmError
+from hrm.plan import SCHEDULES
+from hrm.policy import DTYPE_BYTES
+from hrm.units import format_bandwidth, format_bytes, parse_bandwidth, parse_bytes
+
+SWEEPS = ("cpu-mem", "gpu-mem", "pcie")
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "plan",
+        help="find the best batch, micro-batch and placement and predict throughput",
+        description="Search batch size N, micro-batch size mu and the placement of attention, "
+        "FFN, weights and KV cache (a MILP per (N, mu)) for the highest predicted throughput of "
+        "prefill plus decode, and show what binds it and the baselines beside it.",
+    )
+    p.add_argument("--model", required=True, help="bundled name, config.json or checkpoint dir")
+    p.add_argument("--hardware", required=True, help="bundled profile name or a profile .yaml")
+    p.add_argument("--prompt-len", type=float, required=True, help="mean prompt length (tokens)")
+    p.add_argument("--max-prompt-len", type=int, help="longest prompt (default: the mean)")
+    p.add_argument("--padding", action="store_true", help="pad every prompt to the longest")
+    p.add_argument("--gen-len", type=int, required=True, help="tokens generated per sequence")
+    p.add_argument("--cpu-mem", help="CPU memory to plan for, e.g. '128 GB' (default: profile)")
+    p.add_argument("--gpu-mem", help="memory per GPU to plan for, e.g. '12 GB' (default: profile)")
+    p.add_argument("--pcie", help="host-to-device bandwidth per GPU, e.g. '16 GB/s'")
+    p.add_argument(
+        "--dtype",
+        choices=sorted(DTYPE_BYTES),
+        help="weights (default: the machine's faster of bfloat16 and float16)",
+    )
+    p.add_argument("--kv-dtype", choices=sorted(DTYPE_BYTES), help="KV cache (default: --dtype)")
+    p.add_argument("--schedule", default="cgopipe", choices=SCHEDULES, help="(cgopipe)")
+    p.add_argument("--top", type=int, default=5, help="how many plans to list (5)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("-o", "--output", help="write the best plan here (for hrm run --plan)")
+    p.add_argument("--sweep", choices=SWEEPS, help="best throughput as this resource changes")
+    p.add_argument("--sweep-values", help="comma-separated sizes or bandwidths (default 1/4x-4x)")
+    p.add_argument("--plot", help="sweep chart PNG (default sweep-RESOURCE-MODEL-HARDWARE.png)")
+    p.set_defaults(run=run)
+
+
+def _workload(args):
+    from hrm.workload import Workload
+
+    if not math.isfinite(args.prompt_len) or args.prompt_len <= 0:
+        raise HrmError(f"--prompt-len must be positive, got {args.prompt_len:g}")
+    longest = args.max_prompt_len if args.max_prompt_len is not None else math.ceil(args.prompt_len)
+    if longest <= 0:
+        raise HrmError(f"--max-prompt-len must be positive, got {longest}")
+    if args.gen_len <= 0:
+        raise HrmError(f"--gen-len must be positive, got {args.gen_len}")
+    return Workload(
+        prompt_len_mean=args.prompt_len,
+        prompt_len_max=longest,
+        gen_len=args.gen_len,
+        padding=args.padding,
+    )
+
+
+def _hardware(args):
+    from hrm.hardware import resolve_hardware
+
+    hardware = resolve_hardware(args.hardware)
+    return hardware.with_resources(
+        cpu_memory_bytes=parse_bytes(args.cpu_mem, "--cpu-mem") if args.cpu_mem else None,
+        gpu_memory_bytes=parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None,
+        link_bytes_per_s=parse_bandwidth(args.pcie, "--pcie") if args.pcie else None,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from hrm.arch import resolve_model
+    from hrm.io import check_writable
+
+    workload = _workload(args)
+    if args.top < 1:
+        raise HrmError(f"--top must be at least 1, got {args.top}")
+    if args.output:
+        check_writable(args.output)
+    if args.plot and not args.sweep:
+        raise HrmError("--plot draws a sweep: add --sweep cpu-mem|gpu-mem|pcie")
+    if args.sweep and args.output:
+        raise HrmError("-o writes one plan; leave it out with --sweep (use --plot for the chart)")
+    arch = resolve_model(args.model)
+    hardware = _hardware(args)
+    dtype = args.dtype or hardware.half_dtype
+    options = {"schedule": args.schedule, "weight_dtype": dtype, "kv_dtype": args.kv_dtype or dtype}
+    if args.sweep:
+        return _run_sweep(args, arch, hardware, workload, options)
+    from planner.baselines import baselines
+    from planner.cost import Setting
+    from planner.search import search
+
+    result = search(arch, hardware, workload, top_k=args.top, **options)
+    setting = Setting(arch=arch, hardware=hardware, workload=workload, **options)
+    base = baselines(setting)
+    if args.output:
+        result.best.save(args.output)
+    if args.json:
+        print(json.dumps(plan_json(result, base, args.output), indent=2))
+    else:
+        print(format_plan(result, base))
+        if args.output:
+            print(f"wrote {args.output}")
+    return 0
+
+
+def plan_json(result, base, output: str | None) -> dict:
+    best = result.best
+    return {
+        **best.to_dict(),
+        "busy_fraction": best.busy_fraction,
+        "top": [p.to_dict() for p in result.top],
+        "baselines": [b.to_dict() for b in base],
+        "search": {"status": result.status, **vars(result.stats)},
+        "output": output,
+    }
+
+
+def _percent(x: float) -> str:
+    return f"{100 * x:.0f}%"
+
+
+def _placement(policy) -> str:
+    return (
+        f"N={policy.batch_size} mu={policy.micro_batch_size} "
+        f"attention {'GPU' if policy.attention_on_gpu else 'CPU'} "
+        f"FFN {'GPU' if policy.ffn_on_gpu else 'CPU'} "
+        f"weights-on-GPU {_percent(policy.weights_gpu_fraction)} "
+        f"KV-on-GPU {_percent(policy.kv_gpu_fraction)}"
+    )
+
+
+def _buffers(parts: dict[str, float]) -> str:
+    shown = [f"{name} {format_bytes(b, 3)}" for name, b in parts.items() if b >= 1e6]
+    return ", ".join(shown)
+
+
+def _memory_line(device: str, used: float, usable: float, parts: dict[str, float]) -> str:
+    return (
+        f"  {device} memory  {format_bytes(used, 3)} of {format_bytes(usable, 3)} usable: "
+        f"{_buffers(parts)}"
+    )
+
+
+def format_plan(result, base) -> str:
+    best = result.best
+    wl, pol, pred = best.workload, best.policy, best.predicted
+    mem = best.memory
+    padded = ", padded" if wl.padding else ""
+    lines = [
+        f"{best.model} on {best.hardware}: prompts {wl.prompt_len_mean:g} (max {wl.prompt_len_max}"
+        f"{padded}), {wl.gen_len} new tokens, {best.schedule}, {pol.weight_dtype} weights, "
+        f"{pol.kv_dtype} KV",
+        f"  policy      {_placement(pol)}",
+        f"  predicted   {pred.throughput_tok_s:.1f} tok/s: prefill {pred.prefill_s:.1f} s + decode "
+        f"{pred.decode_s:.1f} s for {pred.generated_tokens} tokens",
+        "  busy        "
+        + "  ".join(f"{r.upper()} {_percent(f)}" for r, f in best.busy_fraction.items()),
+    ]
+    if mem.gpu_capacity_bytes > 0:
+        lines.append(_memory_line("GPU", mem.gpu_bytes, mem.gpu_capacity_bytes, mem.gpu))
+    lines.append(_memory_line("CPU", mem.cpu_bytes, mem.cpu_capacity_bytes, mem.cpu))
+    lines.append(f"  binds       {best.bottleneck}; memory: {best.binding_memory}")
+    lines.append("")
+    lines.append(
+        f"  {'':<16}{'N':>6} {'mu':>5} {'attn':>5} {'ffn':>4} {'w-GPU':>6} {'KV-GPU':>7} "
+        f"{'tok/s':>9} {'vs best':>8}"
+    )
+    rows = [(f"#{i + 1}", p) for i, p in enumerate(result.top)]
+    rows += [(b.name, b.plan) for b in base]
+    for name, p in rows:
+        if p is None:
+            lines.append(f"  {name:<16}{'does not fit':>40}")
+            continue
+        q = p.policy
+        ratio = p.predicted.throughput_tok_s / pred.throughput_tok_s
+        lines.append(
+            f"  {name:<16}{q.batch_size:>6} {q.micro_batch_size:>5} "
+            f"{'GPU' if q.attention_on_gpu else 'CPU':>5} {'GPU' if q.ffn_on_gpu else 'CPU':>4} "
+            f"{_percent(q.weights_gpu_fraction):>6} {_percent(q.kv_gpu_fraction):>7} "
+            f"{p.predicted.throughput_tok_s:>9.1f} {ratio:>7.2f}x"
+        )
+    return "\n".join(lines)
+
+
+def _run_sweep(args, arch, hardware, workload, options) -> int:
+    from hrm.io import check_writable
+    from planner.sweep import plot_sweep, sweep
+
+    parse = parse_bandwidth if args.sweep == "pcie" else parse_bytes
+    values = None
+    if args.sweep_values:
+        values = [
+            parse(v.strip(), "--sweep-values") for v in args.sweep_values.split(",") if v.strip()
+        ]
+        if not values:
+            raise HrmError("--sweep-values: give at least one value")
+    plot_path = args.plot or f"sweep-{args.sweep}-{arch.name}-{hardware.name}.png"
+    check_writable(plot_path)
+    result = sweep(arch, hardware, workload, resource=args.sweep, values=values, top_k=1, **options)
+    title = (
+        f"{arch.name} on {hardware.name}: prompts {workload.prompt_len_mean:g}, "
+        f"gen {workload.gen_len}"
+    )
+    plot_sweep(result, plot_path, title)
+    if args.json:
+        print(json.dumps({**result.to_dict(), "plot": plot_path}, indent=2))
+        return 0
+    unit = format_bandwidth if args.sweep == "pcie" else format_bytes
+    lines = [f"{title}: best throughput against {args.sweep} (profile: {unit(result.current, 3)})"]
+    for p in result.points:
+        if p.plan is None:
+            lines.append(f"  {unit(p.value, 3):>12}  does not fit")
+            continue
+        q = p.plan.policy
+        lines.append(
+            f"  {unit(p.value, 3):>12}  {p.plan.predicted.throughput_tok_s:9.1f} tok/s  "
+            f"N={q.batch_size} mu={q.micro_batch_size}  binds: {p.plan.bottleneck}"
+        )
+    lines.append(f"wrote {plot_path}")
+    print("\n".join(lines))
+    return 0

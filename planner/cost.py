@@ -1,0 +1,397 @@
+"""The end-to-end time model: prefill and every decode step, per layer, per queue (DESIGN.md).
+
+Once N (batch) and mu (micro-batch) are fixed, every time below is an affine function of the
+placement v = (1, A_g, F_g, r_w, r_c): A_g = attention on the GPU, F_g = layers (projections,
+router, experts, LM head) on the GPU, r_w = fraction of each layer's weights resident on the GPU,
+r_c = fraction of the KV cache on the GPU. Constraints tie them: A_g <= F_g, r_w <= F_g, r_c <= A_g.
+The nonlinear parts (expected distinct experts, context growing step by step, efficiency curves,
+page sizes) are constants at fixed (N, mu), so one set of coefficients serves the MILP
+(planner/milp.py), the closed-form search (planner/search.py) and the evaluation of a given policy.
+
+Steps: index 0 is prefill (the first token), 1..G-1 the decode steps at context S + t.
+
+Per layer and step, each queue's busy time (paper Eq 12-14, extended):
+  Q_gpu = sum over micro-batches of F_g*(T_dense + T_ffn) + A_g*T_attn       (GPU stream)
+  Q_cpu = sum over micro-batches of (1-F_g)*(T_dense + T_ffn) + (1-A_g)*T_attn  (CPU workers)
+  Q_h2d = (F_g - r_w)*W_l/B_h2d(page) + sum of activations and KV prefetch   (PCIe in)
+  Q_d2h = sum of QKV to the CPU and KV written back                           (PCIe out)
+and the schedule (SCHEDULES in hrm.plan) turns them into the layer time:
+  cgopipe, gpu-attention: T_layer = max(Q_gpu, Q_cpu, Q_h2d, Q_d2h, chain)   (paper Eq 12)
+  overlap (S2): as cgopipe, but the whole-layer weight copy blocks the h2d queue, so
+                T_layer >= Q_h2d + one micro-batch's GPU work
+  serial (S3): T_layer = max(W_l stream, sum over micro-batches of chain)
+where chain = the stage times of one micro-batch end to end (a micro-batch cannot lap itself).
+A step costs L*T_layer + fill/drain (when m >= 2: one chain less the work on the device that runs
+the layers) + the LM head of every micro-batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from hrm.arch import ModelArch
+from hrm.hardware import Curve, DeviceSpec, HardwareProfile
+from hrm.ops import ACTIVATION_DTYPE, Op, expected_distinct_experts, layer_ops, lm_head_op
+from hrm.policy import dtype_bytes
+from hrm.workload import Workload
+from planner.memory import PREFILL_CHUNK_TOKENS, WeightBytes
+from planner.memory import placement_vector as vec
+
+DENSE_OPS = ("norms", "qkv_proj", "o_proj", "router", "shared_expert")
+QUEUES = ("gpu", "cpu", "h2d", "d2h")
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Setting:
+    """Everything fixed while a search runs: model, machine, workload, schedule, dtypes."""
+
+    arch: ModelArch
+    hardware: HardwareProfile
+    workload: Workload
+    schedule: str = "cgopipe"
+    weight_dtype: str = "bfloat16"
+    kv_dtype: str = "bfloat16"
+
+    @property
+    def compute_dtype(self) -> str:
+        """GEMMs run in the weight dtype, or bfloat16 after dequantising integer weights."""
+        return self.weight_dtype if self.weight_dtype in FLOAT_DTYPES else "bfloat16"
+
+    @property
+    def steps(self) -> int:
+        return self.workload.gen_len
+
+    @property
+    def decode_contexts(self) -> np.ndarray:
+        """Keys a decode step attends over: S + t for t = 1..G-1 (S the mean, or the max padded)."""
+        start = (
+            self.workload.prompt_len_max if self.workload.padding else self.workload.prompt_len_mean
+        )
+        return start + np.arange(1, self.steps, dtype=float)
+
+    @property
+    def weights(self) -> WeightBytes:
+        return WeightBytes.of(self.arch, self.weight_dtype)
+
+
+@dataclass(frozen=True)
+class Expr:
+    """Per-layer seconds at every step, affine in v:
+    value = m * (scaled @ v) + unscaled @ v + weight_stream_s(m) * (weights @ v)."""
+
+    scaled: np.ndarray  # [steps, 5], summed over the m micro-batches
+    unscaled: np.ndarray  # [steps, 5], once per layer
+    weights: np.ndarray  # [5]
+
+    def __add__(self, other: Expr) -> Expr:
+        return Expr(
+            self.scaled + other.scaled, self.unscaled + other.unscaled, self.weights + other.weights
+        )
+
+    def coefficients(self, m: float, weight_stream_s: float) -> np.ndarray:
+        """[steps, 5] coefficients at one (N, mu): what the MILP constrains."""
+        return m * self.scaled + self.unscaled + weight_stream_s * self.weights[None, :]
+
+    def evaluate(self, m: np.ndarray, weight_stream_s: np.ndarray, v: np.ndarray) -> np.ndarray:
+        """[M, steps] values at M points, each with its m, stream time and placement v [M, 5]."""
+        return (
+            m[:, None] * (v @ self.scaled.T)
+            + v @ self.unscaled.T
+            + (weight_stream_s * (v @ self.weights))[:, None]
+        )
+
+
+def _zero(steps: int) -> np.ndarray:
+    return np.zeros((steps, 5))
+
+
+def _per_mb(coef_by_step: np.ndarray, seconds: np.ndarray) -> Expr:
+    """A per-micro-batch cost: coefficients [steps, 5] times seconds [steps], summed over m."""
+    return Expr(coef_by_step * seconds[:, None], _zero(len(seconds)), np.zeros(5))
+
+
+def _coef(steps: int, prefill: np.ndarray, decode: np.ndarray) -> np.ndarray:
+    """[steps, 5]: `prefill` coefficients at step 0, `decode` at the others."""
+    out = np.tile(decode, (steps, 1))
+    out[0] = prefill
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class MicroBatchSeconds:
+    """Seconds one micro-batch of b sequences spends per layer at every step, on each resource."""
+
+    gpu_dense: np.ndarray
+    gpu_ffn: np.ndarray
+    gpu_attention: np.ndarray
+    cpu_dense: np.ndarray
+    cpu_ffn: np.ndarray
+    cpu_attention: np.ndarray
+    activations_to_gpu: np.ndarray  # prefill: hidden page in; decode: attention output (D2)
+    activations_to_cpu: np.ndarray  # prefill: hidden page out; decode: QKV (D1)
+    kv_to_gpu: np.ndarray  # decode with GPU attention: the CPU part of the cache, prefetched
+    kv_to_cpu: np.ndarray  # prefill: the prompt's K, V; decode: the new token's
+    head_gpu: np.ndarray  # final norm + LM head, once per step (not per layer)
+    head_cpu: np.ndarray
+    embed_to_gpu: np.ndarray  # next tokens' embeddings, gathered on the CPU
+
+
+def op_seconds(op: Op, device: DeviceSpec, dtype: str, rows) -> np.ndarray:
+    """T_op = max(FLOPs / P(rows), bytes / B)  (paper Eq 13-14), P from the profile's GEMM curve
+    at `rows` rows when it has one, else the peak."""
+    rate = device.matmul_flops_per_s(dtype, float(rows))
+    return np.maximum(
+        np.asarray(op.flops) / rate,
+        np.asarray(op.bytes) / device.total_memory_bandwidth_bytes_per_s,
+    )
+
+
+def _curve_at(curve: Curve, x: np.ndarray) -> np.ndarray:
+    """Curve.at for arrays: linear in log(size), flat beyond the ends."""
+    xs = np.log([p[0] for p in curve.points])
+    ys = np.array([p[1] for p in curve.points])
+    return np.interp(np.log(np.maximum(x, 1e-30)), xs, ys)
+
+
+def link_seconds(hardware: HardwareProfile, nbytes, direction: str) -> np.ndarray:
+    """T = bytes / B_link(bytes per GPU): each of the `count` GPUs moves its share on its own link,
+    at the measured rate for that transfer size when the profile has a curve."""
+    nbytes = np.asarray(nbytes, dtype=float)
+    link = hardware.link
+    if link is None:
+        return np.zeros_like(nbytes)
+    count = hardware.gpu_count
+    curve = link.h2d_curve if direction == "h2d" else link.d2h_curve
+    flat = link.h2d_bytes_per_s if direction == "h2d" else link.d2h_bytes_per_s
+    per_link = _curve_at(curve, nbytes / count) if curve else flat
+    return nbytes / (per_link * count)
+
+
+def micro_batch_seconds(setting: Setting, b: float) -> MicroBatchSeconds:
+    """Per-layer seconds of one micro-batch of b sequences at each step, on either device."""
+    arch, hw, wl = setting.arch, setting.hardware, setting.workload
+    dtype = setting.compute_dtype
+    adt, kdt = dtype_bytes(ACTIVATION_DTYPE), dtype_bytes(setting.kv_dtype)
+    k = arch.experts_per_token
+    steps = setting.steps
+    s_pre = wl.prefill_len
+    chunk = min(b * s_pre, PREFILL_CHUNK_TOKENS)
+    prefill = {
+        op.name: op
+        for op in layer_ops(
+            arch,
+            batch=b,
+            new_tokens=s_pre,
+            context=s_pre,
+            weight_dtype=setting.weight_dtype,
+            kv_dtype=setting.kv_dtype,
+            ffn_group_tokens=chunk,
+        )
+    }
+    decode = {
+        op.name: op
+        for op in layer_ops(
+            arch,
+            batch=b,
+            new_tokens=1,
+            context=setting.decode_contexts,
+            weight_dtype=setting.weight_dtype,
+            kv_dtype=setting.kv_dtype,
+            ffn_group_tokens=b,
+        )
+    }
+    group = arch.num_attention_heads / arch.num_key_value_heads
+
+    def on(device: DeviceSpec | None):
+        if device is None:  # no GPU: these entries are multiplied by F_g = 0
+            return {key: np.zeros(steps) for key in ("dense", "ffn", "attention", "head")}
+
+        def both(name: str, pre_rows: float, dec_rows: float) -> np.ndarray:
+            if name not in prefill:
+                return np.zeros(steps)
+            pre = op_seconds(prefill[name], device, dtype, pre_rows)
+            dec = op_seconds(decode[name], device, dtype, dec_rows) * np.ones(steps - 1)
+            return np.concatenate([[pre], dec])
+
+        # expert GEMM rows: tokens * k spread over the distinct experts they touch
+        ffn_rows = (
+            chunk * k / expected_distinct_experts(arch, chunk),
+            b * k / expected_distinct_experts(arch, b),
+        )
+        head = lm_head_op(arch, batch=b, weight_dtype=setting.weight_dtype)
+        return {
+            "dense": sum(both(name, chunk, b) for name in DENSE_OPS),
+            "ffn": both("expert_ffn", *ffn_rows),
+            "attention": both("attention", s_pre, group),
+            "head": op_seconds(head, device, dtype, b) * np.ones(steps),
+        }
+
+    gpu, cpu = on(hw.gpu), on(hw.cpu)
+    hidden_page = b * s_pre * arch.hidden_size * adt
+    qkv = b * (arch.q_size + 2 * arch.kv_size) * adt
+    kv_per_token_layer = 2 * arch.kv_size * kdt
+    decode_kv_read = b * setting.decode_contexts * kv_per_token_layer
+
+    def h2d(nbytes):
+        return link_seconds(hw, nbytes, "h2d")
+
+    def d2h(nbytes):
+        return link_seconds(hw, nbytes, "d2h")
+
+    return MicroBatchSeconds(
+        gpu_dense=gpu["dense"],
+        gpu_ffn=gpu["ffn"],
+        gpu_attention=gpu["attention"],
+        cpu_dense=cpu["dense"],
+        cpu_ffn=cpu["ffn"],
+        cpu_attention=cpu["attention"],
+        activations_to_gpu=np.concatenate(
+            [[h2d(hidden_page)], h2d(b * arch.q_size * adt) * np.ones(steps - 1)]
+        ),
+        activations_to_cpu=np.concatenate([[d2h(hidden_page)], d2h(qkv) * np.ones(steps - 1)]),
+        kv_to_gpu=np.concatenate([[0.0], h2d(decode_kv_read)]),
+        kv_to_cpu=np.concatenate(
+            [
+                [d2h(b * s_pre * kv_per_token_layer)],
+                d2h(b * kv_per_token_layer) * np.ones(steps - 1),
+            ]
+        ),
+        head_gpu=gpu["head"],
+        head_cpu=cpu["head"],
+        embed_to_gpu=h2d(b * arch.hidden_size * adt) * np.ones(steps),
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class QueueTerms:
+    """Each queue's per-layer busy time by component, the one-micro-batch chain, and the head."""
+
+    components: dict[str, dict[str, Expr]]  # queue -> component -> Expr
+    chain: Expr  # one (the largest) micro-batch through every stage, per layer
+    chain_sum: Expr  # every micro-batch through every stage, one after another
+    fill: Expr  # pipeline fill and drain, once per step (see queue_terms)
+    head: dict[str, Expr]  # queue -> once-per-step LM head and embedding time
+
+    def queue(self, name: str) -> Expr:
+        return sum(self.components[name].values(), _empty(self.chain))
+
+
+def _empty(like: Expr) -> Expr:
+    steps = like.scaled.shape[0]
+    return Expr(_zero(steps), _zero(steps), np.zeros(5))
+
+
+def queue_terms(setting: Setting, mb: MicroBatchSeconds) -> QueueTerms:
+    """Attach placement coefficients to one micro-batch's seconds (see the module docstring)."""
+    steps = setting.steps
+    one, att, ffn, rw, rc = (vec(one=1), vec(att=1), vec(ffn=1), vec(rw=1), vec(rc=1))
+    on_gpu, on_cpu = _coef(steps, ffn, ffn), _coef(steps, one - ffn, one - ffn)
+    # prefill attention runs with the layers (F_g); decode attention where A_g says
+    att_gpu, att_cpu = _coef(steps, ffn, att), _coef(steps, one - ffn, one - att)
+    # activations cross the link in prefill when the GPU runs the layers (hidden pages), and in
+    # decode when attention and layers sit on different devices: F_g - A_g  (A_g <= F_g)
+    crossing = _coef(steps, ffn, ffn - att)
+    # the CPU part of the cache crosses: prefill writes it (F_g - r_c), decode reads and appends
+    # to it (A_g - r_c)
+    kv_crossing = _coef(steps, ffn - rc, att - rc)
+    components = {
+        "gpu": {
+            "dense": _per_mb(on_gpu, mb.gpu_dense),
+            "expert ffn": _per_mb(on_gpu, mb.gpu_ffn),
+            "attention": _per_mb(att_gpu, mb.gpu_attention),
+        },
+        "cpu": {
+            "dense": _per_mb(on_cpu, mb.cpu_dense),
+            "expert ffn": _per_mb(on_cpu, mb.cpu_ffn),
+            "attention": _per_mb(att_cpu, mb.cpu_attention),
+        },
+        "h2d": {
+            # (F_g - r_w) * W_l / B_h2d(page): scaled by the weight stream time of the layer
+            "weights": Expr(_zero(steps), _zero(steps), ffn - rw),
+            "activations": _per_mb(crossing, mb.activations_to_gpu),
+            "kv cache": _per_mb(kv_crossing, mb.kv_to_gpu),
+        },
+        "d2h": {
+            "activations": _per_mb(crossing, mb.activations_to_cpu),
+            "kv cache": _per_mb(kv_crossing, mb.kv_to_cpu),
+        },
+    }
+    # chain = one micro-batch through all its stages, i.e. the per-micro-batch sum of every queue
+    per_mb = sum((c.scaled for q in components.values() for c in q.values()), _zero(steps))
+    chain = Expr(_zero(steps), per_mb, np.zeros(5))
+    chain_sum = Expr(per_mb, _zero(steps), np.zeros(5))
+    # fill/drain = chain - home: the first micro-batch's stages before its work on the device
+    # that runs the layers (GPU if F_g, else CPU), and the last one's after it
+    home = sum(c.scaled for c in components["gpu"].values()) + (
+        _per_mb(on_cpu, mb.cpu_dense + mb.cpu_ffn + mb.cpu_attention).scaled
+    )
+    fill = Expr(_zero(steps), per_mb - home, np.zeros(5))
+    head = {
+        "gpu": _per_mb(on_gpu, mb.head_gpu),
+        "cpu": _per_mb(on_cpu, mb.head_cpu),
+        "h2d": _per_mb(on_gpu, mb.embed_to_gpu),
+    }
+    return QueueTerms(components=components, chain=chain, chain_sum=chain_sum, fill=fill, head=head)
+
+
+def with_last_micro_batch(full: QueueTerms, last: QueueTerms) -> QueueTerms:
+    """Terms for m full micro-batches plus one smaller last one (N not a multiple of mu): the last
+    one's per-micro-batch seconds are added once, and the chain stays the full one's."""
+
+    def add(x: Expr, y: Expr) -> Expr:
+        return Expr(x.scaled, x.unscaled + y.scaled, x.weights)
+
+    return QueueTerms(
+        components={
+            q: {c: add(e, last.components[q][c]) for c, e in comps.items()}
+            for q, comps in full.components.items()
+        },
+        chain=full.chain,
+        chain_sum=add(full.chain_sum, last.chain_sum),
+        fill=full.fill,
+        head={q: add(e, last.head[q]) for q, e in full.head.items()},
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScheduleTerms:
+    """T_layer >= each of `layer` (per layer, per step); a step adds L*T_layer + fill + head."""
+
+    layer: dict[str, Expr]
+    fill: Expr  # charged once per step when there are at least two micro-batches
+    head: Expr  # LM head and embeddings, once per step
+
+
+def schedule_terms(schedule: str, q: QueueTerms) -> ScheduleTerms:
+    gpu, cpu, h2d, d2h = (q.queue(name) for name in QUEUES)
+    head = sum(q.head.values(), _empty(q.chain))
+    empty = _empty(q.chain)
+    if schedule == "serial":
+        # S3: T_layer = max(W_l stream, sum of chains): micro-batches one after another, no fill
+        layer = {"h2d": q.components["h2d"]["weights"], "latency": q.chain_sum}
+        return ScheduleTerms(layer=layer, fill=empty, head=head)
+    layer = {"gpu": gpu, "cpu": cpu, "h2d": h2d, "d2h": d2h, "latency": q.chain}
+    if schedule == "overlap":
+        # S2: no paging: the whole-layer copy holds the h2d queue, so at least one micro-batch's
+        # D2 and GPU work come after it:  T_layer >= Q_h2d + T_gpu(one micro-batch)
+        layer["h2d"] = h2d + Expr(empty.scaled, gpu.scaled, np.zeros(5))
+    return ScheduleTerms(layer=layer, fill=q.fill, head=head)
+
+
+def weight_stream_seconds(setting: Setting, m: np.ndarray) -> np.ndarray:
+    """Seconds to stream all of W_l at the link rate of its pages: m pages (one per micro-batch)
+    under cgopipe and gpu-attention, one whole-layer copy under serial and overlap. The page size
+    is taken with the whole layer streamed, so that the time stays linear in r_w."""
+    pages = (
+        np.ones_like(m, dtype=float)
+        if setting.schedule in ("serial", "overlap")
+        else m.astype(float)
+    )
+    w = setting.weights.layer
+    hw = setting.hardware
+    if hw.link is None:
+        return np.zeros_like(pages)
+    return np.array([float(link_seconds(hw, w / p, "h2d")) * p for p in pages])

@@ -1,0 +1,238 @@
+"""One (N, mu) of the model, evaluated at a placement: times, busy queues, memory, what binds.
+
+`predict` is the public entry for a given policy (no search); the search evaluates whole rows of
+batch sizes through `run_seconds`, and builds its Plans through `build_plan`, so both read the same
+coefficients.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from hrm.arch import ModelArch
+from hrm.errors import HrmError
+from hrm.hardware import HardwareProfile
+from hrm.plan import MemoryFootprint, Plan, Prediction, check_schedule
+from hrm.policy import Policy
+from hrm.workload import Workload
+from planner.cost import (
+    QUEUES,
+    QueueTerms,
+    ScheduleTerms,
+    Setting,
+    micro_batch_seconds,
+    queue_terms,
+    schedule_terms,
+    weight_stream_seconds,
+    with_last_micro_batch,
+)
+from planner.memory import MemoryTerms, memory_terms, placement_vector, usable_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchModel:
+    """Time and memory terms of one (N, mu), affine in the placement v = (1, A_g, F_g, r_w, r_c)."""
+
+    setting: Setting
+    batch_size: int
+    micro_batch_size: int
+    queues: QueueTerms  # each queue's busy time, whatever the schedule
+    terms: ScheduleTerms  # the schedule's lower bounds on the layer time
+    memory: MemoryTerms
+
+    @property
+    def full_micro_batches(self) -> int:
+        return self.batch_size // self.micro_batch_size
+
+    @property
+    def num_micro_batches(self) -> int:
+        return math.ceil(self.batch_size / self.micro_batch_size)
+
+    @property
+    def weight_stream_s(self) -> float:
+        return float(weight_stream_seconds(self.setting, np.array([self.num_micro_batches]))[0])
+
+    @property
+    def fill_factor(self) -> float:
+        return 1.0 if self.num_micro_batches >= 2 else 0.0
+
+    def layer_coefficients(self) -> dict[str, np.ndarray]:
+        """Each lower bound on T_layer as [steps, 5] coefficients (the MILP's rows)."""
+        m, ws = self.full_micro_batches, self.weight_stream_s
+        return {name: e.coefficients(m, ws) for name, e in self.terms.layer.items()}
+
+    def extra_coefficients(self) -> np.ndarray:
+        """Fill/drain and LM head of each step as [steps, 5] coefficients."""
+        m, ws = self.full_micro_batches, self.weight_stream_s
+        return self.fill_factor * self.terms.fill.coefficients(
+            m, ws
+        ) + self.terms.head.coefficients(m, ws)
+
+
+def batch_model(setting: Setting, batch_size: int, micro_batch_size: int) -> BatchModel:
+    queues = queue_terms(setting, micro_batch_seconds(setting, micro_batch_size))
+    last = batch_size % micro_batch_size
+    if last:
+        queues = with_last_micro_batch(
+            queues, queue_terms(setting, micro_batch_seconds(setting, last))
+        )
+    return BatchModel(
+        setting=setting,
+        batch_size=batch_size,
+        micro_batch_size=micro_batch_size,
+        queues=queues,
+        terms=schedule_terms(setting.schedule, queues),
+        memory=memory_terms(
+            setting.arch,
+            setting.workload,
+            batch_size=batch_size,
+            micro_batch_size=micro_batch_size,
+            weight_dtype=setting.weight_dtype,
+            kv_dtype=setting.kv_dtype,
+        ),
+    )
+
+
+def run_seconds(
+    setting: Setting, terms: ScheduleTerms, m: np.ndarray, v: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """(prefill_s, decode_s) for M points with m equal micro-batches each and placements v [M, 5].
+
+    T_step = L * max_x(term_x) + fill + head; prefill is step 0, decode the sum of the rest.
+    """
+    ws = weight_stream_seconds(setting, m)
+    layer = np.max([e.evaluate(m, ws, v) for e in terms.layer.values()], axis=0)
+    fill = (m >= 2)[:, None] * terms.fill.evaluate(m, ws, v)
+    step = setting.arch.num_layers * layer + fill + terms.head.evaluate(m, ws, v)
+    return step[:, 0], step[:, 1:].sum(axis=1)
+
+
+def policy_vector(policy: Policy) -> np.ndarray:
+    return placement_vector(
+        one=1.0,
+        att=float(policy.attention_on_gpu),
+        ffn=float(policy.ffn_on_gpu),
+        rw=policy.weights_gpu_fraction,
+        rc=policy.kv_gpu_fraction,
+    )
+
+
+def build_plan(model: BatchModel, policy: Policy) -> Plan:
+    """The Plan of `policy` at this (N, mu): prediction, busy time per queue, memory, bottleneck."""
+    setting = model.setting
+    v = policy_vector(policy)
+    layers = setting.arch.num_layers
+    m, ws = model.full_micro_batches, model.weight_stream_s
+    layer_values = {name: c @ v for name, c in model.layer_coefficients().items()}  # [steps]
+    layer = np.max(list(layer_values.values()), axis=0)
+    step = layers * layer + model.extra_coefficients() @ v
+    busy = {
+        name: float(layers * (model.queues.queue(name).coefficients(m, ws) @ v).sum())
+        for name in QUEUES
+    }
+    for name, e in model.queues.head.items():
+        busy[name] += float((e.coefficients(m, ws) @ v).sum())
+    memory = footprint(model.memory, setting.hardware, v)
+    return Plan(
+        model=setting.arch.name,
+        hardware=setting.hardware.name,
+        workload=setting.workload,
+        policy=policy,
+        schedule=setting.schedule,
+        predicted=Prediction(
+            prefill_s=float(step[0]),
+            decode_s=float(step[1:].sum()),
+            generated_tokens=model.batch_size * setting.workload.gen_len,
+        ),
+        busy_s=busy,
+        memory=memory,
+        bottleneck=_bottleneck(model, layer_values, v),
+        binding_memory=binding_memory(memory),
+    )
+
+
+def _bottleneck(model: BatchModel, layer_values: dict[str, np.ndarray], v: np.ndarray) -> str:
+    """The bound that sets T_layer for the most time, named by its largest component."""
+    names = list(layer_values)
+    stacked = np.array([layer_values[n] for n in names])  # [terms, steps]
+    winner = stacked.argmax(axis=0)
+    time_by_term = {n: float(stacked[i][winner == i].sum()) for i, n in enumerate(names)}
+    top = max(time_by_term, key=time_by_term.get)
+    if top == "latency":
+        return "latency: one micro-batch's stages in sequence"
+    m, ws = model.full_micro_batches, model.weight_stream_s
+    parts = {
+        c: float((e.coefficients(m, ws) @ v).sum()) for c, e in model.queues.components[top].items()
+    }
+    return f"{top} {max(parts, key=parts.get)}"
+
+
+def footprint(memory: MemoryTerms, hardware: HardwareProfile, v: np.ndarray) -> MemoryFootprint:
+    gpu_total = hardware.gpu.total_memory_bytes if hardware.gpu else 0.0
+    return MemoryFootprint(
+        gpu={name: float(c @ v) for name, c in memory.gpu.items()},
+        cpu={name: float(c @ v) for name, c in memory.cpu.items()},
+        gpu_capacity_bytes=usable_bytes(gpu_total),
+        cpu_capacity_bytes=usable_bytes(hardware.cpu.memory_bytes),
+    )
+
+
+# A device whose use is within this fraction of its usable memory is a binding constraint.
+TIGHT_FRACTION = 0.99
+
+
+def binding_memory(memory: MemoryFootprint) -> str:
+    """The devices whose usable memory is (nearly) full, e.g. "gpu+cpu"; else the most used."""
+    use = {
+        "gpu": memory.gpu_bytes / memory.gpu_capacity_bytes if memory.gpu_capacity_bytes else 0.0,
+        "cpu": memory.cpu_bytes / memory.cpu_capacity_bytes,
+    }
+    tight = [name for name, u in use.items() if u >= TIGHT_FRACTION]
+    return "+".join(tight) if tight else max(use, key=use.get)
+
+
+def check_policy(policy: Policy, hardware: HardwareProfile, schedule: str) -> None:
+    """The placement rules the model assumes; an HrmError names the one broken."""
+    check_schedule(schedule)
+    if not hardware.has_gpu and (policy.attention_on_gpu or policy.ffn_on_gpu):
+        raise HrmError(
+            f"{hardware.name} has no GPU: the policy must run attention and FFN on the CPU"
+        )
+    if policy.attention_on_gpu and not policy.ffn_on_gpu:
+        raise HrmError("attention on the GPU needs the layers (ffn_on_gpu) on the GPU too")
+    if policy.weights_gpu_fraction > 0 and not policy.ffn_on_gpu:
+        raise HrmError("weights_gpu_fraction > 0 needs ffn_on_gpu: the CPU runs the layers")
+    if policy.kv_gpu_fraction > 0 and not policy.attention_on_gpu:
+        raise HrmError("kv_gpu_fraction > 0 needs attention_on_gpu: CPU attention reads its cache")
+    if schedule in ("serial", "overlap") and policy.attention_on_gpu:
+        raise HrmError(
+            f"schedule {schedule} runs attention on the CPU; use gpu-attention or cgopipe"
+        )
+    if schedule == "gpu-attention" and not policy.attention_on_gpu:
+        raise HrmError("schedule gpu-attention needs attention_on_gpu")
+
+
+def predict(
+    arch: ModelArch,
+    hardware: HardwareProfile,
+    workload: Workload,
+    policy: Policy,
+    schedule: str = "cgopipe",
+) -> Plan:
+    """The model's prediction for one given policy, no search (e.g. for `hrm run --hardware`).
+
+    The Plan's memory shows whether the policy fits; predict does not refuse one that does not.
+    """
+    check_policy(policy, hardware, schedule)
+    setting = Setting(
+        arch=arch,
+        hardware=hardware,
+        workload=workload,
+        schedule=schedule,
+        weight_dtype=policy.weight_dtype,
+        kv_dtype=policy.kv_dtype,
+    )
+    return build_plan(batch_model(setting, policy.batch_size, policy.micro_batch_size), policy)

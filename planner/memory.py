@@ -1,0 +1,147 @@
+"""Memory per device: every buffer the executor allocates, as affine functions of the placement.
+
+Each buffer is a coefficient vector over the placement basis v = (1, A_g, F_g, r_w, r_c) (see
+planner/cost.py), so the same numbers feed the MILP's memory constraints, the closed-form search
+and the footprint a Plan reports. N (batch) may be a numpy array: the search evaluates a whole row
+of batch sizes at once.
+
+Letters: L = layers, W_l = one layer's weight bytes (attention, router, norms and all experts),
+N = sequences, mu = micro-batch, S = prompt tokens per sequence (maximum), C = maximum context
+(S + generation), h = hidden, i = expert width, k = top-k, V = vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from hrm.arch import ModelArch
+from hrm.ops import ACTIVATION_DTYPE
+from hrm.policy import dtype_bytes
+from hrm.workload import Workload
+
+# The one headroom (DESIGN.md): plans use at most this fraction of each device's memory; the rest
+# is left for the CUDA context, allocator fragmentation and the operating system.
+USABLE_MEMORY_FRACTION = 0.9
+
+# Prefill runs each micro-batch through the layer in chunks of at most this many tokens, so the
+# workspace of one chunk, not of a whole micro-batch, must fit (the executor chunks the same way).
+PREFILL_CHUNK_TOKENS = 8192
+
+ONE, ATT, FFN, RW, RC = range(5)
+
+
+def placement_vector(*, one=0.0, att=0.0, ffn=0.0, rw=0.0, rc=0.0) -> np.ndarray:
+    """Coefficients over the basis (1, A_g, F_g, r_w, r_c)."""
+    return np.array([one, att, ffn, rw, rc], dtype=float)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WeightBytes:
+    """Bytes of the model's weights by where they can live."""
+
+    layer: float  # W_l: everything one layer holds, streamed page by page when not resident
+    head: float  # final norm + LM head: on the device that runs the layers
+    embedding: float  # the token embedding: always in CPU memory (a gather, then h2d)
+    num_layers: int
+
+    @classmethod
+    def of(cls, arch: ModelArch, weight_dtype: str) -> WeightBytes:
+        wdt = dtype_bytes(weight_dtype)
+        return cls(
+            layer=arch.layer_params * wdt,
+            head=(arch.lm_head_params + arch.hidden_size) * wdt,
+            embedding=arch.embedding_params * wdt,
+            num_layers=arch.num_layers,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryTerms:
+    """Buffers on each device: name -> coefficients over the placement basis (shape [..., 5])."""
+
+    gpu: dict[str, np.ndarray]
+    cpu: dict[str, np.ndarray]
+
+    def gpu_total(self) -> np.ndarray:
+        return sum(self.gpu.values())
+
+    def cpu_total(self) -> np.ndarray:
+        return sum(self.cpu.values())
+
+
+def kv_cache_bytes(arch: ModelArch, workload: Workload, batch_size, kv_dtype: str):
+    """KV = N * C * 2 * L * nkv * d * dt: a rectangular cache, every sequence sized for the
+    longest context (the paper's artifact does the same; the executor allocates [N, C])."""
+    return batch_size * workload.max_context_len * arch.kv_bytes_per_token(kv_dtype)
+
+
+def workspace_bytes(arch: ModelArch, workload: Workload, micro_batch_size: int) -> float:
+    """Largest transient of one prefill chunk: its QKV and attention output, or its routed token
+    copies (k*h) plus one expert's gate and up outputs (2*i) for at most all of its tokens; plus the
+    fp32 logits of one micro-batch (mu * V * 4)."""
+    adt = dtype_bytes(ACTIVATION_DTYPE)
+    chunk = min(micro_batch_size * workload.prompt_len_max, PREFILL_CHUNK_TOKENS)
+    per_token = max(
+        2 * arch.q_size + 2 * arch.kv_size,
+        arch.experts_per_token * arch.hidden_size + 2 * arch.intermediate_size,
+    )
+    return chunk * per_token * adt + micro_batch_size * arch.vocab_size * 4.0
+
+
+def memory_terms(
+    arch: ModelArch,
+    workload: Workload,
+    *,
+    batch_size,
+    micro_batch_size: int,
+    weight_dtype: str,
+    kv_dtype: str,
+) -> MemoryTerms:
+    """Every buffer of a run with N = batch_size (scalar or array) and mu = micro_batch_size."""
+    n = np.asarray(batch_size, dtype=float)[..., None]  # [..., 1] broadcasts against the basis
+    mu = float(micro_batch_size)
+    adt = dtype_bytes(ACTIVATION_DTYPE)
+    w = WeightBytes.of(arch, weight_dtype)
+    layers = w.num_layers * w.layer
+    kv = kv_cache_bytes(arch, workload, n, kv_dtype)
+    h, s_max = arch.hidden_size, workload.prompt_len_max
+    # residual stream of all N sequences between layers (decode) + a double-buffered prefill page
+    activations = n * h * adt + 2 * mu * min(s_max, PREFILL_CHUNK_TOKENS) * h * adt
+    workspace = workspace_bytes(arch, workload, micro_batch_size)
+    # D1 (QKV to the CPU) and D2 (attention output back), double-buffered per micro-batch
+    staging = 2 * mu * (2 * arch.q_size + 2 * arch.kv_size) * adt
+    # CPU decode attention scores of one micro-batch at the longest context, fp32
+    cpu_attention_scores = mu * arch.num_attention_heads * workload.max_context_len * 4.0
+    v = placement_vector
+    gpu = {
+        # r_w * L * W_l: the resident part of every layer
+        "resident weights": v(rw=layers) * np.ones_like(n),
+        # 2 * (1 - r_w) * W_l when the GPU runs the layers: current and next layer's pages
+        "paged buffer": v(ffn=2 * w.layer, rw=-2 * w.layer) * np.ones_like(n),
+        "lm head": v(ffn=w.head) * np.ones_like(n),
+        # r_c * KV
+        "kv cache": v(rc=1.0) * kv,
+        "activations": v(ffn=1.0) * activations,
+        "workspace": v(ffn=workspace) * np.ones_like(n),
+    }
+    cpu = {
+        # (1 - r_w) * L * W_l, pinned so that pages go straight to the GPU
+        "layer weights": v(one=layers, rw=-layers) * np.ones_like(n),
+        # embedding always; the LM head too when the CPU runs the layers
+        "embedding and head": v(one=w.embedding + w.head, ffn=-w.head) * np.ones_like(n),
+        # (1 - r_c) * KV
+        "kv cache": v(one=1.0, rc=-1.0) * kv,
+        # prefill hidden states of all N sequences, offloaded between layers (N * S * h)
+        "hidden-state offload": v(ffn=1.0) * (n * s_max * h * adt),
+        "pinned staging": v(ffn=staging, att=-staging) * np.ones_like(n),
+        # when the CPU runs the layers its activations and workspace live here instead
+        "activations and workspace": v(one=1.0, ffn=-1.0) * (activations + workspace)
+        + v(one=cpu_attention_scores, att=-cpu_attention_scores) * np.ones_like(n),
+    }
+    return MemoryTerms(gpu=gpu, cpu=cpu)
+
+
+def usable_bytes(total_bytes: float) -> float:
+    return USABLE_MEMORY_FRACTION * total_bytes

@@ -1,0 +1,185 @@
+"""`hrm plan` end to end: the table, the JSON, the plan file, sweeps, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from hrm.plan import Plan
+
+MTBENCH = [
+    "--model",
+    "mixtral-8x7b",
+    "--hardware",
+    "l4",
+    "--prompt-len",
+    "77",
+    "--max-prompt-len",
+    "418",
+    "--gen-len",
+    "32",
+]
+
+
+def one_line_error(status: int, err: str, *fragments: str) -> None:
+    assert status == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def test_json_has_the_promised_keys(run_cli):
+    status, out, err = run_cli("plan", *MTBENCH, "--json", "--top", "2")
+    assert status == 0, err
+    data = json.loads(out)
+    assert set(data["policy"]) >= {
+        "batch_size",
+        "micro_batch_size",
+        "attention_on_gpu",
+        "ffn_on_gpu",
+        "weights_gpu_fraction",
+        "kv_gpu_fraction",
+    }
+    assert set(data["predicted"]) >= {"throughput_tok_s", "prefill_s", "decode_s"}
+    assert data["memory"]["gpu_bytes"] <= data["memory"]["gpu_capacity_bytes"]
+    assert data["memory"]["cpu_bytes"] <= data["memory"]["cpu_capacity_bytes"]
+    assert data["bottleneck"] and data["binding_memory"]
+    assert [b["name"] for b in data["baselines"]] == ["flexgen-like", "deepspeed-like"]
+    assert all(b["predicted"]["throughput_tok_s"] > 0 for b in data["baselines"])
+    assert len(data["top"]) == 2
+
+
+def test_table_and_plan_file(run_cli, tmp_path):
+    out_path = tmp_path / "plan.json"
+    status, out, err = run_cli("plan", *MTBENCH, "--padding", "-o", out_path)
+    assert status == 0, err
+    for word in (
+        "policy",
+        "tok/s",
+        "prefill",
+        "busy",
+        "GPU memory",
+        "CPU memory",
+        "binds",
+        "flexgen-like",
+        "deepspeed-like",
+    ):
+        assert word in out
+    plan = Plan.load(out_path)
+    assert plan.workload.padding and plan.schedule == "cgopipe"
+
+
+def test_cpu_only_profile(run_cli, tmp_path):
+    profile = tmp_path / "cpu.yaml"
+    profile.write_text(
+        yaml.safe_dump(
+            {
+                "name": "cpu-box",
+                "source": "measured",
+                "cpu": {
+                    "name": "x86",
+                    "memory": "512 GB",
+                    "memory_bandwidth": "100 GB/s",
+                    "flops": {"float32": "2 TFLOP/s", "bfloat16": "2 TFLOP/s"},
+                },
+            }
+        )
+    )
+    status, out, err = run_cli(
+        "plan",
+        "--model",
+        "mixtral-8x7b",
+        "--hardware",
+        profile,
+        "--prompt-len",
+        "64",
+        "--gen-len",
+        "16",
+        "--json",
+    )
+    assert status == 0, err
+    data = json.loads(out)
+    assert not data["policy"]["ffn_on_gpu"] and not data["policy"]["attention_on_gpu"]
+    assert data["baselines"] == []
+
+
+def test_sweep_writes_table_and_png(run_cli, tmp_path):
+    png = tmp_path / "pcie.png"
+    status, out, err = run_cli(
+        "plan",
+        *MTBENCH,
+        "--sweep",
+        "pcie",
+        "--sweep-values",
+        "8 GB/s,16 GB/s,32 GB/s",
+        "--plot",
+        png,
+        "--json",
+    )
+    assert status == 0, err
+    data = json.loads(out)
+    values = [p["throughput_tok_s"] for p in data["points"]]
+    assert values == sorted(values) and png.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize(
+    "args, fragments",
+    [
+        (["--gen-len", "-3"], ["--gen-len"]),
+        (["--gen-len", "0"], ["--gen-len"]),
+        (["--prompt-len", "-5"], ["--prompt-len"]),
+        (["--max-prompt-len", "10"], ["exceeds the maximum"]),
+        (["--cpu-mem", "lots"], ["--cpu-mem", "cannot read"]),
+        (["--gpu-mem", "0 GB"], ["--gpu-mem", "positive"]),
+        (["--schedule", "zigzag"], ["invalid choice", "zigzag"]),
+        (["--top", "0"], ["--top"]),
+        (["--cpu-mem", "40 GB"], ["CPU memory", "short"]),
+    ],
+)
+def test_bad_input_is_one_line_and_leaves_no_file(run_cli, tmp_path, args, fragments):
+    out_path = tmp_path / "plan.json"
+    base = {a: b for a, b in zip(MTBENCH[::2], MTBENCH[1::2], strict=True)}
+    for flag, value in zip(args[::2], args[1::2], strict=True):
+        base[flag] = value
+    argv = [x for kv in base.items() for x in kv]
+    status, _, err = run_cli("plan", *argv, "-o", out_path)
+    one_line_error(status, err, *fragments)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_sweep_on_a_cpu_only_machine_is_refused(run_cli, tmp_path):
+    profile = tmp_path / "cpu.yaml"
+    profile.write_text(
+        yaml.safe_dump(
+            {
+                "name": "cpu-box",
+                "source": "measured",
+                "cpu": {
+                    "name": "x86",
+                    "memory": "512 GB",
+                    "memory_bandwidth": "100 GB/s",
+                    "flops": {"float32": "2 TFLOP/s"},
+                },
+            }
+        )
+    )
+    status, _, err = run_cli(
+        "plan",
+        "--model",
+        "mixtral-8x7b",
+        "--hardware",
+        profile,
+        "--prompt-len",
+        "64",
+        "--gen-len",
+        "16",
+        "--sweep",
+        "gpu-mem",
+        "--plot",
+        tmp_path / "x.png",
+    )
+    one_line_error(status, err, "no GPU")
+    assert not (tmp_path / "x.png").exists()

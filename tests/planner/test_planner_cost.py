@@ -1,0 +1,180 @@
+"""The cost and memory model pinned to hand-derived numbers (STYLE.md habit 11).
+
+Tiny model (conftest): L=2, h=64, i=128, nq=4, nkv=2, d=16, E=4, k=2, V=100; float32 weights and
+KV (4 B), bfloat16 activations (2 B). Per layer: attention 64*128 + 64*64 = 12288 params, router
+256, norms 128, experts 4*3*64*128 = 98304: W_l = 110976 * 4 B = 443904 B.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from hrm.errors import HrmError
+from hrm.hardware import Curve
+from hrm.policy import Policy
+from hrm.workload import Workload
+from planner import predict
+from planner.cost import Setting
+from planner.evaluate import batch_model, policy_vector
+from planner.memory import RC, RW
+
+W_LAYER = 443904.0
+
+
+def policy(**kw) -> Policy:
+    base = dict(
+        batch_size=2,
+        micro_batch_size=1,
+        attention_on_gpu=False,
+        ffn_on_gpu=False,
+        weights_gpu_fraction=0.0,
+        kv_gpu_fraction=0.0,
+        weight_dtype="float32",
+        kv_dtype="float32",
+    )
+    return Policy(**{**base, **kw})
+
+
+def test_cpu_only_run_by_hand(arch, make_cpu_profile):
+    # CPU at 1e18 FLOP/s (never compute-bound) and 1e9 B/s: every op costs its bytes / 1e9.
+    hw = make_cpu_profile(flops=1e18)
+    wl = Workload(prompt_len_mean=8, prompt_len_max=8, gen_len=3)
+    plan = predict(arch, hw, wl, policy(), schedule="cgopipe")
+
+    # Decode, one sequence at context c, bytes per layer:
+    #   norms 512 + 2*2*64*2 = 1024; qkv 64*128*4 + (64+128)*2 = 33152; attention 2*c*2*16*4 +
+    #   2*4*16*2 = 256c + 256; o_proj 64*64*4 + 128*2 = 16640; router 64*4*4 + 68*2 = 1160;
+    #   experts: 1 token touches 4*(1-(1-2/4)^1) = 2 experts: 2*3*64*128*4 = 196608 + 2*(128+384)*2
+    #   = 198656.  Sum 250888 + 256c.  LM head 64*100*4 + (64+100)*2 = 25928 per sequence.
+    # Two micro-batches of one: T_layer = Q_cpu = 2*(250888 + 256c); no fill on one device.
+    def decode_step(c):
+        return (2 * 2 * (250888 + 256 * c) + 2 * 25928) / 1e9
+
+    # Prefill, 8 tokens per sequence: norms 512 + 4*8*64*2 = 4608; qkv 32768 + 8*192*2 = 35840;
+    #   attention 2*8*2*16*4 + 2*8*64*2 = 4096; o_proj 16384 + 8*128*2 = 18432;
+    #   router 1024 + 8*68*2 = 2112; experts 4*(1-0.5^8) = 3.984375 experts * 98304 = 391680
+    #   + 8*2*512*2 = 16384 -> 408064.  Sum 473152 per sequence per layer.
+    prefill = (2 * 2 * 473152 + 2 * 25928) / 1e9
+    assert plan.predicted.prefill_s == pytest.approx(prefill, rel=1e-12)
+    # decode steps 1 and 2 attend over 8 + 1 and 8 + 2 keys
+    assert plan.predicted.decode_s == pytest.approx(decode_step(9) + decode_step(10), rel=1e-12)
+    assert plan.predicted.generated_tokens == 2 * 3
+    assert plan.busy_s["cpu"] == pytest.approx(plan.predicted.total_s, rel=1e-12)
+    assert plan.busy_s["gpu"] == plan.busy_s["h2d"] == 0.0
+    assert plan.bottleneck == "cpu expert ffn"
+
+
+def test_weight_stream_term_by_hand(arch, make_gpu_profile):
+    # GPU layers, CPU attention, half the weights resident, PCIe 1e8 B/s both ways.
+    hw = make_gpu_profile(link_bytes_per_s=1e8)
+    wl = Workload(prompt_len_mean=8, prompt_len_max=8, gen_len=3)
+    setting = Setting(
+        arch=arch, hardware=hw, workload=wl, weight_dtype="float32", kv_dtype="float32"
+    )
+    p = policy(ffn_on_gpu=True, weights_gpu_fraction=0.5)
+    h2d = batch_model(setting, 2, 1).layer_coefficients()["h2d"] @ policy_vector(p)
+    # (1 - r_w) * W_l / B + per micro-batch: prefill hidden page 8*64*2 = 1024 B in, decode
+    # attention output 64*2 = 128 B back (D2); two micro-batches
+    weights = 0.5 * W_LAYER / 1e8
+    assert h2d[0] == pytest.approx(weights + 2 * 1024 / 1e8, rel=1e-12)
+    assert h2d[1:] == pytest.approx([weights + 2 * 128 / 1e8] * 2, rel=1e-12)
+
+
+def test_memory_by_hand(arch, make_gpu_profile):
+    hw = make_gpu_profile()
+    wl = Workload(prompt_len_mean=8, prompt_len_max=8, gen_len=3)  # context up to 11
+    plan = predict(arch, hw, wl, policy(ffn_on_gpu=True, weights_gpu_fraction=0.5))
+    gpu, cpu = plan.memory.gpu, plan.memory.cpu
+    assert gpu["resident weights"] == pytest.approx(0.5 * 2 * W_LAYER)  # r_w * L * W_l
+    assert gpu["paged buffer"] == pytest.approx(2 * 0.5 * W_LAYER)  # 2 * (1 - r_w) * W_l
+    assert gpu["lm head"] == (6400 + 64) * 4  # LM head + final norm
+    assert gpu["kv cache"] == 0.0
+    assert gpu["activations"] == 2 * 64 * 2 + 2 * 1 * 8 * 64 * 2  # N*h + 2 prefill pages of mu*S*h
+    # one prefill chunk of 8 tokens: max(QKV+out 192, k*h + 2*i = 384) * 2 B; fp32 logits 1*100*4
+    assert gpu["workspace"] == 8 * 384 * 2 + 100 * 4
+    assert cpu["layer weights"] == pytest.approx(0.5 * 2 * W_LAYER)
+    assert cpu["embedding and head"] == 100 * 64 * 4
+    # K and V: 2 sequences * 11 tokens * 2 layers * 2 * 32 * 4 B
+    assert cpu["kv cache"] == 2 * 11 * 2 * 2 * 32 * 4
+    assert cpu["hidden-state offload"] == 2 * 8 * 64 * 2
+    assert cpu["pinned staging"] == 2 * 1 * (2 * 64 + 2 * 32) * 2
+    assert cpu["activations and workspace"] == 1 * 4 * 11 * 4  # CPU attention scores, fp32
+    assert plan.memory.gpu_capacity_bytes == 0.9 * 1.5e6
+
+
+def test_time_never_grows_with_resident_weights_or_cache(arch, make_gpu_profile, workload):
+    """What the search's closed forms rely on: every time term is nonincreasing in r_w and r_c."""
+    for schedule in ("cgopipe", "serial", "overlap", "gpu-attention"):
+        setting = Setting(
+            arch=arch, hardware=make_gpu_profile(), workload=workload, schedule=schedule
+        )
+        for n, mu in ((1, 1), (6, 2), (7, 3)):
+            model = batch_model(setting, n, mu)
+            rows = [*model.layer_coefficients().values(), model.extra_coefficients()]
+            assert all((c[:, [RW, RC]] <= 1e-18).all() for c in rows)
+
+
+def test_last_micro_batch_counts_its_own_size(arch, make_cpu_profile, workload):
+    hw = make_cpu_profile()
+    five = predict(arch, hw, workload, policy(batch_size=5, micro_batch_size=2))
+    four = predict(arch, hw, workload, policy(batch_size=4, micro_batch_size=2))
+    one = predict(arch, hw, workload, policy(batch_size=1, micro_batch_size=1))
+    # all on the CPU there is no overlap: 2+2+1 costs what 2+2 and 1 cost
+    assert five.predicted.total_s == pytest.approx(four.predicted.total_s + one.predicted.total_s)
+
+
+def test_matmul_curve_slows_small_gemms(arch, make_cpu_profile, workload):
+    hw = make_cpu_profile(flops=1e12, bandwidth=1e14)  # compute-bound
+    slow = dataclasses.replace(
+        hw,
+        cpu=dataclasses.replace(
+            hw.cpu, matmul_curves={"float32": Curve(points=((1, 1e10), (1024, 1e12)))}
+        ),
+    )
+    p = policy()
+    assert (
+        predict(arch, slow, workload, p).predicted.total_s
+        > 10 * predict(arch, hw, workload, p).predicted.total_s
+    )
+
+
+def test_overlap_never_beats_cgopipe(arch, make_gpu_profile, workload):
+    p = policy(batch_size=8, micro_batch_size=2, ffn_on_gpu=True, weights_gpu_fraction=0.3)
+    hw = make_gpu_profile()
+    paged = predict(arch, hw, workload, p, schedule="cgopipe").predicted.total_s
+    whole = predict(arch, hw, workload, p, schedule="overlap").predicted.total_s
+    assert whole >= paged
+
+
+@pytest.mark.parametrize(
+    "changes, fragment",
+    [
+        (dict(attention_on_gpu=True), "needs the layers"),
+        (dict(weights_gpu_fraction=0.5), "needs ffn_on_gpu"),
+        (dict(ffn_on_gpu=True, kv_gpu_fraction=0.5), "needs attention_on_gpu"),
+    ],
+)
+def test_predict_rejects_impossible_policies(arch, make_gpu_profile, workload, changes, fragment):
+    with pytest.raises(HrmError, match=fragment):
+        predict(arch, make_gpu_profile(), workload, policy(**changes))
+
+
+def test_cpu_only_machine_refuses_gpu_placement(arch, make_cpu_profile, workload):
+    with pytest.raises(HrmError, match="no GPU"):
+        predict(arch, make_cpu_profile(), workload, policy(ffn_on_gpu=True))
+
+
+def test_decode_charges_each_step_its_own_context(arch, make_cpu_profile):
+    hw = make_cpu_profile(flops=1e18)
+    short = predict(arch, hw, Workload(prompt_len_mean=8, prompt_len_max=64, gen_len=3), policy())
+    padded = predict(
+        arch, hw, Workload(prompt_len_mean=8, prompt_len_max=64, gen_len=3, padding=True), policy()
+    )
+    assert padded.predicted.prefill_s > short.predicted.prefill_s
+    # decode attention: padded contexts are 56 keys longer at both steps, 256 B per key per layer
+    extra = 2 * 2 * 2 * 256 * 56 / 1e9
+    assert padded.predicted.decode_s - short.predicted.decode_s == pytest.approx(extra, rel=1e-9)
+    assert np.isfinite(short.predicted.throughput_tok_s)

@@ -1,0 +1,117 @@
+"""The search is exact over its grid: it agrees with the MILP solved at every grid point."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hrm.errors import HrmError
+from hrm.plan import Plan
+from hrm.workload import Workload
+from planner import predict
+from planner.cost import Setting, micro_batch_seconds, queue_terms, schedule_terms
+from planner.search import (
+    MU_GRID,
+    bracket_row,
+    fixed_binaries,
+    largest_batch,
+    placements,
+    search,
+    solve_point,
+)
+
+REL = 1e-6
+
+
+def brute_force(setting: Setting) -> list[float]:
+    """Throughput of the MILP's optimum at every (N = m*mu, mu) of the grid, best first."""
+    allowed = fixed_binaries(setting.hardware, setting.schedule)
+    n_hi = largest_batch(setting)
+    values = []
+    for mu in (mu for mu in MU_GRID if mu <= n_hi):
+        for n in range(mu, n_hi + 1, mu):
+            plan = solve_point(setting, n, mu, allowed)
+            if plan is not None:
+                values.append(plan.predicted.throughput_tok_s)
+    return sorted(values, reverse=True)
+
+
+CASES = [
+    # (schedule, GPU memory, CPU memory, PCIe): GPU attention competes with CPU attention, the
+    # cache with the weights for GPU memory, and the CPU memory caps the batch
+    ("cgopipe", 1.5e6, 2.0e6, 1e8),
+    ("cgopipe", 3.0e6, 1.6e6, 1e9),
+    ("gpu-attention", 2.5e6, 2.0e6, 3e8),
+    ("serial", 1.5e6, 2.0e6, 1e8),
+    ("overlap", 1.5e6, 2.0e6, 1e8),
+]
+
+
+@pytest.mark.parametrize("schedule, gpu_mem, cpu_mem, pcie", CASES)
+def test_search_equals_brute_force(arch, make_gpu_profile, schedule, gpu_mem, cpu_mem, pcie):
+    hw = make_gpu_profile(gpu_memory_bytes=gpu_mem, cpu_memory_bytes=cpu_mem, link_bytes_per_s=pcie)
+    wl = Workload(prompt_len_mean=12, prompt_len_max=16, gen_len=6)
+    setting = Setting(
+        arch=arch,
+        hardware=hw,
+        workload=wl,
+        schedule=schedule,
+        weight_dtype="float32",
+        kv_dtype="float32",
+    )
+    result = search(
+        arch, hw, wl, schedule=schedule, weight_dtype="float32", kv_dtype="float32", top_k=3
+    )
+    everything = brute_force(setting)
+    assert len(everything) > 20, "the instance should have a real grid"
+    found = [p.predicted.throughput_tok_s for p in result.top]
+    assert found == pytest.approx(everything[:3], rel=REL)
+
+
+def test_closed_forms_bracket_the_milp(arch, make_gpu_profile, workload):
+    hw = make_gpu_profile(gpu_memory_bytes=2.5e6)
+    setting = Setting(arch=arch, hardware=hw, workload=workload, schedule="gpu-attention")
+    mu = 2
+    terms = schedule_terms(setting.schedule, queue_terms(setting, micro_batch_seconds(setting, mu)))
+    m = np.arange(1, 8)
+    low = bracket_row(setting, mu, m, (1, 1), terms, threshold=np.inf)  # no frontier search
+    exact = bracket_row(setting, mu, m, (1, 1), terms, threshold=-np.inf)
+    allowed = fixed_binaries(hw, "gpu-attention")
+    for i, k in enumerate(m):
+        plan = solve_point(setting, int(k * mu), mu, allowed)
+        milp = plan.predicted.throughput_tok_s if plan else -np.inf
+        assert low.feasible[i] <= milp * (1 + REL) and milp <= low.bound[i] * (1 + REL)
+        assert exact.feasible[i] == pytest.approx(milp, rel=REL)
+
+
+def test_top_plans_are_consistent(arch, make_gpu_profile, workload):
+    hw = make_gpu_profile()
+    result = search(arch, hw, workload, top_k=4)
+    values = [p.predicted.throughput_tok_s for p in result.top]
+    assert values == sorted(values, reverse=True)
+    assert len({(p.policy.batch_size, p.policy.micro_batch_size) for p in result.top}) == 4
+    for plan in result.top:
+        # the reported plan is what `predict` says of its policy, and it round-trips through JSON
+        again = predict(arch, hw, workload, plan.policy, plan.schedule)
+        assert again.predicted.total_s == pytest.approx(plan.predicted.total_s, rel=1e-12)
+        assert Plan.from_dict(plan.to_dict()) == plan
+        assert plan.memory.gpu_bytes <= plan.memory.gpu_capacity_bytes
+        assert plan.memory.cpu_bytes <= plan.memory.cpu_capacity_bytes
+
+
+def test_cpu_only_machine_runs_everything_on_the_cpu(arch, make_cpu_profile, workload):
+    result = search(arch, make_cpu_profile(), workload, top_k=2)
+    p = result.best.policy
+    assert not p.attention_on_gpu and not p.ffn_on_gpu
+    assert p.weights_gpu_fraction == p.kv_gpu_fraction == 0.0
+    assert result.best.memory.gpu_bytes == 0.0
+    assert placements(make_cpu_profile(), "cgopipe") == [(0, 0)]
+    with pytest.raises(HrmError, match="no GPU"):
+        search(arch, make_cpu_profile(), workload, schedule="gpu-attention")
+
+
+def test_workload_that_fits_nowhere_says_which_memory_and_how_much(arch, make_gpu_profile):
+    hw = make_gpu_profile(gpu_memory_bytes=5e5, cpu_memory_bytes=5e5)
+    wl = Workload(prompt_len_mean=16, prompt_len_max=32, gen_len=4)
+    with pytest.raises(HrmError, match=r"GPU memory, 450 kB is usable.*40.13 kB short"):
+        search(arch, hw, wl)
