@@ -1,4 +1,4 @@
-"""ModelArch: the geometry of a Mixture-of-Experts transformer, read from a Hugging Face config.json.
+"""ModelArch: the geometry of a Mixture-of-Experts transformer, from a Hugging Face config.json.
 
 This module is the one place that knows config field names (DESIGN.md, Data model): the roofline,
 the planner and the executor all read the model through ModelArch.  Supported model types:
@@ -8,9 +8,10 @@ mixtral, dbrx, qwen2_moe and olmoe.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from hrm.errors import HrmError
 from hrm.io import load_json
@@ -48,8 +49,15 @@ class ModelArch:
 
     def __post_init__(self) -> None:
         for name in (
-            "num_layers", "hidden_size", "intermediate_size", "num_attention_heads",
-            "num_key_value_heads", "head_dim", "num_experts", "experts_per_token", "vocab_size",
+            "num_layers",
+            "hidden_size",
+            "intermediate_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "num_experts",
+            "experts_per_token",
+            "vocab_size",
         ):
             positive_int(getattr(self, name), where=f"{self.name}: {name}")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -59,7 +67,8 @@ class ModelArch:
             )
         if self.experts_per_token > self.num_experts:
             raise HrmError(
-                f"{self.name}: {self.experts_per_token} experts per token exceeds {self.num_experts} experts"
+                f"{self.name}: {self.experts_per_token} experts per token exceeds "
+                f"{self.num_experts} experts"
             )
 
     # -- parameter counts (per layer unless named otherwise) -----------------------------------
@@ -109,7 +118,12 @@ class ModelArch:
     @property
     def dense_layer_params(self) -> int:
         """Everything in a layer except the routed experts: always needed, whichever tokens come."""
-        return self.attention_params + self.router_params + self.norm_params + self.shared_expert_params
+        return (
+            self.attention_params
+            + self.router_params
+            + self.norm_params
+            + self.shared_expert_params
+        )
 
     @property
     def layer_params(self) -> int:
@@ -149,20 +163,25 @@ class ModelArch:
     # -- files ---------------------------------------------------------------------------------
 
     @classmethod
-    def from_hf_config(cls, config: Any, name: str = "model", where: str = "config.json") -> "ModelArch":
+    def from_hf_config(
+        cls, config: Any, name: str = "model", where: str = "config.json"
+    ) -> ModelArch:
         if not isinstance(config, Mapping):
             raise HrmError(f"{where}: expected a JSON object")
         model_type = config.get("model_type")
         parser = _PARSERS.get(model_type)
         if parser is None:
             raise HrmError(
-                f"{where}: unsupported model_type {model_type!r}; supported: {', '.join(MODEL_TYPES)}"
+                f"{where}: unsupported model_type {model_type!r}; "
+                f"supported: {', '.join(MODEL_TYPES)}"
             )
         try:
             fields = parser(config)
             fields["eos_token_ids"] = eos_token_ids(config, where=where)
         except KeyError as exc:
-            raise HrmError(f"{where}: missing field {exc.args[0]!r} for model_type {model_type}") from None
+            raise HrmError(
+                f"{where}: missing field {exc.args[0]!r} for model_type {model_type}"
+            ) from None
         except (TypeError, ValueError) as exc:
             raise HrmError(f"{where}: malformed field ({exc})") from None
         try:
@@ -280,6 +299,8 @@ def resolve_model(name_or_path: str | os.PathLike) -> ModelArch:
             raise HrmError(f"{path.parent}: no config.json in this directory; is it a checkpoint?")
     elif not path.exists():
         known = ", ".join(bundled_model_names())
-        raise HrmError(f"unknown model {text!r}: use one of {known}, a config.json or a checkpoint directory")
+        raise HrmError(
+            f"unknown model {text!r}: use one of {known}, a config.json or a checkpoint directory"
+        )
     name = path.parent.name if path.name == "config.json" else path.stem
     return ModelArch.from_hf_config(load_json(path), name=name, where=str(path))

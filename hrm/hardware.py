@@ -13,9 +13,10 @@ import bisect
 import dataclasses
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from hrm import units
 from hrm.errors import HrmError
@@ -80,7 +81,7 @@ class DeviceSpec:
         return rate * self.count
 
     def matmul_flops_per_s(self, dtype: str, tokens: float) -> float:
-        """Achieved GEMM FLOP/s of all devices at `tokens` rows: the measured curve if any, else peak."""
+        """Achieved GEMM FLOP/s of all devices at `tokens` rows: the measured curve, else peak."""
         curve = self.matmul_curves.get(dtype)
         return curve.at(tokens) * self.count if curve else self.flops_per_s(dtype)
 
@@ -121,9 +122,21 @@ class HardwareProfile:
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
-            raise HrmError(f"{self.name}: source must be one of {', '.join(SOURCES)}, got {self.source!r}")
+            raise HrmError(
+                f"{self.name}: source must be one of {', '.join(SOURCES)}, got {self.source!r}"
+            )
         if (self.gpu is None) != (self.link is None):
-            raise HrmError(f"{self.name}: a profile with a gpu needs a link, and one without a gpu none")
+            raise HrmError(
+                f"{self.name}: a profile with a gpu needs a link, and one without a gpu none"
+            )
+
+    @property
+    def half_dtype(self) -> str:
+        """The 16-bit dtype this machine computes fastest: float16 on GPUs without bf16 units
+        (T4), else bfloat16."""
+        device = self.gpu or self.cpu
+        rates = device.peak_flops_per_s
+        return "float16" if rates.get("float16", 0) > rates.get("bfloat16", 0) else "bfloat16"
 
     @property
     def has_gpu(self) -> bool:
@@ -148,7 +161,7 @@ class HardwareProfile:
         gpu_memory_bytes: float | None = None,
         cpu_memory_bytes: float | None = None,
         link_bytes_per_s: float | None = None,
-    ) -> "HardwareProfile":
+    ) -> HardwareProfile:
         """The same machine with one resource changed (for --gpu-mem, --cpu-mem and sweeps).
 
         Changing the link bandwidth drops the measured link curves, which would contradict it.
@@ -169,7 +182,7 @@ class HardwareProfile:
     # -- files ---------------------------------------------------------------------------------
 
     @classmethod
-    def from_dict(cls, data: Any, where: str = "profile") -> "HardwareProfile":
+    def from_dict(cls, data: Any, where: str = "profile") -> HardwareProfile:
         data = check_keys(
             data,
             where=where,
@@ -180,12 +193,20 @@ class HardwareProfile:
         provenance = data.get("provenance") or {}
         if not isinstance(provenance, Mapping):
             raise HrmError(f"{where}: provenance must be a mapping")
-        gpu = _device_from_dict(data["gpu"], f"{where}: gpu") if data.get("gpu") is not None else None
-        link = _link_from_dict(data["link"], f"{where}: link") if data.get("link") is not None else None
+        gpu = (
+            _device_from_dict(data["gpu"], f"{where}: gpu") if data.get("gpu") is not None else None
+        )
+        link = (
+            _link_from_dict(data["link"], f"{where}: link")
+            if data.get("link") is not None
+            else None
+        )
         if gpu is not None and link is None:
             raise HrmError(f"{where}: a profile with a gpu needs a 'link' section (h2d, d2h)")
         if gpu is None and link is not None:
-            raise HrmError(f"{where}: has a 'link' section but no 'gpu'; remove one or add the other")
+            raise HrmError(
+                f"{where}: has a 'link' section but no 'gpu'; remove one or add the other"
+            )
         source = data["source"]
         if source not in SOURCES:
             raise HrmError(f"{where}: source must be one of {', '.join(SOURCES)}, got {source!r}")
@@ -213,7 +234,7 @@ class HardwareProfile:
         return out
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "HardwareProfile":
+    def load(cls, path: str | os.PathLike) -> HardwareProfile:
         return cls.from_dict(load_yaml(path), where=str(path))
 
     def save(self, path: str | os.PathLike) -> Path:
@@ -233,7 +254,9 @@ def resolve_hardware(name_or_path: str) -> HardwareProfile:
     if bundled.is_file():
         return HardwareProfile.load(bundled)
     known = ", ".join(bundled_profile_names())
-    raise HrmError(f"unknown hardware profile {name_or_path!r}: use one of {known} or a path to a .yaml file")
+    raise HrmError(
+        f"unknown hardware profile {name_or_path!r}: use one of {known} or a path to a .yaml file"
+    )
 
 
 # -- (de)serialisation helpers ------------------------------------------------------------------
@@ -248,7 +271,9 @@ def _device_from_dict(data: Any, where: str, is_cpu: bool = False) -> DeviceSpec
     if not flops:
         raise HrmError(f"{where}: flops must name at least one dtype ({', '.join(DTYPES)})")
     curves_in = data.get("matmul_curves") or {}
-    curves_in = check_keys(curves_in, where=f"{where}: matmul_curves", required=set(), optional=set(DTYPES))
+    curves_in = check_keys(
+        curves_in, where=f"{where}: matmul_curves", required=set(), optional=set(DTYPES)
+    )
     count = positive_int(data.get("count", 1), where=f"{where}: count")
     if is_cpu and count != 1:
         raise HrmError(f"{where}: count must be 1 for the cpu (give the total cores and memory)")
@@ -262,7 +287,8 @@ def _device_from_dict(data: Any, where: str, is_cpu: bool = False) -> DeviceSpec
             data["memory_bandwidth"], f"{where}: memory_bandwidth"
         ),
         peak_flops_per_s={
-            dtype: units.parse_flops(rate, f"{where}: flops: {dtype}") for dtype, rate in flops.items()
+            dtype: units.parse_flops(rate, f"{where}: flops: {dtype}")
+            for dtype, rate in flops.items()
         },
         matmul_curves={
             dtype: _curve_from_list(points, f"{where}: matmul_curves: {dtype}", units.parse_flops)
@@ -286,7 +312,9 @@ def _device_to_dict(device: DeviceSpec) -> dict[str, Any]:
 
 
 def _link_from_dict(data: Any, where: str) -> LinkSpec:
-    data = check_keys(data, where=where, required={"h2d", "d2h"}, optional={"h2d_curve", "d2h_curve"})
+    data = check_keys(
+        data, where=where, required={"h2d", "d2h"}, optional={"h2d_curve", "d2h_curve"}
+    )
     return LinkSpec(
         h2d_bytes_per_s=units.parse_bandwidth(data["h2d"], f"{where}: h2d"),
         d2h_bytes_per_s=units.parse_bandwidth(data["d2h"], f"{where}: d2h"),
@@ -312,7 +340,9 @@ def _link_to_dict(link: LinkSpec) -> dict[str, Any]:
 
 
 def _curve_from_list(points: Any, where: str, parse_rate) -> Curve:
-    if not isinstance(points, list) or not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in points):
+    if not isinstance(points, list) or not all(
+        isinstance(p, (list, tuple)) and len(p) == 2 for p in points
+    ):
         raise HrmError(f"{where}: expected a list of [size, rate] pairs")
     parsed = tuple(
         (units.parse_bytes(x, f"{where}: size"), parse_rate(y, f"{where}: rate")) for x, y in points

@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import yaml
 
@@ -24,7 +25,9 @@ def load_json(path: str | os.PathLike) -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise HrmError(f"{path}: malformed JSON ({exc.msg} at line {exc.lineno}); fix the file") from None
+        raise HrmError(
+            f"{path}: malformed JSON ({exc.msg} at line {exc.lineno}); fix the file"
+        ) from None
 
 
 def load_yaml(path: str | os.PathLike) -> Any:
@@ -51,15 +54,25 @@ def _read_text(path: str | os.PathLike) -> str:
 
 
 def check_writable(path: str | os.PathLike) -> Path:
-    """Fail early, before any long work, if `path` cannot be written."""
+    """Fail early, before any long work, if `path` cannot be written.
+
+    Writability is tested by creating (and removing) a file beside it: permission bits say
+    nothing to root, and read-only or virtual file systems refuse only when asked.
+    """
     p = Path(path)
-    parent = p.parent if str(p.parent) else Path(".")
+    parent = p.parent
     if p.is_dir():
         raise HrmError(f"{p}: is a directory; give a file name to write")
     if not parent.is_dir():
         raise HrmError(f"{p}: directory {parent} does not exist; create it or choose another path")
-    if not os.access(parent, os.W_OK):
-        raise HrmError(f"{p}: directory {parent} is not writable; choose another path")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{p.name}.", dir=parent)
+    except OSError as exc:
+        raise HrmError(
+            f"{p}: directory {parent} is not writable ({exc.strerror}); choose another path"
+        ) from None
+    os.close(fd)
+    os.unlink(probe)
     return p
 
 
@@ -70,12 +83,15 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path
     or error inside `write` leaves no partial output behind.
     """
     p = check_writable(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=p.suffix, dir=p.parent or ".")
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=p.suffix, dir=p.parent)
     os.close(fd)
     tmp_path = Path(tmp)
     try:
         write(tmp_path)
         os.replace(tmp_path, p)
+    except OSError as exc:
+        tmp_path.unlink(missing_ok=True)
+        raise HrmError(f"{p}: cannot write ({exc.strerror}); choose another path") from None
     except BaseException:
         tmp_path.unlink(missing_ok=True)
         raise

@@ -7,9 +7,10 @@ accounting the planner checked (DESIGN.md, Data model).
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from hrm.errors import HrmError
 from hrm.io import atomic_write_json, load_json
@@ -53,9 +54,11 @@ class Prediction:
         }
 
     @classmethod
-    def from_dict(cls, data: Any, where: str = "predicted") -> "Prediction":
+    def from_dict(cls, data: Any, where: str = "predicted") -> Prediction:
         data = check_keys(
-            data, where=where, required={"prefill_s", "decode_s", "generated_tokens"},
+            data,
+            where=where,
+            required={"prefill_s", "decode_s", "generated_tokens"},
             optional={"throughput_tok_s"},
         )
         return cls(
@@ -93,9 +96,11 @@ class MemoryFootprint:
         }
 
     @classmethod
-    def from_dict(cls, data: Any, where: str = "memory") -> "MemoryFootprint":
+    def from_dict(cls, data: Any, where: str = "memory") -> MemoryFootprint:
         data = check_keys(
-            data, where=where, required={"gpu", "cpu", "gpu_capacity_bytes", "cpu_capacity_bytes"},
+            data,
+            where=where,
+            required={"gpu", "cpu", "gpu_capacity_bytes", "cpu_capacity_bytes"},
             optional={"gpu_bytes", "cpu_bytes"},
         )
         return cls(
@@ -142,7 +147,7 @@ class Plan:
         }
 
     @classmethod
-    def from_dict(cls, data: Any, where: str = "plan") -> "Plan":
+    def from_dict(cls, data: Any, where: str = "plan") -> Plan:
         required, optional = dataclass_keys(cls)
         data = check_keys(data, where=where, required=required, optional=optional)
         return cls(
@@ -162,5 +167,5 @@ class Plan:
         return atomic_write_json(path, self.to_dict())
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "Plan":
+    def load(cls, path: str | os.PathLike) -> Plan:
         return cls.from_dict(load_json(path), where=str(path))

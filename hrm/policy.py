@@ -13,7 +13,14 @@ from typing import Any
 from hrm.errors import HrmError
 from hrm.schema import check_keys, dataclass_keys, fraction, positive_int
 
-DTYPE_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "int8": 1.0, "float8": 1.0, "int4": 0.5}
+DTYPE_BYTES = {
+    "float32": 4.0,
+    "bfloat16": 2.0,
+    "float16": 2.0,
+    "int8": 1.0,
+    "float8": 1.0,
+    "int4": 0.5,
+}
 
 
 def dtype_bytes(dtype: str) -> float:
@@ -39,7 +46,8 @@ class Policy:
         positive_int(self.micro_batch_size, where="policy: micro_batch_size")
         if self.micro_batch_size > self.batch_size:
             raise HrmError(
-                f"policy: micro_batch_size {self.micro_batch_size} exceeds batch_size {self.batch_size}"
+                f"policy: micro_batch_size {self.micro_batch_size} exceeds "
+                f"batch_size {self.batch_size}"
             )
         fraction(self.weights_gpu_fraction, where="policy: weights_gpu_fraction")
         fraction(self.kv_gpu_fraction, where="policy: kv_gpu_fraction")
@@ -63,7 +71,7 @@ class Policy:
         }
 
     @classmethod
-    def from_dict(cls, data: Any, where: str = "policy") -> "Policy":
+    def from_dict(cls, data: Any, where: str = "policy") -> Policy:
         required, optional = dataclass_keys(cls)
         data = check_keys(data, where=where, required=required, optional=optional)
         return cls(**data)

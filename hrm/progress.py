@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import sys
-from typing import Iterable, TypeVar
+from collections.abc import Iterable
+from typing import TypeVar
 
 T = TypeVar("T")
 
@@ -12,7 +13,9 @@ def show_progress(quiet: bool) -> bool:
     return not quiet and sys.stderr.isatty()
 
 
-def progress(iterable: Iterable[T], *, desc: str, quiet: bool, total: int | None = None) -> Iterable[T]:
+def progress(
+    iterable: Iterable[T], *, desc: str, quiet: bool, total: int | None = None
+) -> Iterable[T]:
     """Wrap `iterable` in a tqdm bar on stderr when a person is watching."""
     from tqdm import tqdm
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from hrm.io import atomic_write_json, load_json
 from hrm.schema import check_keys, dataclass_keys
@@ -36,9 +37,11 @@ class Measurement:
         }
 
     @classmethod
-    def from_dict(cls, data: Any, where: str = "measured") -> "Measurement":
+    def from_dict(cls, data: Any, where: str = "measured") -> Measurement:
         required, optional = dataclass_keys(cls)
-        data = check_keys(data, where=where, required=required, optional=optional | {"throughput_tok_s"})
+        data = check_keys(
+            data, where=where, required=required, optional=optional | {"throughput_tok_s"}
+        )
         data = {k: v for k, v in data.items() if k != "throughput_tok_s"}
         return cls(**data)
 
@@ -74,9 +77,11 @@ class RunRecord:
         }
 
     @classmethod
-    def from_dict(cls, data: Any, where: str = "run record") -> "RunRecord":
+    def from_dict(cls, data: Any, where: str = "run record") -> RunRecord:
         required, optional = dataclass_keys(cls)
-        data = check_keys(data, where=where, required=required, optional=optional | {"prediction_error"})
+        data = check_keys(
+            data, where=where, required=required, optional=optional | {"prediction_error"}
+        )
         fields = {k: v for k, v in data.items() if k != "prediction_error"}
         fields["measured"] = Measurement.from_dict(data["measured"], f"{where}: measured")
         return cls(**fields)
@@ -85,5 +90,5 @@ class RunRecord:
         return atomic_write_json(path, self.to_dict())
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "RunRecord":
+    def load(cls, path: str | os.PathLike) -> RunRecord:
         return cls.from_dict(load_json(path), where=str(path))

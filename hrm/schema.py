@@ -7,7 +7,8 @@ file (or section of a file) it came from.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from hrm.errors import HrmError
 

@@ -31,7 +31,9 @@ def _parse(value: object, pattern: re.Pattern, kind: str, example: str, field: s
     elif isinstance(value, str):
         match = pattern.match(value.strip())
         if match is None:
-            raise HrmError(f"{field}: cannot read {value!r} as a {kind} (write it like {example!r})")
+            raise HrmError(
+                f"{field}: cannot read {value!r} as a {kind} (write it like {example!r})"
+            )
         prefix = match.groupdict().get("prefix") or ""
         number = _scaled(match["num"], _BINARY.get(prefix) or _DECIMAL[prefix])
     else:

@@ -33,7 +33,9 @@ class Workload:
             )
 
     @classmethod
-    def from_prompt_lens(cls, prompt_lens: list[int], gen_len: int, padding: bool = False) -> "Workload":
+    def from_prompt_lens(
+        cls, prompt_lens: list[int], gen_len: int, padding: bool = False
+    ) -> Workload:
         if not prompt_lens:
             raise HrmError("workload: no prompts")
         return cls(
@@ -62,7 +64,7 @@ class Workload:
         }
 
     @classmethod
-    def from_dict(cls, data: Any, where: str = "workload") -> "Workload":
+    def from_dict(cls, data: Any, where: str = "workload") -> Workload:
         required, optional = dataclass_keys(cls)
         data = check_keys(data, where=where, required=required, optional=optional)
         return cls(**data)

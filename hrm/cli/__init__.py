@@ -1,4 +1,4 @@
-"""The `hrm` command line: one module per subcommand, each with add_parser(subparsers) and run(args).
+"""The `hrm` command line: one module per subcommand, with add_parser(subparsers) and run(args).
 
 Subcommand modules import nothing heavy at module level (no torch, no pulp); each `run` imports
 what it needs (STYLE.md habit 13). An HrmError becomes one line on stderr and exit status 2.

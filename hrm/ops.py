@@ -1,0 +1,149 @@
+"""Per-layer operations of an MoE transformer with their FLOPs and bytes (reference, section 1).
+
+Each Op says how much arithmetic it does and how many bytes it reads, split by kind (weights,
+KV cache, activations) because the kinds live on different levels: where a byte sits decides which
+roof binds.  FLOPs count 2 per multiply-accumulate everywhere (GEMMs and attention alike).
+
+Letters: b = sequences, s = new tokens per sequence (1 in decode), c = context (keys per query),
+h = hidden, i = expert width, nq/nkv = query/key-value heads, d = head dim, E = experts, k = top-k,
+V = vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hrm.arch import ModelArch
+from hrm.policy import dtype_bytes
+
+ACTIVATION_DTYPE = "bfloat16"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Op:
+    name: str
+    flops: float
+    weight_bytes: float = 0.0
+    kv_bytes: float = 0.0
+    activation_bytes: float = 0.0
+
+    @property
+    def bytes(self) -> float:
+        return self.weight_bytes + self.kv_bytes + self.activation_bytes
+
+    @property
+    def intensity(self) -> float:
+        """FLOPs per byte when every byte the op reads comes from one memory level."""
+        return self.flops / self.bytes if self.bytes else float("inf")
+
+    def scaled(self, factor: float) -> Op:
+        """The same op repeated `factor` times (e.g. over layers)."""
+        return Op(
+            name=self.name,
+            flops=self.flops * factor,
+            weight_bytes=self.weight_bytes * factor,
+            kv_bytes=self.kv_bytes * factor,
+            activation_bytes=self.activation_bytes * factor,
+        )
+
+
+def expected_distinct_experts(arch: ModelArch, tokens: float) -> float:
+    """Experts a group of `tokens` touches under uniform routing: E * (1 - (1 - k/E)^tokens)."""
+    e, k = arch.num_experts, arch.experts_per_token
+    return e * (1.0 - (1.0 - k / e) ** max(tokens, 0.0))
+
+
+def _linear(name: str, tokens: float, d_in: int, d_out: int, wdt: float, adt: float) -> Op:
+    # FLOPs = 2 * T * d_in * d_out;  bytes = weights + input + output activations
+    return Op(
+        name=name,
+        flops=2.0 * tokens * d_in * d_out,
+        weight_bytes=d_in * d_out * wdt,
+        activation_bytes=tokens * (d_in + d_out) * adt,
+    )
+
+
+def attention_op(
+    arch: ModelArch, *, batch: float, new_tokens: float, context: float, kv_dtype: str
+) -> Op:
+    """Scaled dot-product attention, projections excluded.
+
+    Decode (s = 1): FLOPs = 4*b*c*nq*d (QK^T and PV, 2 per MAC) + 5*b*c*nq (softmax);
+    bytes = dt*(2*b*nq*d) for q and the output + dt*(2*b*c*nkv*d) for K and V (reference, section 1;
+    the paper's formula counts the two matmuls in MACs, i.e. half these FLOPs).
+    Prefill (s = c, causal): each of the s queries sees on average (s+1)/2 keys.
+    """
+    adt, kdt = dtype_bytes(ACTIVATION_DTYPE), dtype_bytes(kv_dtype)
+    nq, nkv, d = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
+    keys_per_query = context if new_tokens == 1 else (new_tokens + 1) / 2.0
+    pairs = batch * new_tokens * keys_per_query  # (query, key) pairs per head
+    return Op(
+        name="attention",
+        flops=4.0 * pairs * nq * d + 5.0 * pairs * nq,
+        kv_bytes=2.0 * batch * context * nkv * d * kdt,
+        activation_bytes=2.0 * batch * new_tokens * nq * d * adt,
+    )
+
+
+def expert_ffn_op(
+    arch: ModelArch, *, tokens: float, weight_dtype: str, group_tokens: float | None = None
+) -> Op:
+    """Routed experts over `tokens` tokens.
+
+    FLOPs = 6 * T * h * i * k (three projections per active expert, reference section 1).
+    Weight bytes = distinct experts touched * 3*h*i*dt; a kernel launched per micro-batch of
+    `group_tokens` tokens reads the experts that micro-batch touches, once per micro-batch.
+    """
+    wdt, adt = dtype_bytes(weight_dtype), dtype_bytes(ACTIVATION_DTYPE)
+    h, i, k = arch.hidden_size, arch.intermediate_size, arch.experts_per_token
+    group = tokens if group_tokens is None else group_tokens
+    groups = tokens / group if group else 0.0
+    return Op(
+        name="expert_ffn",
+        flops=6.0 * tokens * h * i * k,
+        weight_bytes=groups * expected_distinct_experts(arch, group) * arch.expert_params * wdt,
+        activation_bytes=tokens * k * (2 * h + 3 * i) * adt,
+    )
+
+
+def layer_ops(
+    arch: ModelArch,
+    *,
+    batch: float,
+    new_tokens: float,
+    context: float,
+    weight_dtype: str = "bfloat16",
+    kv_dtype: str = "bfloat16",
+    ffn_group_tokens: float | None = None,
+) -> list[Op]:
+    """One transformer layer for `batch` sequences adding `new_tokens` each at `context` keys.
+
+    Decode: new_tokens = 1, context = current length. Prefill: new_tokens = context = prompt length.
+    """
+    wdt, adt = dtype_bytes(weight_dtype), dtype_bytes(ACTIVATION_DTYPE)
+    t = batch * new_tokens
+    h = arch.hidden_size
+    ops = [
+        Op(
+            name="norms",
+            flops=2 * 4.0 * t * h,
+            weight_bytes=arch.norm_params * wdt,
+            activation_bytes=2 * 2.0 * t * h * adt,
+        ),
+        _linear("qkv_proj", t, h, arch.q_size + 2 * arch.kv_size, wdt, adt),
+        attention_op(arch, batch=batch, new_tokens=new_tokens, context=context, kv_dtype=kv_dtype),
+        _linear("o_proj", t, arch.q_size, h, wdt, adt),
+        _linear("router", t, h, arch.num_experts, wdt, adt),
+        expert_ffn_op(arch, tokens=t, weight_dtype=weight_dtype, group_tokens=ffn_group_tokens),
+    ]
+    if arch.shared_expert_params:
+        ops.append(
+            _linear("shared_expert", t, h, 3 * arch.shared_expert_intermediate_size, wdt, adt)
+        )
+    return ops
+
+
+def lm_head_op(arch: ModelArch, *, batch: float, weight_dtype: str = "bfloat16") -> Op:
+    """Final norm + LM head for the last position of each sequence (once per step)."""
+    wdt, adt = dtype_bytes(weight_dtype), dtype_bytes(ACTIVATION_DTYPE)
+    return _linear("lm_head", batch, arch.hidden_size, arch.vocab_size, wdt, adt)

@@ -1,0 +1,125 @@
+import json
+
+import pytest
+
+from hrm.arch import ModelArch, bundled_model_names, resolve_model
+from hrm.errors import HrmError
+
+# Published total parameter counts.
+PUBLISHED = {"mixtral-8x7b": 46.7e9, "mixtral-8x22b": 141e9, "dbrx": 132e9}
+
+
+@pytest.mark.parametrize("name, published", sorted(PUBLISHED.items()))
+def test_totals_match_published_sizes_within_one_percent(name, published):
+    arch = resolve_model(name)
+    assert abs(arch.total_params - published) / published < 0.01
+    assert arch.weight_bytes("bfloat16") == 2 * arch.total_params
+
+
+def test_mixtral_8x7b_hand_count():
+    arch = resolve_model("mixtral-8x7b")
+    h, i, v = 4096, 14336, 32000
+    attention = h * (4096 + 2 * 1024) + 4096 * h
+    layer = attention + 8 * 3 * h * i + h * 8 + 2 * h
+    assert arch.layer_params == layer
+    assert arch.total_params == 32 * layer + 2 * v * h + h
+    # about 12.9B active parameters per token (2 of 8 experts)
+    assert arch.active_params == pytest.approx(12.9e9, rel=0.01)
+    assert arch.kv_bytes_per_token("bfloat16") == 2 * 32 * 8 * 128 * 2
+
+
+def test_dbrx_fields():
+    arch = resolve_model("dbrx")
+    assert (arch.num_layers, arch.hidden_size, arch.intermediate_size) == (40, 6144, 10752)
+    assert (arch.num_experts, arch.experts_per_token) == (16, 4)
+    assert arch.rope_theta == 500000 and arch.clip_qkv == 8
+    assert arch.norm == "layernorm" and not arch.renormalize_top_k
+
+
+def test_bundled_names():
+    assert set(PUBLISHED) <= set(bundled_model_names())
+
+
+def _config(**changes):
+    config = json.loads(
+        (resolve_model.__globals__["BUNDLED_DIR"] / "mixtral-8x7b.json").read_text()
+    )
+    config.update(changes)
+    return config
+
+
+def test_rope_theta_from_transformers_5_rope_parameters():
+    config = _config(rope_parameters={"rope_theta": 12345.0, "rope_type": "default"})
+    del config["rope_theta"]
+    assert ModelArch.from_hf_config(config).rope_theta == 12345.0
+
+
+def test_qwen2_moe_and_olmoe_parse():
+    qwen = ModelArch.from_hf_config(
+        {
+            "model_type": "qwen2_moe",
+            "num_hidden_layers": 24,
+            "hidden_size": 2048,
+            "moe_intermediate_size": 1408,
+            "shared_expert_intermediate_size": 5632,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 16,
+            "num_experts": 60,
+            "num_experts_per_tok": 4,
+            "vocab_size": 151936,
+        }
+    )
+    assert qwen.total_params == pytest.approx(14.3e9, rel=0.01)  # Qwen1.5-MoE-A2.7B
+    olmoe = ModelArch.from_hf_config(
+        {
+            "model_type": "olmoe",
+            "num_hidden_layers": 16,
+            "hidden_size": 2048,
+            "intermediate_size": 1024,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 16,
+            "num_experts": 64,
+            "num_experts_per_tok": 8,
+            "vocab_size": 50304,
+        }
+    )
+    assert olmoe.total_params == pytest.approx(6.9e9, rel=0.01)  # OLMoE-1B-7B
+
+
+@pytest.mark.parametrize(
+    "changes, fragment",
+    [
+        ({"model_type": "llama"}, "unsupported model_type 'llama'"),
+        ({"hidden_size": -4096}, "hidden_size"),
+        ({"num_hidden_layers": 0}, "num_layers"),
+        ({"num_local_experts": 1, "num_experts_per_tok": 2}, "exceeds"),
+        ({"num_key_value_heads": 5}, "not a multiple"),
+        ({"vocab_size": "big"}, "vocab_size"),
+    ],
+)
+def test_bad_configs(changes, fragment):
+    with pytest.raises(HrmError) as exc:
+        ModelArch.from_hf_config(_config(**changes))
+    assert fragment in str(exc.value)
+
+
+def test_missing_field_is_named():
+    config = _config()
+    del config["num_local_experts"]
+    with pytest.raises(HrmError, match="missing field 'num_local_experts'"):
+        ModelArch.from_hf_config(config)
+
+
+def test_resolve_paths(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(_config()))
+    assert resolve_model(tmp_path).total_params == resolve_model("mixtral-8x7b").total_params
+    assert resolve_model(tmp_path / "config.json").name == tmp_path.name
+    with pytest.raises(HrmError, match="unknown model 'gpt-5'"):
+        resolve_model("gpt-5")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(HrmError, match="no config.json"):
+        resolve_model(empty)
+    (tmp_path / "broken.json").write_text("{not json")
+    with pytest.raises(HrmError, match="malformed JSON"):
+        resolve_model(tmp_path / "broken.json")

@@ -1,0 +1,122 @@
+import copy
+
+import pytest
+import yaml
+
+from hrm.errors import HrmError
+from hrm.hardware import Curve, HardwareProfile, bundled_profile_names, resolve_hardware
+
+EXPECTED_BUNDLED = {"t4", "l4", "2xt4", "4xt4", "a100-80g", "h100-sxm", "h200-sxm"}
+
+
+def test_every_required_profile_is_bundled():
+    assert EXPECTED_BUNDLED <= set(bundled_profile_names())
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_BUNDLED))
+def test_bundled_profiles_load_and_round_trip(name, tmp_path):
+    profile = resolve_hardware(name)
+    assert profile.source == "datasheet"
+    assert profile.gpu is not None and profile.link is not None
+    path = profile.save(tmp_path / f"{name}.yaml")
+    assert HardwareProfile.load(path) == profile
+
+
+def test_datasheet_figures_are_dense_and_per_gpu():
+    l4 = resolve_hardware("l4")
+    assert l4.gpu.flops_per_s("bfloat16") == 121e12  # dense, not the 242 sparse figure
+    assert l4.gpu.memory_bytes == 24e9
+    t4x4 = resolve_hardware("4xt4")
+    assert t4x4.gpu.count == 4
+    assert t4x4.gpu.total_memory_bytes == 64e9
+    assert t4x4.gpu.flops_per_s("float16") == 4 * 65e12
+    assert t4x4.h2d_bytes_per_s == 4 * t4x4.link.h2d_bytes_per_s
+
+
+def test_half_dtype_is_float16_on_t4_and_bfloat16_on_l4():
+    assert resolve_hardware("t4").half_dtype == "float16"
+    assert resolve_hardware("4xt4").half_dtype == "float16"
+    assert resolve_hardware("l4").half_dtype == "bfloat16"
+
+
+def _l4_dict():
+    return resolve_hardware("l4").to_dict()
+
+
+def test_cpu_only_profile_is_valid():
+    data = _l4_dict()
+    del data["gpu"], data["link"]
+    profile = HardwareProfile.from_dict(data)
+    assert not profile.has_gpu and profile.gpu_count == 0 and profile.h2d_bytes_per_s == 0
+
+
+@pytest.mark.parametrize(
+    "mutate, fragment",
+    [
+        (lambda d: d.pop("cpu"), "missing key 'cpu'"),
+        (lambda d: d["gpu"].pop("memory"), "gpu: missing key 'memory'"),
+        (lambda d: d["gpu"].update(memroy="24 GB"), "unknown key 'memroy'"),
+        (lambda d: d["gpu"].update(memory="-24 GB"), "gpu: memory"),
+        (lambda d: d["gpu"].update(count=0), "gpu: count"),
+        (lambda d: d["cpu"]["flops"].update(float32="fast"), "cpu: flops: float32"),
+        (lambda d: d["cpu"]["flops"].update(float64="1 TFLOP/s"), "unknown key 'float64'"),
+        (lambda d: d.pop("link"), "needs a 'link'"),
+        (lambda d: d["link"].update(h2d="16 GB"), "link: h2d"),
+        (lambda d: d.update(source="guessed"), "source must be one of"),
+        (
+            lambda d: d["cpu"].update(
+                matmul_curves={"float32": [[2, "1 TFLOP/s"], [1, "1 TFLOP/s"]]}
+            ),
+            "matmul_curves: float32",
+        ),
+    ],
+)
+def test_invalid_profiles_name_the_problem(mutate, fragment):
+    data = copy.deepcopy(_l4_dict())
+    mutate(data)
+    with pytest.raises(HrmError) as exc:
+        HardwareProfile.from_dict(data)
+    assert fragment in str(exc.value)
+
+
+def test_resolve_by_path_and_unknown_name(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text(yaml.safe_dump(_l4_dict()))
+    assert resolve_hardware(str(path)).name == "l4"
+    with pytest.raises(HrmError, match="unknown hardware profile 'l5'"):
+        resolve_hardware("l5")
+    with pytest.raises(HrmError, match="no such file"):
+        resolve_hardware(str(tmp_path / "absent.yaml"))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("gpu: [unclosed\n")
+    with pytest.raises(HrmError, match="malformed YAML"):
+        resolve_hardware(str(bad))
+
+
+def test_curve_interpolates_in_log_size_and_is_flat_outside():
+    curve = Curve(points=((1.0, 10.0), (100.0, 30.0)))
+    assert curve.at(0.5) == 10.0
+    assert curve.at(1000.0) == 30.0
+    assert curve.at(10.0) == pytest.approx(20.0)
+    assert curve.best == 30.0
+
+
+def test_measured_curves_replace_peaks():
+    data = _l4_dict()
+    data["cpu"]["matmul_curves"] = {"bfloat16": [[1, "0.1 TFLOP/s"], [1024, "1 TFLOP/s"]]}
+    profile = HardwareProfile.from_dict(data)
+    assert profile.cpu.matmul_flops_per_s("bfloat16", 1) == pytest.approx(0.1e12)
+    assert profile.cpu.matmul_flops_per_s("float32", 1) == profile.cpu.flops_per_s("float32")
+    assert HardwareProfile.from_dict(profile.to_dict()) == profile
+
+
+def test_with_resources_changes_one_thing():
+    l4 = resolve_hardware("l4")
+    more = l4.with_resources(cpu_memory_bytes=400e9, link_bytes_per_s=32e9)
+    assert more.cpu.memory_bytes == 400e9 and more.link.h2d_bytes_per_s == 32e9
+    assert more.gpu == l4.gpu
+    cpu_only = HardwareProfile.from_dict(
+        {k: v for k, v in _l4_dict().items() if k not in ("gpu", "link")}
+    )
+    with pytest.raises(HrmError, match="has no GPU"):
+        cpu_only.with_resources(gpu_memory_bytes=1e9)

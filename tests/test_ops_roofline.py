@@ -1,0 +1,128 @@
+"""The roofline model pinned to hand-computed numbers (STYLE.md habit 11)."""
+
+import pytest
+
+from hrm.arch import resolve_model
+from hrm.hardware import HardwareProfile, resolve_hardware
+from hrm.ops import attention_op, expected_distinct_experts, expert_ffn_op, layer_ops, lm_head_op
+from hrm.roofline import (
+    cross_level_flops_per_s,
+    ffn_balance_batch,
+    op_time,
+    run_time_bound,
+    turning_points,
+)
+
+MIXTRAL = resolve_model("mixtral-8x7b")
+L4 = resolve_hardware("l4")
+
+
+def test_decode_attention_intensity_mixtral_context_512_fp16():
+    op = attention_op(MIXTRAL, batch=1, new_tokens=1, context=512, kv_dtype="float16")
+    # Per sequence: QK^T and PV are 2 * 512 * 32 * 128 MACs = 4 * 512 * 32 * 128 FLOPs, plus a
+    # 5-FLOP softmax per score; bytes: q and output 2 * 32 * 128 * 2, K and V 2 * 512 * 8 * 128 * 2.
+    flops = 4 * 512 * 32 * 128 + 5 * 512 * 32
+    nbytes = 2 * 32 * 128 * 2 + 2 * 512 * 8 * 128 * 2
+    assert op.flops == flops and op.bytes == nbytes
+    assert op.intensity == pytest.approx(4.0, rel=0.01)
+    # The paper's "about 2" counts the two matmuls in multiply-accumulates (reference, section 1).
+    assert (op.flops / 2) / op.bytes == pytest.approx(2.0, rel=0.01)
+
+
+def test_attention_intensity_does_not_depend_on_batch_and_grows_with_smaller_kv():
+    one = attention_op(MIXTRAL, batch=1, new_tokens=1, context=512, kv_dtype="bfloat16")
+    many = attention_op(MIXTRAL, batch=256, new_tokens=1, context=512, kv_dtype="bfloat16")
+    int4 = attention_op(MIXTRAL, batch=256, new_tokens=1, context=512, kv_dtype="int4")
+    assert many.intensity == pytest.approx(one.intensity)
+    # a quarter of the KV bytes (q and output stay bf16): about 4x the intensity (paper: ~8 MAC/B)
+    assert int4.intensity == pytest.approx(4 * one.intensity, rel=0.05)
+
+
+@pytest.mark.parametrize("tokens", [16, 64, 256])
+def test_expert_ffn_intensity_is_about_n_over_4_against_cpu_weights(tokens):
+    op = expert_ffn_op(MIXTRAL, tokens=tokens, weight_dtype="float16")
+    # Nearly all 8 experts touched for N >= 16; weight bytes dominate:
+    # I = 6*N*h*i*k / (6*h*i*E) = N*k/E.
+    touched = 8 * (1 - 0.75**tokens)
+    assert op.weight_bytes == pytest.approx(touched * MIXTRAL.expert_params * 2)
+    assert op.intensity == pytest.approx(tokens / 4, rel=0.05)
+
+
+def test_expected_distinct_experts():
+    assert expected_distinct_experts(MIXTRAL, 1) == pytest.approx(2.0)
+    assert expected_distinct_experts(MIXTRAL, 2) == pytest.approx(8 * (1 - 0.75**2))
+    assert expected_distinct_experts(MIXTRAL, 1000) == pytest.approx(8.0)
+    # a micro-batch kernel reads only the experts its tokens touch, once per micro-batch
+    one_token_groups = expert_ffn_op(MIXTRAL, tokens=4, weight_dtype="bfloat16", group_tokens=1)
+    assert one_token_groups.weight_bytes == pytest.approx(4 * 2 * MIXTRAL.expert_params * 2)
+
+
+def test_layer_and_lm_head_flops_match_active_parameters():
+    ops = layer_ops(MIXTRAL, batch=1, new_tokens=1, context=1)
+    matmul_flops = sum(
+        op.flops for op in ops if op.name in ("qkv_proj", "o_proj", "router", "expert_ffn")
+    )
+    per_layer_active = (
+        MIXTRAL.active_params - 2 * MIXTRAL.embedding_params - MIXTRAL.hidden_size
+    ) / 32
+    assert matmul_flops == pytest.approx(2 * per_layer_active, rel=1e-3)
+    assert lm_head_op(MIXTRAL, batch=3).flops == 2 * 3 * 4096 * 32000
+
+
+def test_turning_points_l4():
+    points = turning_points(L4, "bfloat16")
+    assert points.p1 == pytest.approx(1.3e12 / 16e9)  # Eq 9: P_cpu / B_link = 81.25 FLOP/B
+    assert points.p2 == pytest.approx(121e12 / 16e9)  # Eq 10: P_gpu / B_link = 7562.5 FLOP/B
+
+
+def test_turning_points_absent_without_gpu_or_when_roofs_do_not_cross():
+    data = L4.to_dict()
+    cpu_only = HardwareProfile.from_dict(
+        {k: v for k, v in data.items() if k not in ("gpu", "link")}
+    )
+    assert turning_points(cpu_only, "bfloat16") is None
+    fast_link = L4.with_resources(link_bytes_per_s=200e9)  # faster than CPU memory (100 GB/s)
+    assert turning_points(fast_link, "bfloat16").p1 is None
+
+
+def test_cross_level_roof_eq7():
+    # Left of P1 the link binds: B_link * I^j
+    assert cross_level_flops_per_s(L4, "bfloat16", gpu_intensity=4, cpu_intensity=4) == 16e9 * 4
+    # With a small micro-batch the GPU's own memory roof binds: B_gpu * I^i
+    assert (
+        cross_level_flops_per_s(L4, "bfloat16", gpu_intensity=10, cpu_intensity=1000) == 300e9 * 10
+    )
+    assert cross_level_flops_per_s(L4, "bfloat16", gpu_intensity=1e6, cpu_intensity=1e6) == 121e12
+
+
+def test_ffn_balance_point_eq11():
+    n = ffn_balance_batch(MIXTRAL, L4, micro_batch=64)
+    micro = expert_ffn_op(MIXTRAL, tokens=64, weight_dtype="bfloat16")
+    whole = expert_ffn_op(MIXTRAL, tokens=n, weight_dtype="bfloat16")
+    assert 16e9 * whole.intensity == pytest.approx(300e9 * micro.intensity, rel=1e-6)
+    assert n == pytest.approx(64 * 300 / 16, rel=0.1)  # about mu * B_gpu / B_link
+
+
+def test_op_time_breakdown():
+    op = expert_ffn_op(MIXTRAL, tokens=64, weight_dtype="bfloat16")
+    t = op_time(op, L4.cpu, "bfloat16")
+    assert t.compute_s == pytest.approx(op.flops / 1.3e12)
+    assert t.memory_s == pytest.approx(op.bytes / 100e9)
+    assert t.time_s == max(t.compute_s, t.memory_s)
+    serial = op_time(
+        op, L4.gpu, "bfloat16", link_bytes=op.weight_bytes, link_bytes_per_s=16e9, overlap="sum"
+    )
+    assert serial.binding == "link"
+    assert serial.time_s == pytest.approx(serial.compute_s + serial.memory_s + serial.link_s)
+
+
+def test_run_time_bound_charges_each_decode_step_its_own_context():
+    bound = run_time_bound(MIXTRAL, L4.cpu, batch=4, prompt_len=10, gen_len=3)
+    assert bound.generated_tokens == 12
+    steps = []
+    for context in (11, 12):  # decode steps 1 and 2; the first token comes from prefill
+        ops = [o.scaled(32) for o in layer_ops(MIXTRAL, batch=4, new_tokens=1, context=context)]
+        ops.append(lm_head_op(MIXTRAL, batch=4))
+        steps.append(sum(op_time(o, L4.cpu, "bfloat16").time_s for o in ops))
+    assert bound.decode_s == pytest.approx(sum(steps))
+    assert steps[1] > steps[0]
