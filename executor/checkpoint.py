@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cached_property
 from pathlib import Path
-from typing import Callable
 
 import torch
 
+from executor.safetensors_mmap import SafetensorsFile
 from hrm.arch import ModelArch, eos_token_ids
 from hrm.errors import HrmError
 from hrm.io import load_json
-from executor.safetensors_mmap import SafetensorsFile
 
 SUPPORTED_MODEL_TYPES = ("mixtral", "dbrx")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -56,14 +55,13 @@ class ModelWeights:
 
 
 class _Tensors:
-    """Name -> tensor across the checkpoint's shards, checked against the shapes config.json implies."""
+    """Name -> tensor across the shards, checked against the shapes config.json implies."""
 
-    def __init__(self, directory: Path, dtype: torch.dtype | None, embed_name: str):
+    def __init__(self, directory: Path, dtype: torch.dtype, device: str):
         self.directory = directory
         self.where = {name: f for f in _open_shards(directory) for name in f.keys()}
-        # Without an explicit dtype, run in the dtype the embedding is stored in.
-        stored = self.where[embed_name].dtype(embed_name) if embed_name in self.where else None
-        self.dtype = dtype or stored or torch.float32
+        self.dtype = dtype
+        self.device = torch.device(device)
 
     def has(self, name: str) -> bool:
         return name in self.where
@@ -82,9 +80,9 @@ class _Tensors:
                 f"{list(shape)}; the checkpoint does not match its config.json"
             )
         tensor = f.tensor(name)
-        if tensor.dtype == self.dtype:
+        if tensor.dtype == self.dtype and self.device.type == "cpu":
             return tensor
-        converted = tensor.to(self.dtype)
+        converted = tensor.to(device=self.device, dtype=self.dtype)
         f.release(name)
         return converted
 
@@ -109,27 +107,30 @@ def _open_shards(directory: Path) -> list[SafetensorsFile]:
         return [SafetensorsFile(single)]
     found = sorted(directory.glob("*.safetensors"))
     if not found:
-        raise HrmError(f"{directory}: no .safetensors files (only safetensors checkpoints are read)")
+        raise HrmError(
+            f"{directory}: no .safetensors files (only safetensors checkpoints are read)"
+        )
     return [SafetensorsFile(p) for p in found]
 
 
 def _mixtral_layer(t: _Tensors, arch: ModelArch, layer: int) -> LayerWeights:
     p = f"model.layers.{layer}."
-    H, I, E = arch.hidden_size, arch.intermediate_size, arch.num_experts
+    H, inter, E = arch.hidden_size, arch.intermediate_size, arch.num_experts
     if t.has(p + "mlp.experts.gate_up_proj"):  # the fused layout transformers 5.x can save
-        gate_up = t.get(p + "mlp.experts.gate_up_proj", (E, 2 * I, H))
-        down = t.get(p + "mlp.experts.down_proj", (E, H, I))
+        gate_up = t.get(p + "mlp.experts.gate_up_proj", (E, 2 * inter, H))
+        down = t.get(p + "mlp.experts.down_proj", (E, H, inter))
         experts = tuple(
-            ExpertWeights(w1=gate_up[e, :I], w3=gate_up[e, I:], w2=down[e]) for e in range(E)
+            ExpertWeights(w1=gate_up[e, :inter], w3=gate_up[e, inter:], w2=down[e])
+            for e in range(E)
         )
         router = t.get(p + "mlp.gate.weight", (E, H))
     else:  # the original per-expert names
         x = p + "block_sparse_moe.experts."
         experts = tuple(
             ExpertWeights(
-                w1=t.get(f"{x}{e}.w1.weight", (I, H)),
-                w3=t.get(f"{x}{e}.w3.weight", (I, H)),
-                w2=t.get(f"{x}{e}.w2.weight", (H, I)),
+                w1=t.get(f"{x}{e}.w1.weight", (inter, H)),
+                w3=t.get(f"{x}{e}.w3.weight", (inter, H)),
+                w2=t.get(f"{x}{e}.w2.weight", (H, inter)),
             )
             for e in range(E)
         )
@@ -148,13 +149,13 @@ def _mixtral_layer(t: _Tensors, arch: ModelArch, layer: int) -> LayerWeights:
 
 def _dbrx_layer(t: _Tensors, arch: ModelArch, layer: int) -> LayerWeights:
     p = f"transformer.blocks.{layer}."
-    H, I, E = arch.hidden_size, arch.intermediate_size, arch.num_experts
+    H, inter, E = arch.hidden_size, arch.intermediate_size, arch.num_experts
     Q, KV = arch.q_size, arch.kv_size
     wqkv = t.get(p + "norm_attn_norm.attn.Wqkv.weight", (Q + 2 * KV, H))
     # DBRX stacks experts along rows: w1 (gate), v1 (up) and w2 are [E*I, H]; w2 is the
     # transpose of a linear weight, so its [H, I] view is a transposed view, not a copy.
     mlp = p + "ffn.experts.mlp."
-    w1, v1, w2 = (t.get(mlp + n, (E * I, H)).view(E, I, H) for n in ("w1", "v1", "w2"))
+    w1, v1, w2 = (t.get(mlp + n, (E * inter, H)).view(E, inter, H) for n in ("w1", "v1", "w2"))
     return LayerWeights(
         attn_norm=t.get(p + "norm_attn_norm.norm_1.weight", (H,)),
         wq=wqkv[:Q],
@@ -188,17 +189,19 @@ class Checkpoint:
     def dtype_name(self) -> str:
         return str(self.dtype).removeprefix("torch.")
 
-    @cached_property
-    def tokenizer(self):
-        """The checkpoint's own tokenizer, or None when it ships none (token ids only)."""
-        if not any((self.directory / n).is_file() for n in _TOKENIZER_FILES):
-            return None
-        from transformers import AutoTokenizer
 
-        try:
-            return AutoTokenizer.from_pretrained(str(self.directory))
-        except (OSError, ValueError) as exc:
-            raise HrmError(f"{self.directory}: cannot load its tokenizer ({exc}); fix or remove it") from None
+def load_tokenizer(directory: Path):
+    """The checkpoint's own tokenizer, or None when it ships none (then prompts are token ids)."""
+    if not any((directory / n).is_file() for n in _TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(directory))
+    except (OSError, ValueError) as exc:
+        raise HrmError(
+            f"{directory}: cannot load its tokenizer ({exc}); fix or remove it"
+        ) from None
 
 
 def read_arch(directory: str | os.PathLike) -> ModelArch:
@@ -210,12 +213,13 @@ def read_arch(directory: str | os.PathLike) -> ModelArch:
     if not config_path.is_file():
         raise HrmError(f"{config_path}: missing; a checkpoint directory needs its config.json")
     config = load_json(config_path)
-    arch = ModelArch.from_hf_config(config, name=directory.name, where=str(config_path))
-    if arch.model_type not in SUPPORTED_MODEL_TYPES:
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if model_type not in SUPPORTED_MODEL_TYPES:
         raise HrmError(
-            f"{config_path}: model_type {arch.model_type!r} cannot be run yet; the executor runs "
+            f"{config_path}: model_type {model_type!r} cannot be run; the executor runs "
             f"{', '.join(SUPPORTED_MODEL_TYPES)}"
         )
+    arch = ModelArch.from_hf_config(config, name=directory.name, where=str(config_path))
     generation_path = directory / "generation_config.json"
     if generation_path.is_file():
         stops = eos_token_ids(load_json(generation_path), where=str(generation_path))
@@ -224,14 +228,26 @@ def read_arch(directory: str | os.PathLike) -> ModelArch:
     return arch
 
 
-def open_checkpoint(directory: str | os.PathLike, dtype: str | None = None) -> Checkpoint:
-    """Map a checkpoint directory; `dtype` None keeps the dtype the weights are stored in."""
+def stored_dtype(directory: Path, arch: ModelArch) -> str:
+    """The dtype the embedding is stored in: a run's dtype when none is asked for."""
+    embed_name = _GLOBAL_NAMES[arch.model_type][0]
+    for f in _open_shards(directory):
+        if embed_name in f.keys():
+            return str(f.dtype(embed_name)).removeprefix("torch.")
+    raise HrmError(f"{directory}: tensor {embed_name} is missing from the checkpoint")
+
+
+def open_checkpoint(
+    directory: str | os.PathLike, dtype: str | None = None, device: str = "cpu"
+) -> Checkpoint:
+    """Map a checkpoint directory; `dtype` None keeps the dtype the embedding is stored in."""
     directory = Path(directory)
     arch = read_arch(directory)
-    if dtype is not None and dtype not in DTYPES:
+    dtype = dtype or stored_dtype(directory, arch)
+    if dtype not in DTYPES:
         raise HrmError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
     embed_name, norm_name = _GLOBAL_NAMES[arch.model_type]
-    t = _Tensors(directory, DTYPES[dtype] if dtype else None, embed_name)
+    t = _Tensors(directory, DTYPES[dtype], device)
     H, V = arch.hidden_size, arch.vocab_size
     embed = t.get(embed_name, (V, H))
     weights = ModelWeights(

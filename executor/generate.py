@@ -9,13 +9,13 @@ seeded generator so that a run repeats exactly.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import torch
 
-from hrm.errors import HrmError
 from executor.model import MoEModel
+from hrm.errors import HrmError
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,7 +43,9 @@ class Generation:
         return sum(len(ids) for ids in self.output_token_ids)
 
 
-def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None
+) -> torch.Tensor:
     """Next token per sequence from fp32 logits [B, V] -> [B]."""
     if sampling.temperature == 0:
         return logits.argmax(dim=-1)

@@ -16,8 +16,15 @@ class KVCache:
     # B = batch, nkv = key/value heads, S = slots, D = head dim, T = packed prompt tokens
 
     def __init__(
-        self, *, num_layers: int, batch_size: int, kv_heads: int, max_len: int, head_dim: int,
-        dtype: torch.dtype, device: torch.device | str = "cpu",
+        self,
+        *,
+        num_layers: int,
+        batch_size: int,
+        kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
     ):
         shape = (batch_size, kv_heads, max_len, head_dim)
         # Zeros, not empty: padding slots are masked out of attention, but a NaN left in
@@ -33,7 +40,7 @@ class KVCache:
         return self.key_valid.shape[1]
 
     def start(self, prompt_lens: torch.Tensor, padded_len: int) -> None:
-        """Mark the slots of left-padded prompts: sequence b fills [padded_len - len_b, padded_len)."""
+        """Mark left-padded prompt slots: sequence b fills [padded_len - len_b, padded_len)."""
         slots = torch.arange(self.max_len, device=self.key_valid.device)
         self.key_valid[:] = slots[None, :] >= (padded_len - prompt_lens)[:, None]  # [B, S]
         self.key_valid[:, padded_len:] = True
@@ -41,8 +48,12 @@ class KVCache:
         self.length = padded_len
 
     def write_prompts(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor,
-        batch_idx: torch.Tensor, slot_idx: torch.Tensor,
+        self,
+        layer: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        batch_idx: torch.Tensor,
+        slot_idx: torch.Tensor,
     ) -> None:
         """Scatter packed prompt K/V [T, nkv, D] into their (sequence, slot) places."""
         self.k[layer][batch_idx, :, slot_idx] = k

@@ -60,8 +60,13 @@ class MoEModel:
     def new_cache(self, batch_size: int, max_len: int) -> KVCache:
         a = self.arch
         return KVCache(
-            num_layers=a.num_layers, batch_size=batch_size, kv_heads=a.num_key_value_heads,
-            max_len=max_len, head_dim=a.head_dim, dtype=self.dtype, device=self.device,
+            num_layers=a.num_layers,
+            batch_size=batch_size,
+            kv_heads=a.num_key_value_heads,
+            max_len=max_len,
+            head_dim=a.head_dim,
+            dtype=self.dtype,
+            device=self.device,
         )
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -76,7 +81,8 @@ class MoEModel:
         """Norm, QKV projection, clip, rotary: h [T, H] -> q [T, nq, D], k and v [T, nkv, D]."""
         a, w = self.arch, self.weights.layers[layer]
         x = self._norm(h, w.attn_norm, a.norm_eps)  # [T, H]
-        q, k, v = F.linear(x, w.wq), F.linear(x, w.wk), F.linear(x, w.wv)  # [T, nq*D], [T, nkv*D] x2
+        q = F.linear(x, w.wq)  # [T, nq*D]
+        k, v = F.linear(x, w.wk), F.linear(x, w.wv)  # [T, nkv*D]
         if a.clip_qkv is not None:
             q, k, v = (t.clamp_(-a.clip_qkv, a.clip_qkv) for t in (q, k, v))
         T, D = h.shape[0], a.head_dim
@@ -87,8 +93,14 @@ class MoEModel:
     # -- Attn ----------------------------------------------------------------------------------
 
     def prefill_attention(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        cache: KVCache, batch_idx: torch.Tensor, slot_idx: torch.Tensor,
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: KVCache,
+        batch_idx: torch.Tensor,
+        slot_idx: torch.Tensor,
     ) -> torch.Tensor:
         """Store the prompts' K/V and attend causally: packed q [T, nq, D] -> [T, nq*D].
 
@@ -112,7 +124,7 @@ class MoEModel:
 
     @staticmethod
     def _prefill_mask(cache: KVCache, groups: int) -> torch.Tensor:
-        """[B or 1, 1, G*L, L]: causal, padding keys hidden; a padding query sees itself (no NaN)."""
+        """[B or 1, 1, G*L, L]: causal, padding keys hidden; padding queries see themselves."""
         L = cache.length
         slots = torch.arange(L, device=cache.key_valid.device)
         causal = slots[None, :] <= slots[:, None]  # [L, L]
@@ -126,7 +138,7 @@ class MoEModel:
     def decode_attention(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache
     ) -> torch.Tensor:
-        """Append one token per sequence and attend to every cached slot: q [B, nq, D] -> [B, nq*D]."""
+        """Append one token per sequence, attend to every cached slot: [B, nq, D] -> [B, nq*D]."""
         cache.write_step(layer, k, v)
         end = cache.length + 1
         B, nkv, D = q.shape[0], self.arch.num_key_value_heads, self.arch.head_dim
@@ -153,12 +165,14 @@ class MoEModel:
         if a.renormalize_top_k:  # Mixtral
             top_w = top_w / top_w.sum(dim=-1, keepdim=True)
         elif a.router_norm_p is not None:  # DBRX
-            top_w = top_w / torch.linalg.vector_norm(top_w, ord=a.router_norm_p, dim=-1, keepdim=True)
+            top_w = top_w / torch.linalg.vector_norm(
+                top_w, ord=a.router_norm_p, dim=-1, keepdim=True
+            )
         return top_w, top_i
 
     def experts(self, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        """The MoE FFN grouped by expert: sort assignments by expert, one GEMM chain per expert hit."""
-        T, K = x.shape[0], self.arch.experts_per_token
+        """MoE FFN grouped by expert: sort assignments by expert, one GEMM chain per expert hit."""
+        K = self.arch.experts_per_token
         top_w, top_i = self.route(w, x)  # [T, K]
         order = torch.argsort(top_i.flatten(), stable=True)  # [A] assignments sorted by expert
         token_of = order // K  # [A]
@@ -186,8 +200,15 @@ class MoEModel:
 
     # -- whole steps ---------------------------------------------------------------------------
 
-    def prefill(self, token_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                batch_idx: torch.Tensor, slot_idx: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    def prefill(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        batch_idx: torch.Tensor,
+        slot_idx: torch.Tensor,
+        last: torch.Tensor,
+    ) -> torch.Tensor:
         """Packed prompt tokens [T] -> logits [B, V] at each prompt's last token (index `last`)."""
         h = self.embed(token_ids)  # [T, H]
         cos, sin = self.rotary(positions)
@@ -197,7 +218,9 @@ class MoEModel:
             h = self.post_attention(layer, attn, h)
         return self.logits(h[last])
 
-    def decode(self, token_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def decode(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache
+    ) -> torch.Tensor:
         """One token per sequence [B] -> logits [B, V]; the cache grows by one slot."""
         h = self.embed(token_ids)  # [B, H]
         cos, sin = self.rotary(positions)

@@ -69,7 +69,9 @@ class SafetensorsFile:
         self._entries = {name: self._check_entry(name, e, size) for name, e in header.items()}
 
     def _corrupt(self, why: str) -> HrmError:
-        return HrmError(f"{self.path}: truncated or corrupt safetensors file ({why}); re-download it")
+        return HrmError(
+            f"{self.path}: truncated or corrupt safetensors file ({why}); re-download it"
+        )
 
     def _check_entry(self, name: str, entry, file_size: int) -> _Entry:
         try:
@@ -103,7 +105,9 @@ class SafetensorsFile:
         if e.nbytes == 0:
             return torch.empty(e.shape, dtype=e.dtype)
         count = e.nbytes // e.dtype.itemsize
-        flat = torch.frombuffer(self._map, dtype=e.dtype, count=count, offset=self._data_start + e.begin)
+        flat = torch.frombuffer(
+            self._map, dtype=e.dtype, count=count, offset=self._data_start + e.begin
+        )
         return flat.view(e.shape)
 
     def release(self, name: str) -> None:

@@ -269,7 +269,9 @@ def eos_token_ids(config: Mapping[str, Any], where: str = "config.json") -> tupl
     values = value if isinstance(value, list) else [] if value is None else [value]
     for v in values:
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise HrmError(f"{where}: eos_token_id must be a token id or a list of them, got {value!r}")
+            raise HrmError(
+                f"{where}: eos_token_id must be a token id or a list of them, got {value!r}"
+            )
     return tuple(values)
 
 

@@ -20,3 +20,10 @@ def progress(
     from tqdm import tqdm
 
     return tqdm(iterable, desc=desc, total=total, disable=not show_progress(quiet), leave=False)
+
+
+def progress_bar(*, total: int, desc: str, quiet: bool):
+    """A tqdm bar to `update()` by hand, for loops the caller does not own."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, disable=not show_progress(quiet), leave=False)

@@ -12,7 +12,7 @@ import sys
 
 from hrm.errors import HrmError
 
-SUBCOMMANDS = ("roofline",)
+SUBCOMMANDS = ("roofline", "run")
 
 
 class _Parser(argparse.ArgumentParser):
