@@ -47,6 +47,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
+# A widened weight slice of 16 MB (fp32) stays in the last-level cache between its conversion
+# and its GEMM; a whole expert matrix of Mixtral-shaped models up to 4096 x 1024 is one slice.
+WIDEN_CHUNK_ELEMENTS = 2**22
+
+
 class MoEModel:
     """Weights plus the per-stage math; holds no per-batch state (that lives in KVCache)."""
 
@@ -56,6 +61,26 @@ class MoEModel:
         self.dtype = checkpoint.dtype
         self.device = checkpoint.weights.embed.device
         self._norm = rms_norm if self.arch.norm == "rmsnorm" else layer_norm
+        # CPU GEMMs in bf16/fp16 run 2-14x slower than in fp32 on CPUs without native 16-bit
+        # matrix units (ci-cpu: 11-22 vs 60-177 GFLOP/s), so there each weight is widened to
+        # fp32 slice by slice just for its GEMM; weights stay stored in the run's dtype
+        # (docs/decisions.md).  One scratch buffer, reused, holds the widened slice.
+        half = self.dtype in (torch.bfloat16, torch.float16)
+        self.gemm_dtype = torch.float32 if half and self.device.type == "cpu" else self.dtype
+        self._scratch = torch.empty(WIDEN_CHUNK_ELEMENTS, dtype=self.gemm_dtype)
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x [T, in] @ w [out, in].T computed in the GEMM dtype; the result in x's dtype."""
+        if w.dtype == self.gemm_dtype:
+            return F.linear(x.to(w.dtype), w).to(x.dtype)
+        xg = x.to(self.gemm_dtype)
+        out_t = torch.empty(w.shape[0], x.shape[0], dtype=self.gemm_dtype)  # [out, T]
+        rows = max(1, WIDEN_CHUNK_ELEMENTS // w.shape[1])
+        for start in range(0, w.shape[0], rows):
+            part = w[start : start + rows]
+            wide = self._scratch[: part.numel()].view(part.shape).copy_(part)
+            torch.mm(wide, xg.t(), out=out_t[start : start + rows])
+        return out_t.t().to(x.dtype, memory_format=torch.contiguous_format)
 
     def new_cache(self, batch_size: int, max_len: int) -> KVCache:
         a = self.arch
@@ -81,8 +106,8 @@ class MoEModel:
         """Norm, QKV projection, clip, rotary: h [T, H] -> q [T, nq, D], k and v [T, nkv, D]."""
         a, w = self.arch, self.weights.layers[layer]
         x = self._norm(h, w.attn_norm, a.norm_eps)  # [T, H]
-        q = F.linear(x, w.wq)  # [T, nq*D]
-        k, v = F.linear(x, w.wk), F.linear(x, w.wv)  # [T, nkv*D]
+        q = self.linear(x, w.wq)  # [T, nq*D]
+        k, v = self.linear(x, w.wk), self.linear(x, w.wv)  # [T, nkv*D]
         if a.clip_qkv is not None:
             q, k, v = (t.clamp_(-a.clip_qkv, a.clip_qkv) for t in (q, k, v))
         T, D = h.shape[0], a.head_dim
@@ -153,14 +178,14 @@ class MoEModel:
     def post_attention(self, layer: int, attn: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """O projection, residual, norm, router and experts: [T, nq*D], [T, H] -> [T, H]."""
         w = self.weights.layers[layer]
-        h = h + F.linear(attn, w.wo)  # [T, H]
+        h = h + self.linear(attn, w.wo)  # [T, H]
         x = self._norm(h, w.ffn_norm, self.arch.norm_eps)  # [T, H]
         return h + self.experts(w, x)
 
     def route(self, w: LayerWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Router softmax in fp32, top-k, and each family's normalisation: [T, K] weights, ids."""
         a = self.arch
-        probs = torch.softmax(F.linear(x, w.router).float(), dim=-1)  # [T, E]
+        probs = torch.softmax(self.linear(x, w.router).float(), dim=-1)  # [T, E]
         top_w, top_i = torch.topk(probs, a.experts_per_token, dim=-1)  # [T, K]
         if a.renormalize_top_k:  # Mixtral
             top_w = top_w / top_w.sum(dim=-1, keepdim=True)
@@ -177,14 +202,14 @@ class MoEModel:
         order = torch.argsort(top_i.flatten(), stable=True)  # [A] assignments sorted by expert
         token_of = order // K  # [A]
         counts = torch.bincount(top_i.flatten(), minlength=self.arch.num_experts).tolist()  # [E]
-        xs = x[token_of]  # [A, H]
+        xs = x[token_of].to(self.gemm_dtype)  # [A, H]
         ys = torch.empty_like(xs)  # [A, H]
         start = 0
         for e, n in enumerate(counts):
             if n:
                 ex, chunk = w.experts[e], xs[start : start + n]  # [n, H]
-                hidden = F.silu(F.linear(chunk, ex.w1)) * F.linear(chunk, ex.w3)  # [n, I]
-                ys[start : start + n] = F.linear(hidden, ex.w2)  # [n, H]
+                hidden = F.silu(self.linear(chunk, ex.w1)) * self.linear(chunk, ex.w3)  # [n, I]
+                ys[start : start + n] = self.linear(hidden, ex.w2)  # [n, H]
                 start += n
         # transformers scales each expert's output by its fp32 weight, rounds to the model dtype
         # and sums experts in index order; index_add_ over expert-sorted rows does the same.
@@ -196,7 +221,7 @@ class MoEModel:
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head on the positions that sample: [B, H] -> [B, V] in fp32."""
         x = self._norm(h, self.weights.final_norm, self.arch.norm_eps)
-        return F.linear(x, self.weights.lm_head).float()
+        return self.linear(x, self.weights.lm_head).float()
 
     # -- whole steps ---------------------------------------------------------------------------
 
