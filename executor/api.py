@@ -203,10 +203,22 @@ def _decode(tokenizer, ids: list[int]) -> str | None:
     return None if tokenizer is None else tokenizer.decode(ids, skip_special_tokens=True)
 
 
+def peak_rss_bytes() -> float:
+    """This process's peak resident set. VmHWM, not ru_maxrss: after fork + exec, ru_maxrss also
+    counts the parent's resident set at the fork."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
+    return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale)
+
+
 def _peak_memory_bytes(device: str) -> dict[str, float]:
-    # ru_maxrss is in KiB on Linux and in bytes on macOS.
-    scale = 1 if sys.platform == "darwin" else 1024
-    peak = {"cpu": float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale)}
+    peak = {"cpu": peak_rss_bytes()}
     if device.startswith("cuda"):
         peak["gpu"] = float(torch.cuda.max_memory_allocated(device))
     return peak

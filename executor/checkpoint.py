@@ -185,10 +185,6 @@ class Checkpoint:
     weights: ModelWeights
     dtype: torch.dtype
 
-    @property
-    def dtype_name(self) -> str:
-        return str(self.dtype).removeprefix("torch.")
-
 
 def load_tokenizer(directory: Path):
     """The checkpoint's own tokenizer, or None when it ships none (then prompts are token ids)."""

@@ -67,7 +67,8 @@ class MoEModel:
         # (docs/decisions.md).  One scratch buffer, reused, holds the widened slice.
         half = self.dtype in (torch.bfloat16, torch.float16)
         self.gemm_dtype = torch.float32 if half and self.device.type == "cpu" else self.dtype
-        self._scratch = torch.empty(WIDEN_CHUNK_ELEMENTS, dtype=self.gemm_dtype)
+        widen = self.gemm_dtype != self.dtype
+        self._scratch = torch.empty(WIDEN_CHUNK_ELEMENTS, dtype=self.gemm_dtype) if widen else None
 
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x [T, in] @ w [out, in].T computed in the GEMM dtype; the result in x's dtype."""
