@@ -164,10 +164,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, help="timed runs per side (3; 1 with --quick)")
     parser.add_argument("--hardware", default="ci-cpu", help="profile for the bound (ci-cpu)")
     parser.add_argument("--skip-load-check", action="store_true", help="no 2 GB load check")
-    parser.add_argument(
-        "--output", default=str(ROOT / "reports" / "bench_cpu_vs_transformers.json")
-    )
+    parser.add_argument("--output", help="JSON to write (reports/bench_cpu_vs_transformers.json)")
     args = parser.parse_args()
+    name = "bench_cpu_vs_transformers_quick" if args.quick else "bench_cpu_vs_transformers"
+    output = Path(args.output or ROOT / "reports" / f"{name}.json")
     shape = QUICK if args.quick else FULL
     repeats = args.repeats or (1 if args.quick else 3)
     batch, prompt_len, gen_len = shape["batch"], shape["prompt_len"], shape["gen_len"]
@@ -207,8 +207,8 @@ def main() -> None:
         "hardware": args.hardware,
     }
     print(format_table(result))
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(result, indent=2) + "\n")
     keys = ("executor_tok_s", "transformers_tok_s", "speedup", "bound_tok_s")
     summary = {k: result[k] for k in keys}
     if load:
