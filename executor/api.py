@@ -76,10 +76,9 @@ def prepare_run(
     if gen_len < 1:
         raise HrmError(f"--gen-len must be a positive integer, got {gen_len}")
     _check_device(device)
-    tokenizer = None
+    tokenizer = load_tokenizer(directory)
     if prompts_path is not None:
         prompts, needs_text = _read_prompts(Path(prompts_path))
-        tokenizer = load_tokenizer(directory)
         if needs_text and tokenizer is None:
             raise HrmError(
                 f"{prompts_path}: has text prompts but {directory} has no tokenizer; "
