@@ -45,6 +45,7 @@ class ModelArch:
     shared_expert_intermediate_size: int = 0  # qwen2_moe's always-on expert
     attention_bias: bool = False  # qwen2_moe has biases on q, k, v
     qk_norm: bool = False  # olmoe normalises q and k
+    eos_token_ids: tuple[int, ...] = ()  # generation stops at any of these; () never stops early
 
     def __post_init__(self) -> None:
         for name in (
@@ -176,6 +177,7 @@ class ModelArch:
             )
         try:
             fields = parser(config)
+            fields["eos_token_ids"] = eos_token_ids(config, where=where)
         except KeyError as exc:
             raise HrmError(
                 f"{where}: missing field {exc.args[0]!r} for model_type {model_type}"
@@ -259,6 +261,18 @@ def _olmoe(c: Mapping[str, Any]) -> dict[str, Any]:
         rope_theta=float(_rope_theta(c, 10000.0)),
     )
     return fields
+
+
+def eos_token_ids(config: Mapping[str, Any], where: str = "config.json") -> tuple[int, ...]:
+    """`eos_token_id` of a config.json or generation_config.json: an int, a list of ints or null."""
+    value = config.get("eos_token_id")
+    values = value if isinstance(value, list) else [] if value is None else [value]
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise HrmError(
+                f"{where}: eos_token_id must be a token id or a list of them, got {value!r}"
+            )
+    return tuple(values)
 
 
 def _rope_theta(c: Mapping[str, Any], default: float) -> float:

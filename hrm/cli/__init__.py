@@ -12,7 +12,7 @@ import sys
 
 from hrm.errors import HrmError
 
-SUBCOMMANDS = ("roofline", "profile", "plan")
+SUBCOMMANDS = ("roofline", "profile", "plan", "run")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -1,0 +1,236 @@
+"""What `hrm run` calls: describe a run from its arguments, then execute it.
+
+`prepare_run` reads only config.json, the safetensors headers, the prompts and (for text) the
+tokenizer, so the planner's prediction for the run can be built from its RunSpec before any weight
+is touched.  `execute` loads the weights, generates and measures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from executor.checkpoint import DTYPES, load_tokenizer, open_checkpoint, read_arch, stored_dtype
+from executor.generate import Generation, Sampling, generate
+from executor.model import MoEModel
+from hrm.arch import ModelArch
+from hrm.errors import HrmError
+from hrm.progress import progress_bar
+from hrm.record import Measurement
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSpec:
+    """Everything a run does, fixed before it starts: model, prompts, lengths, dtype, device."""
+
+    checkpoint: Path
+    arch: ModelArch
+    prompts: tuple[tuple[int, ...], ...]
+    gen_len: int
+    dtype: str
+    device: str
+    tokenizer: Any = None  # the checkpoint's tokenizer, or None (token ids only)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def prompt_lens(self) -> list[int]:
+        return [len(p) for p in self.prompts]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunResult:
+    spec: RunSpec
+    outputs: list[dict[str, Any]]  # {"output_token_ids": [...], "text": str | None}, input order
+    measured: Measurement
+    environment: dict[str, Any]
+
+
+def prepare_run(
+    checkpoint: str | os.PathLike,
+    *,
+    gen_len: int,
+    prompts_path: str | os.PathLike | None = None,
+    prompt_len: int | None = None,
+    batch: int | None = None,
+    seed: int = 0,
+    dtype: str | None = None,
+    device: str = "cpu",
+) -> RunSpec:
+    """Resolve a run's arguments into a RunSpec; every user error is an HrmError."""
+    directory = Path(checkpoint)
+    arch = read_arch(directory)
+    if dtype is not None and dtype not in DTYPES:
+        raise HrmError(f"--dtype: unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    dtype = dtype or stored_dtype(directory, arch)
+    if gen_len < 1:
+        raise HrmError(f"--gen-len must be a positive integer, got {gen_len}")
+    _check_device(device)
+    tokenizer = load_tokenizer(directory)
+    if prompts_path is not None:
+        prompts, needs_text = _read_prompts(Path(prompts_path))
+        if needs_text and tokenizer is None:
+            raise HrmError(
+                f"{prompts_path}: has text prompts but {directory} has no tokenizer; "
+                "give prompt_token_ids instead"
+            )
+        ids = [p if isinstance(p, list) else tokenizer(p)["input_ids"] for p in prompts]
+        _check_ids(ids, arch.vocab_size, prompts_path)
+    else:
+        if not prompt_len or prompt_len < 1 or not batch or batch < 1:
+            raise HrmError("--prompt-len and --batch must both be positive integers")
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, arch.vocab_size, (batch, prompt_len), generator=g).tolist()
+    return RunSpec(
+        checkpoint=directory,
+        arch=arch,
+        prompts=tuple(tuple(p) for p in ids),
+        gen_len=gen_len,
+        dtype=dtype,
+        device=device,
+        tokenizer=tokenizer,
+    )
+
+
+def _check_device(device: str) -> None:
+    if device == "cpu":
+        return
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise HrmError(f"--device {device}: no CUDA device is available here; use --device cpu")
+        return
+    raise HrmError(f"--device: unknown device {device!r}; use cpu or cuda")
+
+
+def _read_prompts(path: Path) -> tuple[list[list[int] | str], bool]:
+    """JSONL of {"prompt_token_ids": [...]} or {"prompt": "text"}; returns prompts, any text."""
+    if not path.is_file():
+        raise HrmError(f"{path}: no such prompts file; check the path")
+    prompts: list[list[int] | str] = []
+    needs_text = False
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                raise HrmError(f"{path}:{n}: not a JSON object; one prompt per line") from None
+            if (
+                not isinstance(record, dict)
+                or len(record.keys() & {"prompt_token_ids", "prompt"}) != 1
+            ):
+                raise HrmError(f"{path}:{n}: give exactly one of 'prompt_token_ids' or 'prompt'")
+            if "prompt" in record:
+                if not isinstance(record["prompt"], str) or not record["prompt"]:
+                    raise HrmError(f"{path}:{n}: 'prompt' must be a non-empty string")
+                prompts.append(record["prompt"])
+                needs_text = True
+            else:
+                ids = record["prompt_token_ids"]
+                if (
+                    not isinstance(ids, list)
+                    or not ids
+                    or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
+                ):
+                    raise HrmError(
+                        f"{path}:{n}: 'prompt_token_ids' must be a non-empty list of ints"
+                    )
+                prompts.append(ids)
+    if not prompts:
+        raise HrmError(f"{path}: no prompts in the file")
+    return prompts, needs_text
+
+
+def _check_ids(prompts: list[list[int]], vocab_size: int, where) -> None:
+    for n, ids in enumerate(prompts, 1):
+        if not ids:
+            raise HrmError(f"{where}: prompt {n} is empty after tokenisation")
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise HrmError(
+                f"{where}: prompt {n} has token id {bad} outside the vocabulary [0, {vocab_size})"
+            )
+
+
+def execute(
+    spec: RunSpec,
+    *,
+    sampling: Sampling | None = None,
+    ignore_eos: bool = False,
+    quiet: bool = False,
+) -> RunResult:
+    """Load the weights, generate, and measure prefill and decode time."""
+    checkpoint = open_checkpoint(spec.checkpoint, spec.dtype, device=spec.device)
+    model = MoEModel(checkpoint)
+    bar = progress_bar(total=spec.gen_len, desc="generating", quiet=quiet)
+    try:
+        generation: Generation = generate(
+            model,
+            spec.prompts,
+            spec.gen_len,
+            sampling=sampling or Sampling(),
+            stop_token_ids=() if ignore_eos else spec.arch.eos_token_ids,
+            on_step=bar.update,
+        )
+    finally:
+        bar.close()
+    outputs = [
+        {"output_token_ids": ids, "text": _decode(spec.tokenizer, ids)}
+        for ids in generation.output_token_ids
+    ]
+    measured = Measurement(
+        prefill_s=generation.prefill_s,
+        decode_s=generation.decode_s,
+        generated_tokens=generation.generated_tokens,
+        peak_memory_bytes=_peak_memory_bytes(spec.device),
+    )
+    return RunResult(spec=spec, outputs=outputs, measured=measured, environment=_environment(spec))
+
+
+def _decode(tokenizer, ids: list[int]) -> str | None:
+    return None if tokenizer is None else tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def peak_rss_bytes() -> float:
+    """This process's peak resident set. VmHWM, not ru_maxrss: after fork + exec, ru_maxrss also
+    counts the parent's resident set at the fork."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
+    return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale)
+
+
+def _peak_memory_bytes(device: str) -> dict[str, float]:
+    peak = {"cpu": peak_rss_bytes()}
+    if device.startswith("cuda"):
+        peak["gpu"] = float(torch.cuda.max_memory_allocated(device))
+    return peak
+
+
+def _environment(spec: RunSpec) -> dict[str, Any]:
+    return {
+        "checkpoint": str(spec.checkpoint),
+        "batch_size": spec.batch_size,
+        "dtype": spec.dtype,
+        "device": spec.device,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "host": platform.node(),
+        "python": platform.python_version(),
+    }

@@ -1,0 +1,255 @@
+"""Open a local Mixtral or DBRX checkpoint into one canonical set of per-layer weights.
+
+Three on-disk layouts (DESIGN.md, The executor) become the same `ModelWeights`: every tensor is a
+view of the memory-mapped safetensors file when it already has the requested dtype, or is copied
+once into that dtype (and the file pages released) when it has not, so loading never holds two
+copies.  Each expert's w1, w3 and w2 are separate tensors, addressable on their own, because the
+offloading pipeline moves experts one at a time.  All weights use the linear layout [out, in].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from executor.safetensors_mmap import SafetensorsFile
+from hrm.arch import ModelArch, eos_token_ids
+from hrm.errors import HrmError
+from hrm.io import load_json
+
+SUPPORTED_MODEL_TYPES = ("mixtral", "dbrx")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertWeights:
+    w1: torch.Tensor  # [I, H] gate projection
+    w3: torch.Tensor  # [I, H] up projection
+    w2: torch.Tensor  # [H, I] down projection
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerWeights:
+    attn_norm: torch.Tensor  # [H]
+    wq: torch.Tensor  # [nq*D, H]
+    wk: torch.Tensor  # [nkv*D, H]
+    wv: torch.Tensor  # [nkv*D, H]
+    wo: torch.Tensor  # [H, nq*D]
+    ffn_norm: torch.Tensor  # [H]
+    router: torch.Tensor  # [E, H]
+    experts: tuple[ExpertWeights, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelWeights:
+    embed: torch.Tensor  # [V, H]
+    layers: tuple[LayerWeights, ...]
+    final_norm: torch.Tensor  # [H]
+    lm_head: torch.Tensor  # [V, H]; the embedding itself when tied
+
+
+class _Tensors:
+    """Name -> tensor across the shards, checked against the shapes config.json implies."""
+
+    def __init__(self, directory: Path, dtype: torch.dtype, device: str):
+        self.directory = directory
+        self.where = {name: f for f in _open_shards(directory) for name in f.keys()}
+        self.dtype = dtype
+        self.device = torch.device(device)
+
+    def has(self, name: str) -> bool:
+        return name in self.where
+
+    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """The tensor in the run's dtype: a view of the file, or one copy when the dtype differs."""
+        f = self.where.get(name)
+        if f is None:
+            raise HrmError(
+                f"{self.directory}: tensor {name} is missing from the checkpoint; "
+                "it is incomplete or not a supported layout"
+            )
+        if f.shape(name) != shape:
+            raise HrmError(
+                f"{f.path}: tensor {name} has shape {list(f.shape(name))} but config.json implies "
+                f"{list(shape)}; the checkpoint does not match its config.json"
+            )
+        tensor = f.tensor(name)
+        if tensor.dtype == self.dtype and self.device.type == "cpu":
+            return tensor
+        converted = tensor.to(device=self.device, dtype=self.dtype)
+        f.release(name)
+        return converted
+
+
+def _open_shards(directory: Path) -> list[SafetensorsFile]:
+    index_path = directory / "model.safetensors.index.json"
+    if index_path.is_file():
+        index = load_json(index_path)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise HrmError(f"{index_path}: field 'weight_map' is missing or empty; fix the index")
+        names = sorted(set(weight_map.values()))
+        for name in names:
+            if not (directory / name).is_file():
+                raise HrmError(
+                    f"{directory / name}: shard named in {index_path.name} is missing; "
+                    "re-download the checkpoint"
+                )
+        return [SafetensorsFile(directory / name) for name in names]
+    single = directory / "model.safetensors"
+    if single.is_file():
+        return [SafetensorsFile(single)]
+    found = sorted(directory.glob("*.safetensors"))
+    if not found:
+        raise HrmError(
+            f"{directory}: no .safetensors files (only safetensors checkpoints are read)"
+        )
+    return [SafetensorsFile(p) for p in found]
+
+
+def _mixtral_layer(t: _Tensors, arch: ModelArch, layer: int) -> LayerWeights:
+    p = f"model.layers.{layer}."
+    H, inter, E = arch.hidden_size, arch.intermediate_size, arch.num_experts
+    if t.has(p + "mlp.experts.gate_up_proj"):  # the fused layout transformers 5.x can save
+        gate_up = t.get(p + "mlp.experts.gate_up_proj", (E, 2 * inter, H))
+        down = t.get(p + "mlp.experts.down_proj", (E, H, inter))
+        experts = tuple(
+            ExpertWeights(w1=gate_up[e, :inter], w3=gate_up[e, inter:], w2=down[e])
+            for e in range(E)
+        )
+        router = t.get(p + "mlp.gate.weight", (E, H))
+    else:  # the original per-expert names
+        x = p + "block_sparse_moe.experts."
+        experts = tuple(
+            ExpertWeights(
+                w1=t.get(f"{x}{e}.w1.weight", (inter, H)),
+                w3=t.get(f"{x}{e}.w3.weight", (inter, H)),
+                w2=t.get(f"{x}{e}.w2.weight", (H, inter)),
+            )
+            for e in range(E)
+        )
+        router = t.get(p + "block_sparse_moe.gate.weight", (E, H))
+    return LayerWeights(
+        attn_norm=t.get(p + "input_layernorm.weight", (H,)),
+        wq=t.get(p + "self_attn.q_proj.weight", (arch.q_size, H)),
+        wk=t.get(p + "self_attn.k_proj.weight", (arch.kv_size, H)),
+        wv=t.get(p + "self_attn.v_proj.weight", (arch.kv_size, H)),
+        wo=t.get(p + "self_attn.o_proj.weight", (H, arch.q_size)),
+        ffn_norm=t.get(p + "post_attention_layernorm.weight", (H,)),
+        router=router,
+        experts=experts,
+    )
+
+
+def _dbrx_layer(t: _Tensors, arch: ModelArch, layer: int) -> LayerWeights:
+    p = f"transformer.blocks.{layer}."
+    H, inter, E = arch.hidden_size, arch.intermediate_size, arch.num_experts
+    Q, KV = arch.q_size, arch.kv_size
+    wqkv = t.get(p + "norm_attn_norm.attn.Wqkv.weight", (Q + 2 * KV, H))
+    # DBRX stacks experts along rows: w1 (gate), v1 (up) and w2 are [E*I, H]; w2 is the
+    # transpose of a linear weight, so its [H, I] view is a transposed view, not a copy.
+    mlp = p + "ffn.experts.mlp."
+    w1, v1, w2 = (t.get(mlp + n, (E * inter, H)).view(E, inter, H) for n in ("w1", "v1", "w2"))
+    return LayerWeights(
+        attn_norm=t.get(p + "norm_attn_norm.norm_1.weight", (H,)),
+        wq=wqkv[:Q],
+        wk=wqkv[Q : Q + KV],
+        wv=wqkv[Q + KV :],
+        wo=t.get(p + "norm_attn_norm.attn.out_proj.weight", (H, Q)),
+        ffn_norm=t.get(p + "norm_attn_norm.norm_2.weight", (H,)),
+        router=t.get(p + "ffn.router.layer.weight", (E, H)),
+        experts=tuple(ExpertWeights(w1=w1[e], w3=v1[e], w2=w2[e].t()) for e in range(E)),
+    )
+
+
+_GLOBAL_NAMES = {  # model_type -> (embedding, final norm)
+    "mixtral": ("model.embed_tokens.weight", "model.norm.weight"),
+    "dbrx": ("transformer.wte.weight", "transformer.norm_f.weight"),
+}
+_LAYER_READERS: dict[str, Callable[[_Tensors, ModelArch, int], LayerWeights]] = {
+    "mixtral": _mixtral_layer,
+    "dbrx": _dbrx_layer,
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Checkpoint:
+    directory: Path
+    arch: ModelArch
+    weights: ModelWeights
+    dtype: torch.dtype
+
+
+def load_tokenizer(directory: Path):
+    """The checkpoint's own tokenizer, or None when it ships none (then prompts are token ids)."""
+    if not any((directory / n).is_file() for n in _TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(directory))
+    except (OSError, ValueError) as exc:
+        raise HrmError(
+            f"{directory}: cannot load its tokenizer ({exc}); fix or remove it"
+        ) from None
+
+
+def read_arch(directory: str | os.PathLike) -> ModelArch:
+    """The checkpoint's ModelArch, with the stop tokens of generation_config.json when present."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise HrmError(f"{directory}: no such checkpoint directory; check the path")
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise HrmError(f"{config_path}: missing; a checkpoint directory needs its config.json")
+    config = load_json(config_path)
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise HrmError(
+            f"{config_path}: model_type {model_type!r} cannot be run; the executor runs "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    arch = ModelArch.from_hf_config(config, name=directory.name, where=str(config_path))
+    generation_path = directory / "generation_config.json"
+    if generation_path.is_file():
+        stops = eos_token_ids(load_json(generation_path), where=str(generation_path))
+        if stops:
+            arch = dataclasses.replace(arch, eos_token_ids=stops)
+    return arch
+
+
+def stored_dtype(directory: Path, arch: ModelArch) -> str:
+    """The dtype the embedding is stored in: a run's dtype when none is asked for."""
+    embed_name = _GLOBAL_NAMES[arch.model_type][0]
+    for f in _open_shards(directory):
+        if embed_name in f.keys():
+            return str(f.dtype(embed_name)).removeprefix("torch.")
+    raise HrmError(f"{directory}: tensor {embed_name} is missing from the checkpoint")
+
+
+def open_checkpoint(
+    directory: str | os.PathLike, dtype: str | None = None, device: str = "cpu"
+) -> Checkpoint:
+    """Map a checkpoint directory; `dtype` None keeps the dtype the embedding is stored in."""
+    directory = Path(directory)
+    arch = read_arch(directory)
+    dtype = dtype or stored_dtype(directory, arch)
+    if dtype not in DTYPES:
+        raise HrmError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+    embed_name, norm_name = _GLOBAL_NAMES[arch.model_type]
+    t = _Tensors(directory, DTYPES[dtype], device)
+    H, V = arch.hidden_size, arch.vocab_size
+    embed = t.get(embed_name, (V, H))
+    weights = ModelWeights(
+        embed=embed,
+        layers=tuple(_LAYER_READERS[arch.model_type](t, arch, i) for i in range(arch.num_layers)),
+        final_norm=t.get(norm_name, (H,)),
+        lm_head=embed if arch.tie_word_embeddings else t.get("lm_head.weight", (V, H)),
+    )
+    return Checkpoint(directory=directory, arch=arch, weights=weights, dtype=t.dtype)

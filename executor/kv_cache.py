@@ -1,0 +1,75 @@
+"""A preallocated KV cache for one batch, left-aligned like transformers' padded generate.
+
+Prompts are left-padded to the longest, so slot s holds the s-th step of every sequence and a
+decode step writes one slice for the whole batch.  `key_valid` marks the padding slots that
+attention must skip.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """K and V per layer as [B, nkv, S, D]; S = longest prompt + generation length."""
+
+    # B = batch, nkv = key/value heads, S = slots, D = head dim, T = packed prompt tokens
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        batch_size: int,
+        kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ):
+        shape = (batch_size, kv_heads, max_len, head_dim)
+        # Zeros, not empty: padding slots are masked out of attention, but a NaN left in
+        # uninitialised memory would still poison the weighted sum (0 * NaN = NaN).
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.key_valid = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)  # [B, S]
+        self.has_padding = False
+        self.length = 0  # slots filled, the same for every sequence
+
+    @property
+    def max_len(self) -> int:
+        return self.key_valid.shape[1]
+
+    def start(self, prompt_lens: torch.Tensor, padded_len: int) -> None:
+        """Mark left-padded prompt slots: sequence b fills [padded_len - len_b, padded_len)."""
+        slots = torch.arange(self.max_len, device=self.key_valid.device)
+        self.key_valid[:] = slots[None, :] >= (padded_len - prompt_lens)[:, None]  # [B, S]
+        self.key_valid[:, padded_len:] = True
+        self.has_padding = bool((prompt_lens != padded_len).any())
+        self.length = padded_len
+
+    def write_prompts(
+        self,
+        layer: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        batch_idx: torch.Tensor,
+        slot_idx: torch.Tensor,
+    ) -> None:
+        """Scatter packed prompt K/V [T, nkv, D] into their (sequence, slot) places."""
+        self.k[layer][batch_idx, :, slot_idx] = k
+        self.v[layer][batch_idx, :, slot_idx] = v
+
+    def write_step(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append one decode step's K/V [B, nkv, D] at slot `length`."""
+        self.k[layer][:, :, self.length] = k
+        self.v[layer][:, :, self.length] = v
+
+    def view(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of slots [0, end) as [B, nkv, end, D] views (no copy)."""
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+    def mask(self, end: int) -> torch.Tensor | None:
+        """[B, 1, 1, end] keys a query may see, or None when no sequence is padded."""
+        if not self.has_padding:
+            return None
+        return self.key_valid[:, None, None, :end]

@@ -1,0 +1,258 @@
+"""The forward pass of Mixtral and DBRX, flat and split into the paper's three stages.
+
+PreAttn (norm, QKV projection, rotary), Attn (KV append and attention) and PostAttn (O projection,
+residual, norm, router, experts) are separate methods so that a schedule can interleave them
+across micro-batches later (reference, section 3).  Token-wise stages work on packed tokens
+[T, H]; only attention sees the padded [B, S] layout of the KV cache.  The numerics follow
+transformers' modeling files so that outputs match token for token.
+
+Legend: T = tokens in this step (packed), B = sequences, L = padded prompt length, S = cached
+slots, H = hidden, V = vocabulary, nq / nkv = query / key-value heads, G = nq // nkv, D = head dim,
+E = experts, K = experts per token, I = expert width, A = token-expert assignments (T*K).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from executor.checkpoint import Checkpoint, LayerWeights
+from executor.kv_cache import KVCache
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Mixtral's RMSNorm: normalise in fp32, round back, then scale (as transformers does)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """DBRX's LayerNorm without bias."""
+    return F.layer_norm(x, (x.shape[-1],), weight, None, eps)
+
+
+def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos and sin [T, D] for integer positions [T], computed in fp32 as transformers does."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]  # [T, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, n, D] rotated by the half-split convention of Mixtral and DBRX."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+# A widened weight slice of 16 MB (fp32) stays in the last-level cache between its conversion
+# and its GEMM; a whole expert matrix of Mixtral-shaped models up to 4096 x 1024 is one slice.
+WIDEN_CHUNK_ELEMENTS = 2**22
+
+
+class MoEModel:
+    """Weights plus the per-stage math; holds no per-batch state (that lives in KVCache)."""
+
+    def __init__(self, checkpoint: Checkpoint):
+        self.arch = checkpoint.arch
+        self.weights = checkpoint.weights
+        self.dtype = checkpoint.dtype
+        self.device = checkpoint.weights.embed.device
+        self._norm = rms_norm if self.arch.norm == "rmsnorm" else layer_norm
+        # CPU GEMMs in bf16/fp16 run 2-14x slower than in fp32 on CPUs without native 16-bit
+        # matrix units (ci-cpu: 11-22 vs 60-177 GFLOP/s), so there each weight is widened to
+        # fp32 slice by slice just for its GEMM; weights stay stored in the run's dtype
+        # (docs/decisions.md).  One scratch buffer, reused, holds the widened slice.
+        half = self.dtype in (torch.bfloat16, torch.float16)
+        self.gemm_dtype = torch.float32 if half and self.device.type == "cpu" else self.dtype
+        widen = self.gemm_dtype != self.dtype
+        self._scratch = torch.empty(WIDEN_CHUNK_ELEMENTS, dtype=self.gemm_dtype) if widen else None
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x [T, in] @ w [out, in].T computed in the GEMM dtype; the result in x's dtype."""
+        if w.dtype == self.gemm_dtype:
+            return F.linear(x.to(w.dtype), w).to(x.dtype)
+        xg = x.to(self.gemm_dtype)
+        out_t = torch.empty(w.shape[0], x.shape[0], dtype=self.gemm_dtype)  # [out, T]
+        rows = max(1, WIDEN_CHUNK_ELEMENTS // w.shape[1])
+        for start in range(0, w.shape[0], rows):
+            part = w[start : start + rows]
+            wide = self._scratch[: part.numel()].view(part.shape).copy_(part)
+            torch.mm(wide, xg.t(), out=out_t[start : start + rows])
+        return out_t.t().to(x.dtype, memory_format=torch.contiguous_format)
+
+    def new_cache(self, batch_size: int, max_len: int) -> KVCache:
+        a = self.arch
+        return KVCache(
+            num_layers=a.num_layers,
+            batch_size=batch_size,
+            kv_heads=a.num_key_value_heads,
+            max_len=max_len,
+            head_dim=a.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.weights.embed[token_ids]  # [T, H]
+
+    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return rotary_tables(positions, self.arch.head_dim, self.arch.rope_theta, self.dtype)
+
+    # -- PreAttn -------------------------------------------------------------------------------
+
+    def pre_attention(self, layer: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Norm, QKV projection, clip, rotary: h [T, H] -> q [T, nq, D], k and v [T, nkv, D]."""
+        a, w = self.arch, self.weights.layers[layer]
+        x = self._norm(h, w.attn_norm, a.norm_eps)  # [T, H]
+        q = self.linear(x, w.wq)  # [T, nq*D]
+        k, v = self.linear(x, w.wk), self.linear(x, w.wv)  # [T, nkv*D]
+        if a.clip_qkv is not None:
+            q, k, v = (t.clamp_(-a.clip_qkv, a.clip_qkv) for t in (q, k, v))
+        T, D = h.shape[0], a.head_dim
+        q = apply_rotary(q.view(T, -1, D), cos, sin)  # [T, nq, D]
+        k = apply_rotary(k.view(T, -1, D), cos, sin)  # [T, nkv, D]
+        return q, k, v.view(T, -1, D)
+
+    # -- Attn ----------------------------------------------------------------------------------
+
+    def prefill_attention(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: KVCache,
+        batch_idx: torch.Tensor,
+        slot_idx: torch.Tensor,
+    ) -> torch.Tensor:
+        """Store the prompts' K/V and attend causally: packed q [T, nq, D] -> [T, nq*D].
+
+        Grouped-query attention without repeating K/V: the G query heads that share a K/V head
+        are stacked along the query axis ([B, nkv, G*L, D]), with the causal mask repeated per
+        group, so one SDPA call reads each K/V head once.
+        """
+        cache.write_prompts(layer, k, v, batch_idx, slot_idx)
+        B, L = cache.key_valid.shape[0], cache.length
+        nkv, D = self.arch.num_key_value_heads, self.arch.head_dim
+        G = q.shape[1] // nkv
+        q_pad = q.new_zeros(B, L, nkv, G, D)
+        q_pad[batch_idx, slot_idx] = q.view(-1, nkv, G, D)  # [B, L, nkv, G, D]
+        q_pad = q_pad.permute(0, 2, 3, 1, 4).reshape(B, nkv, G * L, D)  # [B, nkv, G*L, D]
+        keys, values = cache.view(layer, L)  # [B, nkv, L, D]
+        out = F.scaled_dot_product_attention(
+            q_pad, keys, values, attn_mask=self._prefill_mask(cache, G)
+        )  # [B, nkv, G*L, D]
+        out = out.view(B, nkv, G, L, D).permute(0, 3, 1, 2, 4)  # [B, L, nkv, G, D]
+        return out[batch_idx, slot_idx].reshape(q.shape[0], -1)  # [T, nq*D]
+
+    @staticmethod
+    def _prefill_mask(cache: KVCache, groups: int) -> torch.Tensor:
+        """[B or 1, 1, G*L, L]: causal, padding keys hidden; padding queries see themselves."""
+        L = cache.length
+        slots = torch.arange(L, device=cache.key_valid.device)
+        causal = slots[None, :] <= slots[:, None]  # [L, L]
+        if cache.has_padding:
+            diagonal = slots[None, :] == slots[:, None]
+            allowed = causal & (cache.key_valid[:, None, :L] | diagonal)  # [B, L, L]
+        else:
+            allowed = causal[None]  # [1, L, L]
+        return allowed[:, None].expand(-1, groups, L, L).reshape(allowed.shape[0], 1, groups * L, L)
+
+    def decode_attention(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache
+    ) -> torch.Tensor:
+        """Append one token per sequence, attend to every cached slot: [B, nq, D] -> [B, nq*D]."""
+        cache.write_step(layer, k, v)
+        end = cache.length + 1
+        B, nkv, D = q.shape[0], self.arch.num_key_value_heads, self.arch.head_dim
+        keys, values = cache.view(layer, end)  # [B, nkv, S, D]
+        out = F.scaled_dot_product_attention(
+            q.view(B, nkv, -1, D), keys, values, attn_mask=cache.mask(end)
+        )  # [B, nkv, G, D]
+        return out.reshape(B, -1)
+
+    # -- PostAttn ------------------------------------------------------------------------------
+
+    def post_attention(self, layer: int, attn: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """O projection, residual, norm, router and experts: [T, nq*D], [T, H] -> [T, H]."""
+        w = self.weights.layers[layer]
+        h = h + self.linear(attn, w.wo)  # [T, H]
+        x = self._norm(h, w.ffn_norm, self.arch.norm_eps)  # [T, H]
+        return h + self.experts(w, x)
+
+    def route(self, w: LayerWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router softmax in fp32, top-k, and each family's normalisation: [T, K] weights, ids."""
+        a = self.arch
+        probs = torch.softmax(self.linear(x, w.router).float(), dim=-1)  # [T, E]
+        top_w, top_i = torch.topk(probs, a.experts_per_token, dim=-1)  # [T, K]
+        if a.renormalize_top_k:  # Mixtral
+            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        elif a.router_norm_p is not None:  # DBRX
+            top_w = top_w / torch.linalg.vector_norm(
+                top_w, ord=a.router_norm_p, dim=-1, keepdim=True
+            )
+        return top_w, top_i
+
+    def experts(self, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        """MoE FFN grouped by expert: sort assignments by expert, one GEMM chain per expert hit."""
+        K = self.arch.experts_per_token
+        top_w, top_i = self.route(w, x)  # [T, K]
+        order = torch.argsort(top_i.flatten(), stable=True)  # [A] assignments sorted by expert
+        token_of = order // K  # [A]
+        counts = torch.bincount(top_i.flatten(), minlength=self.arch.num_experts).tolist()  # [E]
+        xs = x[token_of].to(self.gemm_dtype)  # [A, H]
+        ys = torch.empty_like(xs)  # [A, H]
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                ex, chunk = w.experts[e], xs[start : start + n]  # [n, H]
+                hidden = F.silu(self.linear(chunk, ex.w1)) * self.linear(chunk, ex.w3)  # [n, I]
+                ys[start : start + n] = self.linear(hidden, ex.w2)  # [n, H]
+                start += n
+        # transformers scales each expert's output by its fp32 weight, rounds to the model dtype
+        # and sums experts in index order; index_add_ over expert-sorted rows does the same.
+        ys = (ys * top_w.flatten()[order, None]).to(x.dtype)  # [A, H]
+        return torch.zeros_like(x).index_add_(0, token_of, ys)  # [T, H]
+
+    # -- output --------------------------------------------------------------------------------
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head on the positions that sample: [B, H] -> [B, V] in fp32."""
+        x = self._norm(h, self.weights.final_norm, self.arch.norm_eps)
+        return self.linear(x, self.weights.lm_head).float()
+
+    # -- whole steps ---------------------------------------------------------------------------
+
+    def prefill(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        batch_idx: torch.Tensor,
+        slot_idx: torch.Tensor,
+        last: torch.Tensor,
+    ) -> torch.Tensor:
+        """Packed prompt tokens [T] -> logits [B, V] at each prompt's last token (index `last`)."""
+        h = self.embed(token_ids)  # [T, H]
+        cos, sin = self.rotary(positions)
+        for layer in range(self.arch.num_layers):
+            q, k, v = self.pre_attention(layer, h, cos, sin)
+            attn = self.prefill_attention(layer, q, k, v, cache, batch_idx, slot_idx)
+            h = self.post_attention(layer, attn, h)
+        return self.logits(h[last])
+
+    def decode(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache
+    ) -> torch.Tensor:
+        """One token per sequence [B] -> logits [B, V]; the cache grows by one slot."""
+        h = self.embed(token_ids)  # [B, H]
+        cos, sin = self.rotary(positions)
+        for layer in range(self.arch.num_layers):
+            q, k, v = self.pre_attention(layer, h, cos, sin)
+            attn = self.decode_attention(layer, q, k, v, cache)
+            h = self.post_attention(layer, attn, h)
+        cache.length += 1
+        return self.logits(h)

@@ -1,0 +1,109 @@
+"""`hrm run`: generate with a real checkpoint and report measured prefill/decode time.
+
+The executor does the work (executor/api.py); this module parses arguments, writes the outputs
+atomically and assembles the RunRecord in `build_record`, the one place where a prediction for
+the same run will be joined to the measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "run",
+        help="generate with a Mixtral/DBRX checkpoint and measure throughput",
+        description="Run batched generation on a local checkpoint directory (config.json + "
+        "safetensors) and report measured prefill and decode time and throughput.",
+    )
+    p.add_argument("--checkpoint", required=True, help="checkpoint directory")
+    prompts = p.add_mutually_exclusive_group(required=True)
+    prompts.add_argument(
+        "--prompts", help='JSONL: {"prompt_token_ids": [...]} or {"prompt": "text"} per line'
+    )
+    prompts.add_argument("--prompt-len", type=int, help="random prompts of this many tokens")
+    p.add_argument("--batch", type=int, help="number of random prompts (with --prompt-len)")
+    p.add_argument("--seed", type=int, default=0, help="seed of random prompts and sampling (0)")
+    p.add_argument("--gen-len", type=int, required=True, help="tokens to generate per prompt")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (cpu)")
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        help="weight and compute dtype (default: the checkpoint's)",
+    )
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0)")
+    p.add_argument(
+        "--ignore-eos", action="store_true", help="always generate --gen-len tokens per prompt"
+    )
+    p.add_argument("--output", help="JSONL of outputs, one line per prompt in input order")
+    p.add_argument("--json", action="store_true", help="print the RunRecord as JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from executor.api import execute, prepare_run
+    from executor.generate import Sampling
+    from hrm.errors import HrmError
+    from hrm.io import atomic_write_text, check_writable
+
+    if args.prompt_len is not None and args.batch is None:
+        raise HrmError("--prompt-len needs --batch (the number of random prompts)")
+    if args.prompts is not None and args.batch is not None:
+        raise HrmError("--batch goes with --prompt-len; a --prompts file sets its own batch")
+    output = check_writable(args.output) if args.output else None
+    sampling = Sampling(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    spec = prepare_run(
+        args.checkpoint,
+        gen_len=args.gen_len,
+        prompts_path=args.prompts,
+        prompt_len=args.prompt_len,
+        batch=args.batch,
+        seed=args.seed,
+        dtype=args.dtype,
+        device=args.device,
+    )
+    result = execute(spec, sampling=sampling, ignore_eos=args.ignore_eos, quiet=args.quiet)
+    lines = "".join(json.dumps(o) + "\n" for o in result.outputs)
+    if output is not None:
+        atomic_write_text(output, lines)
+    record = build_record(result)
+    if args.json:
+        print(json.dumps(record.to_dict(), indent=2))
+    else:
+        if output is None:
+            print(lines, end="")
+        print(format_summary(record))
+    return 0
+
+
+def build_record(result):
+    """The RunRecord of a finished run. The planner's prediction for the same run (--hardware)
+    belongs here: result.spec holds the arch, batch, prompt lengths, gen length and dtype."""
+    from hrm.record import RunRecord
+    from hrm.workload import Workload
+
+    spec = result.spec
+    # Prefill packs the prompts (no compute on padding), so the workload is unpadded.
+    workload = Workload.from_prompt_lens(spec.prompt_lens, spec.gen_len, padding=False)
+    return RunRecord(
+        model=spec.arch.name,
+        hardware=None,
+        workload=workload.to_dict(),
+        plan=None,
+        predicted=None,
+        measured=result.measured,
+        environment=result.environment,
+    )
+
+
+def format_summary(record) -> str:
+    m, env = record.measured, record.environment
+    return (
+        f"{record.model}: {env['batch_size']} prompts, {m.generated_tokens} tokens generated "
+        f"({env['dtype']}, {env['device']}); prefill {m.prefill_s:.3f} s, "
+        f"decode {m.decode_s:.3f} s, {m.throughput_tok_s:.1f} tok/s"
+    )

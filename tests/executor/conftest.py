@@ -1,0 +1,150 @@
+"""Tiny random Mixtral and DBRX checkpoints, saved by transformers, and their reference models.
+
+transformers 5.x `save_pretrained` writes Mixtral in the original per-expert layout; the fused
+layout (mlp.experts.gate_up_proj / down_proj) that 5.x can also save is produced here by rewriting
+the safetensors file, and transformers itself loads it back as a check of the rewrite.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+VOCAB = 256
+LAYERS = 2
+HIDDEN = 64
+EXPERT_WIDTH = 96
+EXPERTS = 4
+
+
+def _mixtral_config(**overrides):
+    from transformers import MixtralConfig
+
+    fields = dict(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=EXPERT_WIDTH,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=EXPERTS,
+        num_experts_per_tok=2,
+        max_position_embeddings=512,
+        initializer_range=0.1,  # peaked logits: greedy choices are not near-ties
+        rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
+        eos_token_id=None,
+        bos_token_id=None,
+    )
+    fields.update(overrides)
+    return MixtralConfig(**fields)
+
+
+def _dbrx_config():
+    from transformers import DbrxConfig
+
+    return DbrxConfig(
+        vocab_size=VOCAB,
+        d_model=HIDDEN,
+        n_heads=4,
+        n_layers=LAYERS,
+        max_seq_len=512,
+        initializer_range=0.1,
+        attn_config={"kv_n_heads": 2, "clip_qkv": 1.0, "rope_theta": 500000},
+        ffn_config={"ffn_hidden_size": EXPERT_WIDTH, "moe_num_experts": EXPERTS, "moe_top_k": 2},
+    )
+
+
+def save_model(config, path: Path, seed: int, **save_kwargs) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.save_pretrained(path, **save_kwargs)
+    return path
+
+
+def save_tokenizer(path: Path) -> None:
+    """A word-level tokenizer: "w5 w7" <-> [5, 7]; enough to exercise text prompts offline."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0").save_pretrained(path)
+
+
+def fuse_mixtral_experts(src: Path, dst: Path) -> Path:
+    """Rewrite a per-expert Mixtral checkpoint into the fused 5.x layout."""
+    dst.mkdir(parents=True)
+    shutil.copy(src / "config.json", dst / "config.json")
+    tensors = load_file(src / "model.safetensors")
+    fused = {}
+    for name, tensor in tensors.items():
+        if ".block_sparse_moe." not in name:
+            fused[name] = tensor
+    for layer in range(LAYERS):
+        old = f"model.layers.{layer}.block_sparse_moe."
+        new = f"model.layers.{layer}.mlp."
+        expert = [
+            {w: tensors[f"{old}experts.{e}.{w}.weight"] for w in ("w1", "w2", "w3")}
+            for e in range(EXPERTS)
+        ]
+        fused[new + "experts.gate_up_proj"] = torch.stack(
+            [torch.cat([x["w1"], x["w3"]]) for x in expert]
+        )  # [E, 2I, H]
+        fused[new + "experts.down_proj"] = torch.stack([x["w2"] for x in expert])  # [E, H, I]
+        fused[new + "gate.weight"] = tensors[old + "gate.weight"]
+    save_file(fused, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """name -> checkpoint directory; the three Mixtral ones hold the same weights."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    single = save_model(_mixtral_config(), root / "mixtral-single", seed=0)
+    sharded = save_model(
+        _mixtral_config(), root / "mixtral-sharded", seed=0, max_shard_size="100KB"
+    )
+    fused = fuse_mixtral_experts(single, root / "mixtral-fused")
+    dbrx = save_model(_dbrx_config(), root / "dbrx", seed=1)
+    return {
+        "mixtral-single": single,
+        "mixtral-sharded": sharded,
+        "mixtral-fused": fused,
+        "dbrx": dbrx,
+    }
+
+
+@pytest.fixture(scope="session")
+def mixtral_with_tokenizer(tmp_path_factory) -> Path:
+    path = save_model(
+        _mixtral_config(eos_token_id=3),
+        tmp_path_factory.mktemp("tok") / "mixtral-tok",
+        seed=2,
+    )
+    save_tokenizer(path)
+    return path
+
+
+def reference_model(path: Path, dtype: torch.dtype = torch.float32):
+    """transformers' own model for a checkpoint, with DBRX's rope_theta put where 5.x reads it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    if config.model_type == "dbrx":
+        # transformers 5.x reads rope_parameters and ignores attn_config.rope_theta (DESIGN.md).
+        theta = json.loads((path / "config.json").read_text())["attn_config"]["rope_theta"]
+        config.rope_parameters = {"rope_theta": float(theta), "rope_type": "default"}
+    return AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype).eval()
+
+
+def ragged_prompts(lengths, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]

@@ -1,0 +1,119 @@
+"""Loading: zero-copy views of the mapped files, one copy when converting, stop tokens."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from executor.checkpoint import open_checkpoint, read_arch
+from executor.safetensors_mmap import SafetensorsFile
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def all_tensors(weights):
+    tensors = [weights.embed, weights.final_norm, weights.lm_head]
+    for layer in weights.layers:
+        tensors += [layer.attn_norm, layer.wq, layer.wk, layer.wv, layer.wo, layer.ffn_norm]
+        tensors += [layer.router] + [t for e in layer.experts for t in (e.w1, e.w2, e.w3)]
+    return tensors
+
+
+def test_same_dtype_weights_are_views_of_the_mapped_file(checkpoints):
+    path = checkpoints["dbrx"] / "model.safetensors"
+    mapped = SafetensorsFile(path)
+    lo = ctypes.addressof(ctypes.c_char.from_buffer(mapped._map))
+    hi = lo + path.stat().st_size
+    tensor = mapped.tensor("transformer.blocks.1.ffn.experts.mlp.w2")
+    assert lo <= tensor.data_ptr() < hi
+    for name in ("mixtral-single", "mixtral-fused", "dbrx"):
+        ckpt = open_checkpoint(checkpoints[name])
+        for t in all_tensors(ckpt.weights):
+            assert t.untyped_storage().nbytes() == 0 or not t.untyped_storage().resizable()
+
+
+def test_conversion_copies_once_into_the_run_dtype(checkpoints):
+    ckpt = open_checkpoint(checkpoints["mixtral-sharded"], "bfloat16")
+    assert {t.dtype for t in all_tensors(ckpt.weights)} == {torch.bfloat16}
+    exact = open_checkpoint(checkpoints["mixtral-sharded"])
+    assert torch.equal(ckpt.weights.lm_head, exact.weights.lm_head.to(torch.bfloat16))
+
+
+_PEAK_PROBE = """
+import sys, torch
+from executor.api import peak_rss_bytes
+from executor.checkpoint import open_checkpoint
+before = peak_rss_bytes()
+w = open_checkpoint(sys.argv[1], sys.argv[2]).weights
+tensors = [w.embed, w.lm_head] + [t for l in w.layers for e in l.experts for t in vars(e).values()]
+sum(float(t.sum(dtype=torch.float32)) for t in tensors)
+print(int(before), int(peak_rss_bytes()))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_loading_holds_one_copy(tmp_path, dtype):
+    """A 200 MB fp32 checkpoint loaded as fp32 (views) or bf16 (converted, pages released)."""
+    layers, hidden, width, experts = 2, 512, 1024, 24
+    config = {
+        "model_type": "mixtral",
+        "vocab_size": 1000,
+        "hidden_size": hidden,
+        "intermediate_size": width,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
+        "num_local_experts": experts,
+        "num_experts_per_tok": 2,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "model.embed_tokens.weight": torch.randn(1000, hidden, generator=g),
+        "model.norm.weight": torch.ones(hidden),
+        "lm_head.weight": torch.randn(1000, hidden, generator=g),
+    }
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        for n in ("q", "k", "v", "o"):
+            tensors[f"{p}self_attn.{n}_proj.weight"] = torch.randn(hidden, hidden, generator=g)
+        tensors[p + "input_layernorm.weight"] = torch.ones(hidden)
+        tensors[p + "post_attention_layernorm.weight"] = torch.ones(hidden)
+        tensors[p + "block_sparse_moe.gate.weight"] = torch.randn(experts, hidden, generator=g)
+        for e in range(experts):
+            x = f"{p}block_sparse_moe.experts.{e}."
+            tensors[x + "w1.weight"] = torch.randn(width, hidden, generator=g)
+            tensors[x + "w3.weight"] = torch.randn(width, hidden, generator=g)
+            tensors[x + "w2.weight"] = torch.randn(hidden, width, generator=g)
+    save_file(tensors, tmp_path / "model.safetensors")
+    size = (tmp_path / "model.safetensors").stat().st_size
+    result_bytes = size if dtype == "float32" else size / 2
+    out = subprocess.run(
+        [sys.executable, "-c", _PEAK_PROBE, str(tmp_path), dtype],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    )
+    before, peak = (int(x) for x in out.stdout.split())
+    growth = peak - before
+    assert growth < 1.15 * result_bytes, f"grew {growth / 1e6:.0f} MB for {size / 1e6:.0f} MB"
+
+
+def test_stop_tokens_prefer_generation_config(tmp_path, checkpoints):
+    src = checkpoints["mixtral-single"]
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / name).write_bytes((src / name).read_bytes())
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "eos_token_id": 2}))
+    assert read_arch(tmp_path).eos_token_ids == (2,)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9]}))
+    assert read_arch(tmp_path).eos_token_ids == (7, 9)

@@ -1,0 +1,128 @@
+"""`hrm run` end to end, the RunSpec it is built from, stopping at EOS and seeded sampling."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from executor.api import prepare_run
+from executor.checkpoint import open_checkpoint
+from executor.generate import Sampling, generate, sample
+from executor.model import MoEModel
+from tests.executor.conftest import ragged_prompts
+
+
+def write_prompts(path, prompts):
+    path.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in prompts))
+    return path
+
+
+def test_run_writes_outputs_in_input_order_and_a_record(run_cli, tmp_path, checkpoints):
+    prompts = ragged_prompts((4, 9, 2), seed=7)
+    out = tmp_path / "out.jsonl"
+    status, stdout, _ = run_cli(
+        "run",
+        "--checkpoint",
+        checkpoints["dbrx"],
+        "--prompts",
+        write_prompts(tmp_path / "p.jsonl", prompts),
+        "--gen-len",
+        "5",
+        "--output",
+        out,
+        "--json",
+    )
+    assert status == 0
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    expected = generate(MoEModel(open_checkpoint(checkpoints["dbrx"])), prompts, 5)
+    assert [line["output_token_ids"] for line in lines] == expected.output_token_ids
+    assert all(line["text"] is None for line in lines)
+    record = json.loads(stdout)
+    assert record["predicted"] is None and record["hardware"] is None
+    assert record["workload"]["prompt_len_max"] == 9 and record["workload"]["gen_len"] == 5
+    measured = record["measured"]
+    assert measured["generated_tokens"] == 15
+    total = measured["prefill_s"] + measured["decode_s"]
+    assert measured["throughput_tok_s"] == 15 / total
+    assert measured["peak_memory_bytes"]["cpu"] > 0
+
+
+def test_random_prompts_are_seeded(run_cli, tmp_path, checkpoints):
+    def outputs(seed):
+        out = tmp_path / f"out{seed}.jsonl"
+        args = ["--prompt-len", "6", "--batch", "3", "--gen-len", "3", "--seed", seed]
+        status, _, _ = run_cli(
+            "run", "--checkpoint", checkpoints["mixtral-fused"], *args, "--output", out, "--quiet"
+        )
+        assert status == 0
+        return out.read_text()
+
+    assert outputs(1) == outputs(1) != outputs(2)
+
+
+def test_text_prompts_and_eos(run_cli, tmp_path, mixtral_with_tokenizer):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "w5 w17 w200"}\n{"prompt_token_ids": [9, 8, 7, 6]}\n')
+    out = tmp_path / "out.jsonl"
+    status, _, _ = run_cli(
+        "run",
+        "--checkpoint",
+        mixtral_with_tokenizer,
+        "--prompts",
+        prompts,
+        "--gen-len",
+        "40",
+        "--output",
+        out,
+        "--quiet",
+    )
+    assert status == 0
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    for line in lines:
+        ids = line["output_token_ids"]
+        assert line["text"] == " ".join(f"w{t}" for t in ids)
+        assert 3 not in ids[:-1], "generation continued past EOS (id 3)"
+    spec = prepare_run(mixtral_with_tokenizer, prompts_path=prompts, gen_len=40)
+    assert spec.prompts[0] == (5, 17, 200) and spec.arch.eos_token_ids == (3,)
+
+
+def test_run_spec_describes_the_run(checkpoints, tmp_path):
+    """What the planner needs for a prediction, known before any weight is read."""
+    spec = prepare_run(checkpoints["mixtral-sharded"], prompt_len=7, batch=5, gen_len=9)
+    assert (spec.batch_size, spec.prompt_lens, spec.gen_len) == (5, [7] * 5, 9)
+    assert spec.dtype == "float32" and spec.arch.model_type == "mixtral"
+    bf16 = prepare_run(checkpoints["dbrx"], prompt_len=2, batch=1, gen_len=1, dtype="bfloat16")
+    assert bf16.dtype == "bfloat16" and bf16.arch.rope_theta == 500000
+
+
+def test_a_sequence_stops_at_its_stop_token_and_the_batch_at_the_last(checkpoints):
+    model = MoEModel(open_checkpoint(checkpoints["mixtral-single"]))
+    prompts = ragged_prompts((3, 8, 5), seed=8)
+    free = generate(model, prompts, 12).output_token_ids
+    stop = free[0][2]
+    stopped = generate(model, prompts, 12, stop_token_ids=[stop]).output_token_ids
+    for full, cut in zip(free, stopped, strict=True):
+        end = full.index(stop) + 1 if stop in full else len(full)
+        assert cut == full[:end]
+    everyone = generate(model, prompts, 12, stop_token_ids=[row[0] for row in free])
+    assert everyone.output_token_ids == [row[:1] for row in free]
+
+
+def test_sampling_is_seeded_and_top_p_narrows_to_greedy(checkpoints):
+    model = MoEModel(open_checkpoint(checkpoints["dbrx"]))
+    prompts = ragged_prompts((4, 6), seed=9)
+    greedy = generate(model, prompts, 10).output_token_ids
+    warm = Sampling(temperature=1.5, top_p=0.95, seed=11)
+    first = generate(model, prompts, 10, sampling=warm).output_token_ids
+    assert generate(model, prompts, 10, sampling=warm).output_token_ids == first
+    assert first != greedy
+    narrow = Sampling(temperature=1.0, top_p=1e-6, seed=3)
+    assert generate(model, prompts, 10, sampling=narrow).output_token_ids == greedy
+
+
+def test_top_p_keeps_the_smallest_set_reaching_the_mass():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    g = torch.Generator().manual_seed(0)
+    draws = {int(sample(logits, Sampling(temperature=1.0, top_p=0.8), g)) for _ in range(300)}
+    assert draws == {0, 1}
