@@ -61,6 +61,10 @@ class Curve:
         return max(y for _, y in self.points)
 
 
+# 16-bit float dtypes a CPU may compute in float32 after widening (DeviceSpec.flops_per_s).
+HALF_DTYPES = ("bfloat16", "float16")
+
+
 @dataclass(frozen=True, kw_only=True)
 class DeviceSpec:
     """One kind of processor with its local memory. For a GPU the figures are per GPU."""
@@ -75,17 +79,27 @@ class DeviceSpec:
     # Free memory when a measured profile was taken (MemAvailable, cudaMemGetInfo); None if unknown.
     available_memory_bytes: float | None = None
 
-    def flops_per_s(self, dtype: str) -> float:
-        """Peak FLOP/s of all `count` devices for `dtype`; falls back to float32 when absent."""
+    def flops_per_s(self, dtype: str, *, widen_half: bool = False) -> float:
+        """Peak FLOP/s of all `count` devices for `dtype`; falls back to float32 when absent.
+
+        widen_half: 16-bit data may be widened to float32 for the GEMM, so the faster of the two
+        rates applies (what the executor does on a CPU; docs/decisions.md).
+        """
         rate = self.peak_flops_per_s.get(dtype, self.peak_flops_per_s.get("float32"))
         if rate is None:
             raise HrmError(f"{self.name}: no FLOP rate for {dtype} or float32 in the profile")
+        if widen_half and dtype in HALF_DTYPES:
+            rate = max(rate, self.peak_flops_per_s.get("float32", rate))
         return rate * self.count
 
-    def matmul_flops_per_s(self, dtype: str, tokens: float) -> float:
-        """Achieved GEMM FLOP/s of all devices at `tokens` rows: the measured curve, else peak."""
+    def matmul_flops_per_s(self, dtype: str, tokens: float, *, widen_half: bool = False) -> float:
+        """Achieved GEMM FLOP/s of all devices at `tokens` rows: the measured curve, else peak
+        (widen_half as in flops_per_s, curve against curve)."""
         curve = self.matmul_curves.get(dtype)
-        return curve.at(tokens) * self.count if curve else self.flops_per_s(dtype)
+        rate = curve.at(tokens) * self.count if curve else self.flops_per_s(dtype)
+        if widen_half and dtype in HALF_DTYPES:
+            rate = max(rate, self.matmul_flops_per_s("float32", tokens))
+        return rate
 
     @property
     def total_memory_bytes(self) -> float:

@@ -13,9 +13,13 @@ from hrm.hardware import DeviceSpec, HardwareProfile
 from hrm.ops import Op, expert_ffn_op, layer_ops, lm_head_op
 
 
-def attainable_flops_per_s(device: DeviceSpec, dtype: str, intensity: float) -> float:
-    """P = min(P_peak, B_peak * I)  (paper Eq 4-5)."""
-    return min(device.flops_per_s(dtype), device.total_memory_bandwidth_bytes_per_s * intensity)
+def attainable_flops_per_s(
+    device: DeviceSpec, dtype: str, intensity: float, *, widen_half: bool = False
+) -> float:
+    """P = min(P_peak, B_peak * I)  (paper Eq 4-5); widen_half for the CPU, whose 16-bit math the
+    executor does in float32 when that is faster (DeviceSpec.flops_per_s)."""
+    peak = device.flops_per_s(dtype, widen_half=widen_half)
+    return min(peak, device.total_memory_bandwidth_bytes_per_s * intensity)
 
 
 def cross_level_flops_per_s(
@@ -51,7 +55,8 @@ def turning_points(hardware: HardwareProfile, dtype: str) -> TurningPoints | Non
     link = hardware.h2d_bytes_per_s
     cpu, gpu = hardware.cpu, hardware.gpu
     # P1: B_link * I = min(P_cpu, B_cpu * I)  =>  I = P_cpu / B_link, valid when B_cpu >= B_link
-    p1 = cpu.flops_per_s(dtype) / link if cpu.total_memory_bandwidth_bytes_per_s >= link else None
+    cpu_peak = cpu.flops_per_s(dtype, widen_half=True)
+    p1 = cpu_peak / link if cpu.total_memory_bandwidth_bytes_per_s >= link else None
     # P2: B_link * I = min(P_gpu, B_gpu * I)  =>  I = P_gpu / B_link, valid when B_gpu >= B_link
     p2 = gpu.flops_per_s(dtype) / link if gpu.total_memory_bandwidth_bytes_per_s >= link else None
     return TurningPoints(p1=p1, p2=p2)
@@ -113,12 +118,13 @@ def op_time(
     link_bytes: float = 0.0,
     link_bytes_per_s: float = 0.0,
     overlap: str = "max",
+    widen_half: bool = False,
 ) -> OpTime:
     """T = max(flops / P_peak, bytes / B_peak, link bytes / B_link)  (paper Eq 13-14)."""
     local = op.bytes if local_bytes is None else local_bytes
     return OpTime(
         name=op.name,
-        compute_s=op.flops / device.flops_per_s(dtype),
+        compute_s=op.flops / device.flops_per_s(dtype, widen_half=widen_half),
         memory_s=local / device.total_memory_bandwidth_bytes_per_s,
         link_s=link_bytes / link_bytes_per_s if link_bytes else 0.0,
         overlap=overlap,
@@ -148,11 +154,13 @@ def run_time_bound(
     gen_len: int,
     dtype: str = "bfloat16",
     kv_dtype: str | None = None,
+    widen_half: bool = False,
 ) -> RunBound:
     """Roofline bound of prefill plus every decode step, each op at max(compute, memory).
 
     The first token comes from prefill; decode step t (1..gen_len-1) attends over
-    prompt_len + t keys, so the context grows step by step.
+    prompt_len + t keys, so the context grows step by step. widen_half: 16-bit math may run at
+    the float32 rate (a CPU; DeviceSpec.flops_per_s), with bytes still counted in `dtype`.
     """
     kv_dtype = kv_dtype or dtype
     binding: dict[str, float] = {"compute": 0.0, "memory": 0.0}
@@ -172,7 +180,7 @@ def run_time_bound(
         ops.append(lm_head_op(arch, batch=batch, weight_dtype=dtype))
         total = 0.0
         for op in ops:
-            t = op_time(op, device, dtype)
+            t = op_time(op, device, dtype, widen_half=widen_half)
             binding[t.binding] += t.time_s
             total += t.time_s
         return total

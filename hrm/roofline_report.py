@@ -116,7 +116,7 @@ def build_roofline_report(
         dtype=dtype,
         context=context,
         micro_batch=micro_batch,
-        cpu_peak_flops_per_s=hardware.cpu.flops_per_s(dtype),
+        cpu_peak_flops_per_s=hardware.cpu.flops_per_s(dtype, widen_half=True),
         cpu_bandwidth_bytes_per_s=hardware.cpu.total_memory_bandwidth_bytes_per_s,
         gpu_peak_flops_per_s=gpu.flops_per_s(dtype) if gpu else None,
         gpu_bandwidth_bytes_per_s=gpu.total_memory_bandwidth_bytes_per_s if gpu else None,
@@ -142,6 +142,6 @@ def _point(hardware, dtype, label, op, batch, kv_dtype, cpu_i, gpu_i, link_i) ->
         kv_dtype=kv_dtype,
         cpu_intensity=cpu_i,
         gpu_intensity=gpu_i,
-        cpu_flops_per_s=attainable_flops_per_s(hardware.cpu, dtype, cpu_i),
+        cpu_flops_per_s=attainable_flops_per_s(hardware.cpu, dtype, cpu_i, widen_half=True),
         gpu_streamed_flops_per_s=streamed,
     )

@@ -139,10 +139,11 @@ class MicroBatchSeconds:
     embed_to_gpu: np.ndarray  # next tokens' embeddings, gathered on the CPU
 
 
-def op_seconds(op: Op, device: DeviceSpec, dtype: str, rows) -> np.ndarray:
+def op_seconds(op: Op, device: DeviceSpec, dtype: str, rows, *, widen_half: bool) -> np.ndarray:
     """T_op = max(FLOPs / P(rows), bytes / B)  (paper Eq 13-14), P from the profile's GEMM curve
-    at `rows` rows when it has one, else the peak."""
-    rate = device.matmul_flops_per_s(dtype, float(rows))
+    at `rows` rows when it has one, else the peak; widen_half for the CPU, whose 16-bit GEMMs the
+    executor runs in float32 when that is faster (DeviceSpec.flops_per_s)."""
+    rate = device.matmul_flops_per_s(dtype, float(rows), widen_half=widen_half)
     return np.maximum(
         np.asarray(op.flops) / rate,
         np.asarray(op.bytes) / device.total_memory_bandwidth_bytes_per_s,
@@ -205,15 +206,16 @@ def micro_batch_seconds(setting: Setting, b: float) -> MicroBatchSeconds:
     }
     group = arch.num_attention_heads / arch.num_key_value_heads
 
-    def on(device: DeviceSpec | None):
+    def on(device: DeviceSpec | None, widen_half: bool = False):
         if device is None:  # no GPU: these entries are multiplied by F_g = 0
             return {key: np.zeros(steps) for key in ("dense", "ffn", "attention", "head")}
 
         def both(name: str, pre_rows: float, dec_rows: float) -> np.ndarray:
             if name not in prefill:
                 return np.zeros(steps)
-            pre = op_seconds(prefill[name], device, dtype, pre_rows)
-            dec = op_seconds(decode[name], device, dtype, dec_rows) * np.ones(steps - 1)
+            pre = op_seconds(prefill[name], device, dtype, pre_rows, widen_half=widen_half)
+            dec = op_seconds(decode[name], device, dtype, dec_rows, widen_half=widen_half)
+            dec = dec * np.ones(steps - 1)
             return np.concatenate([[pre], dec])
 
         # expert GEMM rows: tokens * k spread over the distinct experts they touch
@@ -226,10 +228,10 @@ def micro_batch_seconds(setting: Setting, b: float) -> MicroBatchSeconds:
             "dense": sum(both(name, chunk, b) for name in DENSE_OPS),
             "ffn": both("expert_ffn", *ffn_rows),
             "attention": both("attention", s_pre, group),
-            "head": op_seconds(head, device, dtype, b) * np.ones(steps),
+            "head": op_seconds(head, device, dtype, b, widen_half=widen_half) * np.ones(steps),
         }
 
-    gpu, cpu = on(hw.gpu), on(hw.cpu)
+    gpu, cpu = on(hw.gpu), on(hw.cpu, widen_half=True)
     hidden_page = b * s_pre * arch.hidden_size * adt
     qkv = b * (arch.q_size + 2 * arch.kv_size) * adt
     kv_per_token_layer = 2 * arch.kv_size * kdt

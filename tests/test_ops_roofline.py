@@ -6,6 +6,7 @@ from hrm.arch import resolve_model
 from hrm.hardware import HardwareProfile, resolve_hardware
 from hrm.ops import attention_op, expected_distinct_experts, expert_ffn_op, layer_ops, lm_head_op
 from hrm.roofline import (
+    attainable_flops_per_s,
     cross_level_flops_per_s,
     ffn_balance_batch,
     op_time,
@@ -126,3 +127,22 @@ def test_run_time_bound_charges_each_decode_step_its_own_context():
         steps.append(sum(op_time(o, L4.cpu, "bfloat16").time_s for o in ops))
     assert bound.decode_s == pytest.approx(sum(steps))
     assert steps[1] > steps[0]
+
+
+def test_cpu_16_bit_math_runs_at_the_faster_float32_rate_when_widened():
+    """ci-cpu (measured): bf16 GEMMs at 22 GFLOP/s natively, fp32 at 179; the executor widens."""
+    cpu = resolve_hardware("ci-cpu").cpu
+    native, fp32 = cpu.flops_per_s("bfloat16"), cpu.flops_per_s("float32")
+    assert native < fp32 / 4
+    assert cpu.flops_per_s("bfloat16", widen_half=True) == fp32
+    assert cpu.flops_per_s("float32", widen_half=True) == fp32
+    assert cpu.matmul_flops_per_s("bfloat16", 16, widen_half=True) == cpu.matmul_flops_per_s(
+        "float32", 16
+    )
+    assert attainable_flops_per_s(cpu, "bfloat16", 1e6, widen_half=True) == fp32
+    shape = dict(batch=64, prompt_len=64, gen_len=8, dtype="bfloat16")
+    widened = run_time_bound(MIXTRAL, cpu, **shape, widen_half=True)
+    assert widened.throughput_tok_s > 2 * run_time_bound(MIXTRAL, cpu, **shape).throughput_tok_s
+    # a faster native rate is kept (h200-sxm's host: AMX bf16 above fp32)
+    host = resolve_hardware("h200-sxm").cpu
+    assert host.flops_per_s("bfloat16", widen_half=True) == host.flops_per_s("bfloat16") == 20e12

@@ -178,3 +178,48 @@ def test_decode_charges_each_step_its_own_context(arch, make_cpu_profile):
     extra = 2 * 2 * 2 * 256 * 56 / 1e9
     assert padded.predicted.decode_s - short.predicted.decode_s == pytest.approx(extra, rel=1e-9)
     assert np.isfinite(short.predicted.throughput_tok_s)
+
+
+def _with_rates(device, rates: dict, curves: dict | None = None):
+    return dataclasses.replace(device, peak_flops_per_s=rates, matmul_curves=curves or {})
+
+
+def test_cpu_computes_16_bit_at_the_faster_float32_rate(arch, make_gpu_profile, workload):
+    """The executor widens bf16 weights to fp32 for each CPU GEMM (docs/decisions.md): the CPU's
+    bf16 math runs at max(bf16, fp32) rate, bytes stay bf16; the GPU gets no such help."""
+    hw = make_gpu_profile()
+    slow_bf16 = {"float32": 1e10, "bfloat16": 1e8}
+    curves = {"float32": Curve(points=((1, 1e9), (64, 1e10)))}
+    p = policy(weight_dtype="bfloat16", kv_dtype="bfloat16")
+    cpu_slow = dataclasses.replace(hw, cpu=_with_rates(hw.cpu, slow_bf16, curves))
+    same_curves = {**curves, "bfloat16": curves["float32"]}
+    cpu_same = dataclasses.replace(
+        hw, cpu=_with_rates(hw.cpu, {"float32": 1e10, "bfloat16": 1e10}, same_curves)
+    )
+    slow = predict(arch, cpu_slow, workload, p)
+    assert slow.predicted.total_s == predict(arch, cpu_same, workload, p).predicted.total_s
+    # and the curve is used: at a flat 1e10 FLOP/s the small GEMMs would be faster
+    flat = dataclasses.replace(hw, cpu=_with_rates(hw.cpu, {"float32": 1e10, "bfloat16": 1e10}))
+    assert predict(arch, flat, workload, p).predicted.total_s < slow.predicted.total_s
+    on_gpu = policy(ffn_on_gpu=True, weights_gpu_fraction=1.0, weight_dtype="bfloat16")
+    gpu_slow = dataclasses.replace(hw, gpu=_with_rates(hw.gpu, {"float32": 1e12, "bfloat16": 1e8}))
+    assert (
+        predict(arch, gpu_slow, workload, on_gpu).predicted.total_s
+        > 10 * predict(arch, hw, workload, on_gpu).predicted.total_s
+    )
+
+
+def test_resident_run_puts_everything_on_one_device(arch, make_gpu_profile, workload):
+    from planner import predict_resident_run
+
+    hw = make_gpu_profile(gpu_memory_bytes=1e7)
+    cpu = predict_resident_run(arch, hw, workload, batch_size=3, dtype="float32")
+    assert cpu.policy.micro_batch_size == cpu.policy.batch_size == 3
+    assert cpu.busy_s["gpu"] == cpu.busy_s["h2d"] == cpu.busy_s["d2h"] == 0.0
+    assert cpu.memory.gpu_bytes == 0.0
+    gpu = predict_resident_run(arch, hw, workload, batch_size=3, dtype="float32", on_gpu=True)
+    assert gpu.policy.attention_on_gpu and gpu.policy.weights_gpu_fraction == 1.0
+    assert gpu.busy_s["cpu"] == pytest.approx(0.0, abs=1e-15)
+    assert gpu.memory.cpu["kv cache"] == 0.0 and gpu.memory.gpu["kv cache"] > 0
+    # the GPU of tiny-gpu is 100x the CPU in bandwidth and FLOP/s
+    assert gpu.predicted.total_s < cpu.predicted.total_s / 10
