@@ -236,3 +236,27 @@ def predict(
         kv_dtype=policy.kv_dtype,
     )
     return build_plan(batch_model(setting, policy.batch_size, policy.micro_batch_size), policy)
+
+
+def predict_resident_run(
+    arch: ModelArch,
+    hardware: HardwareProfile,
+    workload: Workload,
+    *,
+    batch_size: int,
+    dtype: str,
+    on_gpu: bool = False,
+) -> Plan:
+    """The prediction for a run held wholly by one device in `dtype` (`hrm run --hardware`): the
+    weights and KV cache in that device's memory, the whole batch as one micro-batch."""
+    policy = Policy(
+        batch_size=batch_size,
+        micro_batch_size=batch_size,
+        attention_on_gpu=on_gpu,
+        ffn_on_gpu=on_gpu,
+        weights_gpu_fraction=float(on_gpu),
+        kv_gpu_fraction=float(on_gpu),
+        weight_dtype=dtype,
+        kv_dtype=dtype,
+    )
+    return predict(arch, hardware, workload, policy)

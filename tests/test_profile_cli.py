@@ -91,3 +91,30 @@ def test_comparison_lists_every_figure_of_both_profiles_with_ratios():
     rows = format_comparison(cpu_only, resolve_hardware("t4")).splitlines()
     gpu_row = next(line for line in rows if line.startswith("gpu memory "))
     assert gpu_row.split()[-1] == "-"
+
+
+def test_bundled_ci_cpu_profile_drives_plan_and_roofline(run_cli, tmp_path):
+    """The measured CPU-only profile (curves, no GPU) is accepted like a datasheet one."""
+    from transformers import MixtralConfig
+
+    config = tmp_path / "config.json"
+    MixtralConfig(
+        vocab_size=32000,
+        hidden_size=1024,
+        intermediate_size=3584,
+        num_hidden_layers=4,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+    ).to_json_file(config)
+    plan = ["plan", "--hardware", "ci-cpu", "--prompt-len", "64", "--gen-len", "16", "--json"]
+    status, out, err = run_cli(*plan, "--model", config)
+    assert status == 0, err
+    data = json.loads(out)
+    assert not data["policy"]["ffn_on_gpu"] and data["predicted"]["throughput_tok_s"] > 0
+    chart = tmp_path / "roofline.png"
+    status, _, err = run_cli("roofline", "--model", config, "--hardware", "ci-cpu", "-o", chart)
+    assert status == 0, err
+    assert chart.stat().st_size > 0
+    # Mixtral 8x7B (93 GB in bf16) does not fit its 25 GB: said in one line
+    status, _, err = run_cli(*plan, "--model", "mixtral-8x7b")
+    assert status == 2 and err.count("\n") == 1 and "cpu" in err.lower(), err

@@ -38,6 +38,10 @@ def add_parser(subparsers) -> None:
     p.add_argument(
         "--ignore-eos", action="store_true", help="always generate --gen-len tokens per prompt"
     )
+    p.add_argument(
+        "--hardware",
+        help="profile (bundled name or YAML): add the planner's prediction of this very run",
+    )
     p.add_argument("--output", help="JSONL of outputs, one line per prompt in input order")
     p.add_argument("--json", action="store_true", help="print the RunRecord as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -48,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
     from executor.api import execute, prepare_run
     from executor.generate import Sampling
     from hrm.errors import HrmError
+    from hrm.hardware import resolve_hardware
     from hrm.io import atomic_write_text, check_writable
 
     if args.prompt_len is not None and args.batch is None:
@@ -55,6 +60,12 @@ def run(args: argparse.Namespace) -> int:
     if args.prompts is not None and args.batch is not None:
         raise HrmError("--batch goes with --prompt-len; a --prompts file sets its own batch")
     output = check_writable(args.output) if args.output else None
+    hardware = resolve_hardware(args.hardware) if args.hardware else None
+    if hardware is not None and args.device.startswith("cuda") and not hardware.has_gpu:
+        raise HrmError(
+            f"--hardware {args.hardware} has no GPU, so it cannot predict a --device "
+            f"{args.device} run; give a profile with a GPU or run on the cpu"
+        )
     sampling = Sampling(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     spec = prepare_run(
         args.checkpoint,
@@ -70,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     lines = "".join(json.dumps(o) + "\n" for o in result.outputs)
     if output is not None:
         atomic_write_text(output, lines)
-    record = build_record(result)
+    record = build_record(result, hardware)
     if args.json:
         print(json.dumps(record.to_dict(), indent=2))
     else:
@@ -80,21 +91,35 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_record(result):
-    """The RunRecord of a finished run. The planner's prediction for the same run (--hardware)
-    belongs here: result.spec holds the arch, batch, prompt lengths, gen length and dtype."""
+def build_record(result, hardware=None):
+    """The RunRecord of a finished run, with the planner's prediction for the same run (same
+    model, batch, prompt lengths, generation length, dtype and device, everything resident on
+    that device) when a hardware profile is given."""
     from hrm.record import RunRecord
     from hrm.workload import Workload
 
     spec = result.spec
     # Prefill packs the prompts (no compute on padding), so the workload is unpadded.
     workload = Workload.from_prompt_lens(spec.prompt_lens, spec.gen_len, padding=False)
+    predicted = None
+    if hardware is not None:
+        from planner import predict_resident_run
+
+        plan = predict_resident_run(
+            spec.arch,
+            hardware,
+            workload,
+            batch_size=len(spec.prompt_lens),
+            dtype=spec.dtype,
+            on_gpu=spec.device.startswith("cuda"),
+        )
+        predicted = plan.predicted.to_dict()
     return RunRecord(
         model=spec.arch.name,
-        hardware=None,
+        hardware=hardware.name if hardware is not None else None,
         workload=workload.to_dict(),
         plan=None,
-        predicted=None,
+        predicted=predicted,
         measured=result.measured,
         environment=result.environment,
     )
@@ -102,8 +127,16 @@ def build_record(result):
 
 def format_summary(record) -> str:
     m, env = record.measured, record.environment
-    return (
+    summary = (
         f"{record.model}: {env['batch_size']} prompts, {m.generated_tokens} tokens generated "
         f"({env['dtype']}, {env['device']}); prefill {m.prefill_s:.3f} s, "
         f"decode {m.decode_s:.3f} s, {m.throughput_tok_s:.1f} tok/s"
+    )
+    if record.predicted is None:
+        return summary
+    p = record.predicted
+    return (
+        f"{summary}\npredicted on {record.hardware}: prefill {p['prefill_s']:.3f} s, "
+        f"decode {p['decode_s']:.3f} s, {p['throughput_tok_s']:.1f} tok/s "
+        f"({100 * record.prediction_error:+.0f}% against measured)"
     )

@@ -156,3 +156,29 @@ def test_cuda_without_a_gpu(run_cli, tmp_path, checkpoints):
     run_expecting_error(
         run_cli, tmp_path, checkpoints["dbrx"], "--device", "cuda", fragments=("cuda",)
     )
+
+
+@pytest.mark.parametrize(
+    "profile, fragment",
+    [("no-such-machine", "no-such-machine"), ("broken.yaml", "broken.yaml")],
+)
+def test_bad_hardware_profile(run_cli, tmp_path, checkpoints, profile, fragment):
+    (tmp_path / "broken.yaml").write_text("name: x\nsource: measured\ncpu: {cores: 2}\n")
+    if profile.endswith(".yaml"):
+        profile = str(tmp_path / profile)
+    run_expecting_error(
+        run_cli, tmp_path, checkpoints["dbrx"], "--hardware", profile, fragments=(fragment,)
+    )
+
+
+def test_gpu_run_needs_a_profile_with_a_gpu(run_cli, tmp_path, checkpoints):
+    run_expecting_error(
+        run_cli,
+        tmp_path,
+        checkpoints["dbrx"],
+        "--hardware",
+        "ci-cpu",
+        "--device",
+        "cuda",
+        fragments=("has no GPU",),
+    )

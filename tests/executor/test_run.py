@@ -126,3 +126,38 @@ def test_top_p_keeps_the_smallest_set_reaching_the_mass():
     g = torch.Generator().manual_seed(0)
     draws = {int(sample(logits, Sampling(temperature=1.0, top_p=0.8), g)) for _ in range(300)}
     assert draws == {0, 1}
+
+
+def test_hardware_adds_the_planners_prediction_of_this_run(run_cli, checkpoints):
+    from hrm.arch import resolve_model
+    from hrm.hardware import resolve_hardware
+    from hrm.workload import Workload
+    from planner import predict_resident_run
+
+    args = ["--prompt-len", "6", "--batch", "3", "--gen-len", "4", "--ignore-eos", "--quiet"]
+    checkpoint = checkpoints["mixtral-fused"]
+    status, stdout, _ = run_cli(
+        "run", "--checkpoint", checkpoint, *args, "--dtype", "bfloat16", "--hardware", "ci-cpu"
+    )
+    assert status == 0
+    summary = stdout.splitlines()[-1]
+    assert summary.startswith("predicted on ci-cpu:") and "against measured" in summary
+    status, stdout, _ = run_cli(
+        "run", "--checkpoint", checkpoint, *args, "--dtype", "bfloat16", "--hardware", "ci-cpu",
+        "--json",
+    )  # fmt: skip
+    record = json.loads(stdout)
+    expected = predict_resident_run(
+        resolve_model(checkpoint / "config.json"),
+        resolve_hardware("ci-cpu"),
+        Workload(prompt_len_mean=6, prompt_len_max=6, gen_len=4),
+        batch_size=3,
+        dtype="bfloat16",
+    )
+    assert record["hardware"] == "ci-cpu"
+    assert record["predicted"] == expected.predicted.to_dict()
+    assert record["predicted"]["generated_tokens"] == record["measured"]["generated_tokens"] == 12
+    measured = record["measured"]["throughput_tok_s"]
+    assert record["prediction_error"] == (
+        (record["predicted"]["throughput_tok_s"] - measured) / measured
+    )
