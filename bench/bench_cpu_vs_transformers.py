@@ -13,7 +13,6 @@ fresh process.  Prints a table; the last line is JSON; the same JSON goes to rep
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import subprocess
@@ -101,27 +100,32 @@ def time_transformers(path: Path, prompts: list[list[int]], gen_len: int, repeat
     return median, times, outputs["tokens"]
 
 
-def bounds_tok_s(config_path: Path, hardware: str, batch: int, prompt_len: int, gen_len: int):
-    """Roofline throughput bounds of this run on the profile's CPU: bfloat16 throughout, and
-    bfloat16 bytes with fp32 FLOP/s (the executor widens bf16 weights to fp32 for each GEMM on a
-    CPU).  (None, None) with a warning when the profile cannot be read."""
+def model_figures(config_path: Path, hardware: str, batch: int, prompt_len: int, gen_len: int):
+    """What the model says of this run on the profile's CPU, as tok/s: the roofline bound (16-bit
+    math at the faster of the bfloat16 and float32 rates, as the executor widens bf16 weights for
+    each GEMM on a CPU), the bound at the native bfloat16 rate, and the planner's prediction
+    (`hrm run --hardware`). Nones with a warning when the profile cannot be read."""
     from hrm.arch import resolve_model
     from hrm.errors import HrmError
     from hrm.hardware import resolve_hardware
     from hrm.roofline import run_time_bound
+    from hrm.workload import Workload
+    from planner import predict_resident_run
 
     try:
-        cpu = resolve_hardware(hardware).cpu
+        profile = resolve_hardware(hardware)
     except HrmError as exc:
-        warnings.warn(f"no roofline bound: {exc}", stacklevel=1)
-        return None, None
+        warnings.warn(f"no roofline bound or prediction: {exc}", stacklevel=1)
+        return {"bound_tok_s": None, "bound_native_bf16_tok_s": None, "predicted": None}
     arch = resolve_model(config_path)
     shape = dict(batch=batch, prompt_len=prompt_len, gen_len=gen_len, dtype="bfloat16")
-    bf16 = run_time_bound(arch, cpu, **shape)
-    widened = dataclasses.replace(
-        cpu, peak_flops_per_s={**cpu.peak_flops_per_s, "bfloat16": cpu.flops_per_s("float32")}
-    )
-    return bf16.throughput_tok_s, run_time_bound(arch, widened, **shape).throughput_tok_s
+    workload = Workload.from_prompt_lens([prompt_len] * batch, gen_len)
+    plan = predict_resident_run(arch, profile, workload, batch_size=batch, dtype="bfloat16")
+    return {
+        "bound_tok_s": run_time_bound(arch, profile.cpu, **shape, widen_half=True).throughput_tok_s,
+        "bound_native_bf16_tok_s": run_time_bound(arch, profile.cpu, **shape).throughput_tok_s,
+        "predicted": plan.predicted.to_dict(),
+    }
 
 
 _LOAD_PROBE = """
@@ -180,7 +184,7 @@ def main() -> None:
         params = sum(p.stat().st_size for p in path.glob("*.safetensors")) / 2
         ex_s, ex_times, ex_tokens = time_executor(path, prompts, gen_len, repeats)
         hf_s, hf_times, hf_tokens = time_transformers(path, prompts, gen_len, repeats)
-        bound, bound_fp32 = bounds_tok_s(path, args.hardware, batch, prompt_len, gen_len)
+        model = model_figures(path, args.hardware, batch, prompt_len, gen_len)
         load = None if args.quick or args.skip_load_check else load_peak_rss(Path(tmp))
 
     tokens = batch * gen_len
@@ -194,11 +198,15 @@ def main() -> None:
         "executor_tok_s": tokens / ex_s,
         "transformers_tok_s": tokens / hf_s,
         "speedup": hf_s / ex_s,
-        "bound_tok_s": bound,
-        "bound_fp32_gemm_tok_s": bound_fp32,
-        "executor_fraction_of_bound": tokens / ex_s / bound if bound else None,
-        "transformers_fraction_of_bound": tokens / hf_s / bound if bound else None,
-        "executor_fraction_of_fp32_gemm_bound": tokens / ex_s / bound_fp32 if bound else None,
+        **model,
+        "executor_fraction_of_bound": _ratio(tokens / ex_s, model["bound_tok_s"]),
+        "transformers_fraction_of_bound": _ratio(tokens / hf_s, model["bound_tok_s"]),
+        # (predicted - measured) / measured, as RunRecord.prediction_error
+        "prediction_error": (
+            _ratio(model["predicted"]["throughput_tok_s"], tokens / ex_s) - 1
+            if model["predicted"]
+            else None
+        ),
         # bf16 rounding differs between the two, and a random model's logits are nearly flat,
         # so greedy paths part early; tests/executor holds fp32 to identical tokens.
         "tokens_agreeing_before_first_difference_mean": statistics.mean(prefixes),
@@ -226,10 +234,11 @@ def format_table(r: dict) -> str:
         f"{'executor':<14}{r['executor_tok_s']:>10.1f}{_pct(r['executor_fraction_of_bound']):>10}",
         f"{'transformers':<14}{r['transformers_tok_s']:>10.1f}"
         f"{_pct(r['transformers_fraction_of_bound']):>10}",
-        f"{'bound':<14}{_num(r['bound_tok_s']):>10}   bfloat16 FLOP/s of {r['hardware']}",
-        f"{'bound, fp32':<14}{_num(r['bound_fp32_gemm_tok_s']):>10}   "
-        f"bfloat16 bytes, float32 FLOP/s (executor at "
-        f"{_pct(r['executor_fraction_of_fp32_gemm_bound'])})",
+        f"{'bound':<14}{_num(r['bound_tok_s']):>10}   16-bit math at the faster of the bfloat16 "
+        f"and float32 FLOP/s of {r['hardware']}",
+        f"{'bound, bf16':<14}{_num(r['bound_native_bf16_tok_s']):>10}   at the bfloat16 FLOP/s",
+        f"{'predicted':<14}{_num(r['predicted'] and r['predicted']['throughput_tok_s']):>10}   "
+        f"planner, all on the CPU ({_pct(r['prediction_error'])} against the executor)",
         f"speedup {r['speedup']:.2f}x; same first token in "
         f"{100 * r['first_token_agreement']:.0f}% of sequences, paths part after "
         f"{r['tokens_agreeing_before_first_difference_mean']:.1f} tokens on average (bf16)",
@@ -246,6 +255,10 @@ def format_table(r: dict) -> str:
 def _common_prefix(a: list[int], b: list[int]) -> int:
     pairs = enumerate(zip(a, b, strict=False))
     return next((i for i, (x, y) in pairs if x != y), min(len(a), len(b)))
+
+
+def _ratio(x, y) -> float | None:
+    return x / y if y else None
 
 
 def _pct(x) -> str:
