@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# GPU checks for `hrm profile`, for a session lent a CUDA machine: the GPU tests, then a profile
-# of the machine compared with its datasheet profile. Installs nothing heavy (torch with CUDA must
+# GPU checks for a session lent a CUDA machine: the GPU tests (profiling clocks, the executor on
+# CUDA against transformers, hrm run --device cuda), then a profile of the machine compared with
+# its datasheet profile. Installs nothing heavy (torch with CUDA must
 # already be there); results go under $OUT (default reports/gpu_check).
 #   bench/gpu_check.sh [PROFILE_NAME [DATASHEET]]     e.g. bench/gpu_check.sh h200-measured h200-sxm
 #   QUICK=1 bench/gpu_check.sh                        the --quick sweep (about a minute)
@@ -15,7 +16,8 @@ python=${PYTHON:-python3}
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
-"$python" -c "import yaml, tqdm, pytest" 2>/dev/null || "$python" -m pip install -q pyyaml tqdm pytest
+"$python" -c "import yaml, tqdm, pytest, transformers, safetensors, pulp" 2>/dev/null ||
+    "$python" -m pip install -q pyyaml tqdm pytest transformers safetensors pulp
 "$python" - <<'PY'
 import torch
 assert torch.cuda.is_available(), "no CUDA device visible to torch"
@@ -24,7 +26,7 @@ PY
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,pcie.link.gen.max,pcie.link.width.max \
     --format=csv > "$out/nvidia-smi.csv" 2>&1 || true
 status=0
-"$python" -m pytest -q -m gpu tests/test_profile_gpu.py 2>&1 | tee "$out/gpu_tests.txt" || status=$?
+"$python" -m pytest -q -m gpu tests/test_profile_gpu.py tests/executor/test_cuda.py 2>&1 | tee "$out/gpu_tests.txt" || status=$?
 quick=()
 [ -n "${QUICK:-}" ] && quick=(--quick)
 uptime > "$out/load.txt"
