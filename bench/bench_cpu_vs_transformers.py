@@ -49,6 +49,11 @@ def mixtral_config(hidden: int, width: int, layers: int):
     )
 
 
+def random_prompts(batch: int, prompt_len: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(1, 32000, (batch, prompt_len), generator=g).tolist()
+
+
 def save_checkpoint(config, path: Path) -> Path:
     from transformers import MixtralForCausalLM
 
@@ -175,8 +180,7 @@ def main() -> None:
     shape = QUICK if args.quick else FULL
     repeats = args.repeats or (1 if args.quick else 3)
     batch, prompt_len, gen_len = shape["batch"], shape["prompt_len"], shape["gen_len"]
-    g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(1, 32000, (batch, prompt_len), generator=g).tolist()
+    prompts = random_prompts(batch, prompt_len)
 
     with tempfile.TemporaryDirectory() as tmp:
         config = mixtral_config(shape["hidden"], shape["width"], shape["layers"])

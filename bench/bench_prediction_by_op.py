@@ -25,8 +25,14 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-import torch
-from bench_cpu_vs_transformers import FULL, QUICK, ROOT, mixtral_config, save_checkpoint
+from bench_cpu_vs_transformers import (
+    FULL,
+    QUICK,
+    ROOT,
+    mixtral_config,
+    random_prompts,
+    save_checkpoint,
+)
 
 PARTS = ("dense", "attention", "expert ffn", "lm head", "other")
 
@@ -125,8 +131,7 @@ def main() -> None:
     output = Path(args.output or ROOT / "reports" / f"{name}.json")
     shape = QUICK if args.quick else FULL
     batch, prompt_len, gen_len = shape["batch"], shape["prompt_len"], shape["gen_len"]
-    g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(1, 32000, (batch, prompt_len), generator=g).tolist()
+    prompts = random_prompts(batch, prompt_len)
     with tempfile.TemporaryDirectory() as tmp:
         config = mixtral_config(shape["hidden"], shape["width"], shape["layers"])
         path = save_checkpoint(config, Path(tmp) / "bench")
