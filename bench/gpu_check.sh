@@ -5,7 +5,7 @@
 # already be there); results go under $OUT (default reports/gpu_check).
 #   bench/gpu_check.sh [PROFILE_NAME [DATASHEET]]     e.g. bench/gpu_check.sh h200-measured h200-sxm
 #   QUICK=1 bench/gpu_check.sh                        the --quick sweep (about a minute)
-# The full sweep is bounded by its CPU matmul budget (150 s per dtype) plus about a minute of GPU
+# The full sweep is bounded by its CPU matmul budget (110 s per dtype) plus about a minute of GPU
 # and link work; then copy $OUT/PROFILE_NAME.yaml to hardware_profiles/ and commit it.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from executor.checkpoint import Checkpoint, LayerWeights
 from executor.kv_cache import KVCache
+from hrm.widen import WIDEN_SLICE_ELEMENTS, widened_linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -47,11 +48,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
-# A widened weight slice of 16 MB (fp32) stays in the last-level cache between its conversion
-# and its GEMM; a whole expert matrix of Mixtral-shaped models up to 4096 x 1024 is one slice.
-WIDEN_CHUNK_ELEMENTS = 2**22
-
-
 class MoEModel:
     """Weights plus the per-stage math; holds no per-batch state (that lives in KVCache)."""
 
@@ -68,20 +64,13 @@ class MoEModel:
         half = self.dtype in (torch.bfloat16, torch.float16)
         self.gemm_dtype = torch.float32 if half and self.device.type == "cpu" else self.dtype
         widen = self.gemm_dtype != self.dtype
-        self._scratch = torch.empty(WIDEN_CHUNK_ELEMENTS, dtype=self.gemm_dtype) if widen else None
+        self._scratch = torch.empty(WIDEN_SLICE_ELEMENTS, dtype=self.gemm_dtype) if widen else None
 
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x [T, in] @ w [out, in].T computed in the GEMM dtype; the result in x's dtype."""
         if w.dtype == self.gemm_dtype:
             return F.linear(x.to(w.dtype), w).to(x.dtype)
-        xg = x.to(self.gemm_dtype)
-        out_t = torch.empty(w.shape[0], x.shape[0], dtype=self.gemm_dtype)  # [out, T]
-        rows = max(1, WIDEN_CHUNK_ELEMENTS // w.shape[1])
-        for start in range(0, w.shape[0], rows):
-            part = w[start : start + rows]
-            wide = self._scratch[: part.numel()].view(part.shape).copy_(part)
-            torch.mm(wide, xg.t(), out=out_t[start : start + rows])
-        return out_t.t().to(x.dtype, memory_format=torch.contiguous_format)
+        return widened_linear(x, w, self._scratch)
 
     def new_cache(self, batch_size: int, max_len: int) -> KVCache:
         a = self.arch

@@ -63,6 +63,8 @@ class Curve:
 
 # 16-bit float dtypes a CPU may compute in float32 after widening (DeviceSpec.flops_per_s).
 HALF_DTYPES = ("bfloat16", "float16")
+# hrm profile times that path on a CPU and stores its rates beside the dtypes under these keys.
+WIDENED_KEYS = {dtype: f"{dtype}_widened" for dtype in HALF_DTYPES}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,24 +84,31 @@ class DeviceSpec:
     def flops_per_s(self, dtype: str, *, widen_half: bool = False) -> float:
         """Peak FLOP/s of all `count` devices for `dtype`; falls back to float32 when absent.
 
-        widen_half: 16-bit data may be widened to float32 for the GEMM, so the faster of the two
-        rates applies (what the executor does on a CPU; docs/decisions.md).
+        widen_half: 16-bit weights may be widened to float32 for the GEMM (what the executor does
+        on a CPU; docs/decisions.md), so the faster of the native rate and that path's applies:
+        the measured `<dtype>_widened` rate when the profile has one, else the float32 rate.
         """
         rate = self.peak_flops_per_s.get(dtype, self.peak_flops_per_s.get("float32"))
         if rate is None:
             raise HrmError(f"{self.name}: no FLOP rate for {dtype} or float32 in the profile")
         if widen_half and dtype in HALF_DTYPES:
-            rate = max(rate, self.peak_flops_per_s.get("float32", rate))
+            widened = self.peak_flops_per_s.get(WIDENED_KEYS[dtype])
+            rate = max(rate, widened or self.peak_flops_per_s.get("float32", rate))
         return rate * self.count
 
     def matmul_flops_per_s(self, dtype: str, tokens: float, *, widen_half: bool = False) -> float:
         """Achieved GEMM FLOP/s of all devices at `tokens` rows: the measured curve, else peak
         (widen_half as in flops_per_s, curve against curve)."""
-        curve = self.matmul_curves.get(dtype)
-        rate = curve.at(tokens) * self.count if curve else self.flops_per_s(dtype)
+        rate = self._curve_or_peak(dtype, tokens)
         if widen_half and dtype in HALF_DTYPES:
-            rate = max(rate, self.matmul_flops_per_s("float32", tokens))
+            key = WIDENED_KEYS[dtype]
+            path = key if key in self.peak_flops_per_s else "float32"
+            rate = max(rate, self._curve_or_peak(path, tokens))
         return rate
+
+    def _curve_or_peak(self, key: str, tokens: float) -> float:
+        curve = self.matmul_curves.get(key)
+        return curve.at(tokens) * self.count if curve else self.flops_per_s(key)
 
     @property
     def total_memory_bytes(self) -> float:
@@ -290,12 +299,14 @@ _DEVICE_OPTIONAL = {"count", "cores", "matmul_curves", "available_memory"}
 
 def _device_from_dict(data: Any, where: str, is_cpu: bool = False) -> DeviceSpec:
     data = check_keys(data, where=where, required=_DEVICE_KEYS, optional=_DEVICE_OPTIONAL)
-    flops = check_keys(data["flops"], where=f"{where}: flops", required=set(), optional=set(DTYPES))
+    # only a CPU widens 16-bit weights (the executor's CPU path), so only a CPU has those rates
+    rate_keys = set(DTYPES) | (set(WIDENED_KEYS.values()) if is_cpu else set())
+    flops = check_keys(data["flops"], where=f"{where}: flops", required=set(), optional=rate_keys)
     if not flops:
         raise HrmError(f"{where}: flops must name at least one dtype ({', '.join(DTYPES)})")
     curves_in = data.get("matmul_curves") or {}
     curves_in = check_keys(
-        curves_in, where=f"{where}: matmul_curves", required=set(), optional=set(DTYPES)
+        curves_in, where=f"{where}: matmul_curves", required=set(), optional=rate_keys
     )
     count = positive_int(data.get("count", 1), where=f"{where}: count")
     if is_cpu and count != 1:

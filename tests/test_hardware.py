@@ -120,3 +120,13 @@ def test_with_resources_changes_one_thing():
     )
     with pytest.raises(HrmError, match="has no GPU"):
         cpu_only.with_resources(gpu_memory_bytes=1e9)
+
+
+def test_widened_rates_belong_to_the_cpu_only():
+    data = resolve_hardware("l4").to_dict()
+    data["cpu"]["flops"]["bfloat16_widened"] = "0.9 TFLOP/s"
+    profile = HardwareProfile.from_dict(copy.deepcopy(data))
+    assert profile.cpu.flops_per_s("bfloat16_widened") == 0.9e12
+    data["gpu"]["flops"]["bfloat16_widened"] = "1 TFLOP/s"
+    with pytest.raises(HrmError, match="gpu: flops.*bfloat16_widened"):
+        HardwareProfile.from_dict(data)

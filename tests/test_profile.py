@@ -171,3 +171,49 @@ def test_the_written_profile_validates_and_round_trips(tiny_profile, tmp_path):
     loaded = HardwareProfile.load(path)
     assert loaded.to_dict() == tiny_profile.to_dict()
     assert loaded.cpu.memory_bandwidth_bytes_per_s == tiny_profile.cpu.memory_bandwidth_bytes_per_s
+
+
+def test_a_tiny_run_times_the_executors_widened_path_for_16_bit(tiny_profile):
+    cpu = tiny_profile.cpu
+    for key in ("bfloat16_widened", "float16_widened"):
+        assert [x for x, _ in cpu.matmul_curves[key].points] == [1.0, 8.0, 64.0]
+    assert set(tiny_profile.provenance["cpu_matmul"]["spread"]) >= {"bfloat16_widened"}
+
+
+def test_widened_sweep_rotates_weight_copies_and_computes_the_gemm():
+    import torch
+
+    from hrm.profiling.matmul import _widened_gemm
+    from hrm.widen import WIDEN_SLICE_ELEMENTS
+
+    calls = []
+
+    def clock(fn, n):
+        for _ in range(n):
+            calls.append(fn())
+        return 1e-3 * n
+
+    shape = GemmShape(model="t", hidden=64, intermediate=128)
+    sweep = sweep_matmul(
+        dtype="bfloat16",
+        shape=shape,
+        tokens_grid=(1, 4),
+        device="cpu",
+        clock=clock,
+        repeats=2,
+        min_sample_s=0.0,
+        budget_s=10.0,
+        tick=lambda: None,
+        widen=True,
+        streamed_bytes=3 * 64 * 128 * 2,  # three copies of the bf16 weight
+    )
+    assert sweep.dtype == "bfloat16_widened" and [t for t, _ in sweep.points] == [1, 4]
+    assert calls[0].dtype == torch.bfloat16 and calls[-1].shape == (4, 128)
+    # rotation: each call takes the next weight
+    weights = [torch.randn(128, 64).to(torch.bfloat16) for _ in range(2)]
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    scratch = torch.empty(WIDEN_SLICE_ELEMENTS)
+    turn = [0]
+    first, second = (_widened_gemm(x, weights, scratch, turn) for _ in range(2))
+    for w, out in ((weights[0], first), (weights[1], second)):
+        assert torch.equal(out, (x.float() @ w.float().t()).to(torch.bfloat16))

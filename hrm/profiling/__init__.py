@@ -19,7 +19,7 @@ from typing import Any
 from hrm import units
 from hrm.arch import ModelArch
 from hrm.errors import HrmError
-from hrm.hardware import Curve, DeviceSpec, HardwareProfile, LinkSpec
+from hrm.hardware import HALF_DTYPES, Curve, DeviceSpec, HardwareProfile, LinkSpec
 from hrm.profiling import cpu, gpu
 from hrm.profiling.matmul import SWEPT_DTYPES, MatmulSweep, fit_shape, sweep_matmul
 from hrm.profiling.timing import Timing, perf_counter_clock
@@ -62,7 +62,7 @@ PRESETS = {
         tokens_grid=tuple(2**i for i in range(13)),
         repeats=5,
         min_sample_s=0.1,
-        matmul_budget_s=150.0,
+        matmul_budget_s=110.0,
         min_array_bytes=512e6,
         link_sizes_bytes=(1e6, 4e6, 16e6, 64e6, 256e6, 1e9),
         both_directions_bytes=1e9,
@@ -90,7 +90,8 @@ def measure_profile(
     load_before = os.getloadavg()[0]
     threads_before = torch.get_num_threads()
     torch.set_num_threads(facts.cores)
-    ticks = len(plan.tokens_grid) * len(SWEPT_DTYPES) + len(cpu.BANDWIDTH_KINDS)
+    cpu_sweeps = len(SWEPT_DTYPES) + len(HALF_DTYPES)  # native, then the executor's widened path
+    ticks = len(plan.tokens_grid) * cpu_sweeps + len(cpu.BANDWIDTH_KINDS)
     if device == "cuda":
         ticks += len(plan.tokens_grid) * len(SWEPT_DTYPES) + 4 * len(plan.link_sizes_bytes)
     warnings: list[str] = []
@@ -181,6 +182,22 @@ def _measure_cpu(
         for dtype in SWEPT_DTYPES
     ]
     cache = facts.last_level_cache_bytes or 0.0
+    sweeps += [
+        sweep_matmul(
+            dtype=dtype,
+            shape=shape,
+            tokens_grid=plan.tokens_grid,
+            device="cpu",
+            clock=perf_counter_clock,
+            repeats=plan.repeats,
+            min_sample_s=plan.min_sample_s,
+            budget_s=plan.matmul_budget_s,
+            tick=tick,
+            widen=True,
+            streamed_bytes=2 * cache,
+        )
+        for dtype in HALF_DTYPES
+    ]
     array_bytes = min(max(plan.min_array_bytes, 8 * cache), available / 8)
     if array_bytes < 4 * cache:
         warnings.append(

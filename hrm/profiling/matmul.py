@@ -4,18 +4,25 @@ The expert GEMM is x[T, H] times w1[I, H]^T (nn.Linear's layout, as checkpoints 
 executor runs it; T = tokens, H = hidden size, I = expert width). The weight keeps the model's
 size unless memory forbids: a scaled-down weight fits in the last-level cache and overstates the
 small-token (decode) rates, which are bound by reading the weight from memory.
+
+On a CPU the 16-bit dtypes are also timed along the executor's own path (`widen=True`): the
+16-bit weight widened to float32 slice by slice, each slice multiplied at once, the input and
+output converted as the executor converts them. Enough weight copies are rotated that they
+stream from memory as a model's many experts do, even when one matrix would fit in the cache.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
 from hrm.arch import ModelArch
-from hrm.hardware import Curve
+from hrm.hardware import WIDENED_KEYS, Curve
 from hrm.profiling.timing import Clock, Timing, estimated_duration_s, time_calls
+from hrm.widen import WIDEN_SLICE_ELEMENTS, widened_linear
 
 SWEPT_DTYPES = ("float32", "bfloat16", "float16")
 _ALIGN = 64  # scaled sizes stay multiples of 64, as real layer sizes are
@@ -90,12 +97,16 @@ def sweep_matmul(
     min_sample_s: float,
     budget_s: float,
     tick: Callable[[], None],
+    widen: bool = False,
+    streamed_bytes: float = 0.0,
 ) -> MatmulSweep:
     """Time the GEMM at each token count; stop before a point that would overrun `budget_s`.
 
     The next point's call time is extrapolated linearly in tokens from the last one, which
     overestimates it (efficiency grows with tokens), so the budget holds. `tick` is called once
-    per grid point, measured or not, to drive the progress bar.
+    per grid point, measured or not, to drive the progress bar. widen: the executor's CPU path
+    for a 16-bit dtype, reported as `<dtype>_widened`, rotating over enough weight copies to
+    stream at least `streamed_bytes` (twice the last-level cache, say) from memory.
     """
     import torch
 
@@ -104,7 +115,12 @@ def sweep_matmul(
     max_tokens = max(tokens_grid)
     weight = torch.randn(shape.intermediate, shape.hidden, **on)  # [I, H]
     inputs = torch.randn(max_tokens, shape.hidden, **on)  # [T, H]
-    outputs = torch.empty(max_tokens, shape.intermediate, **on)  # [T, I]
+    if widen:
+        copies = max(1, math.ceil(streamed_bytes / (weight.numel() * weight.element_size())))
+        weights = [weight] + [weight.clone() for _ in range(copies - 1)]
+        scratch = torch.empty(WIDEN_SLICE_ELEMENTS, dtype=torch.float32)
+    else:
+        outputs = torch.empty(max_tokens, shape.intermediate, **on)  # [T, I]
     points: list[tuple[int, Timing]] = []
     stopped = None
     started = time.perf_counter()
@@ -122,12 +138,23 @@ def sweep_matmul(
                     f"{budget_s:.0f} s budget"
                 )
         if stopped is None:
-            # [T, H] @ [H, I] -> [T, I], into a preallocated output: the kernel, not malloc
-            gemm = partial(torch.mm, inputs[:tokens], weight.t(), out=outputs[:tokens])
+            if widen:
+                gemm = partial(_widened_gemm, inputs[:tokens], weights, scratch, [0])
+            else:
+                # [T, H] @ [H, I] -> [T, I], into a preallocated output: the kernel, not malloc
+                gemm = partial(torch.mm, inputs[:tokens], weight.t(), out=outputs[:tokens])
             try:
                 timing = time_calls(gemm, clock=clock, repeats=repeats, min_sample_s=min_sample_s)
                 points.append((tokens, timing))
             except RuntimeError as exc:  # the device has no kernel for this dtype
                 stopped = f"{dtype} matmul does not run on {device}: {str(exc).splitlines()[0]}"
         tick()
-    return MatmulSweep(dtype=dtype, shape=shape, points=tuple(points), stopped=stopped)
+    label = WIDENED_KEYS[dtype] if widen else dtype
+    return MatmulSweep(dtype=label, shape=shape, points=tuple(points), stopped=stopped)
+
+
+def _widened_gemm(x, weights: list, scratch, turn: list[int]):
+    """hrm.widen.widened_linear on the next of `weights` (rotated so that they stream)."""
+    w = weights[turn[0] % len(weights)]
+    turn[0] += 1
+    return widened_linear(x, w, scratch)

@@ -223,3 +223,25 @@ def test_resident_run_puts_everything_on_one_device(arch, make_gpu_profile, work
     assert gpu.memory.cpu["kv cache"] == 0.0 and gpu.memory.gpu["kv cache"] > 0
     # the GPU of tiny-gpu is 100x the CPU in bandwidth and FLOP/s
     assert gpu.predicted.total_s < cpu.predicted.total_s / 10
+
+
+def test_a_measured_widened_curve_prices_the_cpus_16_bit_math(arch, make_cpu_profile, workload):
+    """hrm profile's `<dtype>_widened` curve (the executor's own path) replaces the fp32 one."""
+    hw = make_cpu_profile(flops=1e12, bandwidth=1e14)  # compute-bound
+    p = policy(weight_dtype="bfloat16", kv_dtype="bfloat16")
+
+    def with_cpu_rates(rates, curves):
+        return dataclasses.replace(hw, cpu=_with_rates(hw.cpu, rates, curves))
+
+    widened = Curve(points=((1, 1e9), (64, 1e10)))
+    measured = with_cpu_rates(
+        {"float32": 1e12, "bfloat16": 1e8, "bfloat16_widened": 1e10},
+        {"bfloat16_widened": widened},
+    )
+    same_as_native = with_cpu_rates(
+        {"float32": 1e12, "bfloat16": 1e10}, {"bfloat16": widened, "float32": widened}
+    )
+    assert (
+        predict(arch, measured, workload, p).predicted.total_s
+        == predict(arch, same_as_native, workload, p).predicted.total_s
+    )
