@@ -92,8 +92,7 @@ class DeviceSpec:
         if rate is None:
             raise HrmError(f"{self.name}: no FLOP rate for {dtype} or float32 in the profile")
         if widen_half and dtype in HALF_DTYPES:
-            widened = self.peak_flops_per_s.get(WIDENED_KEYS[dtype])
-            rate = max(rate, widened or self.peak_flops_per_s.get("float32", rate))
+            rate = max(rate, self.peak_flops_per_s.get(self._widened_path(dtype), rate))
         return rate * self.count
 
     def matmul_flops_per_s(self, dtype: str, tokens: float, *, widen_half: bool = False) -> float:
@@ -101,10 +100,13 @@ class DeviceSpec:
         (widen_half as in flops_per_s, curve against curve)."""
         rate = self._curve_or_peak(dtype, tokens)
         if widen_half and dtype in HALF_DTYPES:
-            key = WIDENED_KEYS[dtype]
-            path = key if key in self.peak_flops_per_s else "float32"
-            rate = max(rate, self._curve_or_peak(path, tokens))
+            rate = max(rate, self._curve_or_peak(self._widened_path(dtype), tokens))
         return rate
+
+    def _widened_path(self, dtype: str) -> str:
+        """The rate key of the executor's widened path for a 16-bit dtype: measured, else fp32."""
+        key = WIDENED_KEYS[dtype]
+        return key if key in self.peak_flops_per_s else "float32"
 
     def _curve_or_peak(self, key: str, tokens: float) -> float:
         curve = self.matmul_curves.get(key)

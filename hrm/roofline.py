@@ -160,7 +160,7 @@ def run_time_bound(
 
     The first token comes from prefill; decode step t (1..gen_len-1) attends over
     prompt_len + t keys, so the context grows step by step. widen_half: 16-bit math may run at
-    the float32 rate (a CPU; DeviceSpec.flops_per_s), with bytes still counted in `dtype`.
+    the widened path's rate (a CPU; DeviceSpec.flops_per_s), bytes still counted in `dtype`.
     """
     kv_dtype = kv_dtype or dtype
     binding: dict[str, float] = {"compute": 0.0, "memory": 0.0}
