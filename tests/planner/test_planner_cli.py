@@ -31,6 +31,14 @@ def one_line_error(status: int, err: str, *fragments: str) -> None:
         assert fragment in lines[0], lines[0]
 
 
+def write_cpu_only_profile(tmp_path, flops: dict):
+    """A profile YAML with a CPU (512 GB, 100 GB/s, `flops`) and no GPU."""
+    profile = tmp_path / "cpu.yaml"
+    cpu = {"name": "x86", "memory": "512 GB", "memory_bandwidth": "100 GB/s", "flops": flops}
+    profile.write_text(yaml.safe_dump({"name": "cpu-box", "source": "measured", "cpu": cpu}))
+    return profile
+
+
 def test_json_has_the_promised_keys(run_cli):
     status, out, err = run_cli("plan", *MTBENCH, "--json", "--top", "2")
     assert status == 0, err
@@ -73,21 +81,7 @@ def test_table_and_plan_file(run_cli, tmp_path):
 
 
 def test_cpu_only_profile(run_cli, tmp_path):
-    profile = tmp_path / "cpu.yaml"
-    profile.write_text(
-        yaml.safe_dump(
-            {
-                "name": "cpu-box",
-                "source": "measured",
-                "cpu": {
-                    "name": "x86",
-                    "memory": "512 GB",
-                    "memory_bandwidth": "100 GB/s",
-                    "flops": {"float32": "2 TFLOP/s", "bfloat16": "2 TFLOP/s"},
-                },
-            }
-        )
-    )
+    profile = write_cpu_only_profile(tmp_path, {"float32": "2 TFLOP/s", "bfloat16": "2 TFLOP/s"})
     status, out, err = run_cli(
         "plan",
         "--model",
@@ -151,21 +145,7 @@ def test_bad_input_is_one_line_and_leaves_no_file(run_cli, tmp_path, args, fragm
 
 
 def test_sweep_on_a_cpu_only_machine_is_refused(run_cli, tmp_path):
-    profile = tmp_path / "cpu.yaml"
-    profile.write_text(
-        yaml.safe_dump(
-            {
-                "name": "cpu-box",
-                "source": "measured",
-                "cpu": {
-                    "name": "x86",
-                    "memory": "512 GB",
-                    "memory_bandwidth": "100 GB/s",
-                    "flops": {"float32": "2 TFLOP/s"},
-                },
-            }
-        )
-    )
+    profile = write_cpu_only_profile(tmp_path, {"float32": "2 TFLOP/s"})
     status, _, err = run_cli(
         "plan",
         "--model",
