@@ -354,7 +354,7 @@ def search(
         )
     if not points:
         raise HrmError(infeasibility_message(setting, combos))
-    top, solved = _solve_best(setting, points, incumbents[0], top_k)
+    top, solved = _solve_best(setting, points, top_k)
     if not top:
         raise HrmError(infeasibility_message(setting, combos))
     stats = SearchStats(grid_points=evaluated, rows_skipped=skipped, milps_solved=solved)
@@ -380,14 +380,14 @@ def _push(heap: list[float], value: float, k: int) -> None:
         heapq.heapreplace(heap, value)
 
 
-def _solve_best(
-    setting: Setting, points, kth_feasible: float, top_k: int
-) -> tuple[list[Plan], int]:
-    """MILP at points in order of upper bound until no remaining bound can enter the top k."""
+def _solve_best(setting: Setting, points, top_k: int) -> tuple[list[Plan], int]:
+    """MILP at points in order of upper bound until no remaining bound can enter the top k.
+
+    Points are not cut at the closed form's k-th feasible value: the MILP keeps a small memory
+    slack the closed form does not, so a point the closed form found feasible by less than that
+    slack has no MILP solution, and the next points must still be tried."""
     allowed = fixed_binaries(setting.hardware, setting.schedule)
-    candidates = sorted(
-        (p for p in points if p[0] >= kth_feasible * (1 - REL_TOL)), key=lambda p: -p[0]
-    )
+    candidates = sorted(points, key=lambda p: -p[0])
     top: list[Plan] = []
     solved = 0
     for bound, mu, n in candidates:

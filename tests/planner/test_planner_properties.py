@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from tiny_setup import gpu_profile, tiny_arch
 
@@ -45,6 +45,8 @@ def test_more_pcie_never_hurts(name, g, c, b, f):
 
 @SETTINGS
 @given(schedule, gpu_mem, cpu_mem, pcie, factor)
+# found by hypothesis: the closed form's best point missed the MILP's memory slack by under 1 kB
+@example("cgopipe", 1e6, 2277592.0, 8988165350.0, 1.1)
 def test_more_cpu_memory_never_hurts(name, g, c, b, f):
     base = best(name, gpu_memory_bytes=g, cpu_memory_bytes=c, link_bytes_per_s=b)
     assert best(name, gpu_memory_bytes=g, cpu_memory_bytes=c * f, link_bytes_per_s=b) * TOL >= base
