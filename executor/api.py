@@ -12,6 +12,8 @@ import os
 import platform
 import resource
 import sys
+from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +24,10 @@ from executor.checkpoint import DTYPES, load_tokenizer, open_checkpoint, read_ar
 from executor.generate import Generation, Sampling, generate
 from executor.model import MoEModel
 from hrm.arch import ModelArch
+from hrm.cpu_gemm import CpuGemmChoice
 from hrm.errors import HrmError
+from hrm.profiling import BUSY_WARNING_SHARE
+from hrm.profiling.cpu import cpu_times, others_cpu_share
 from hrm.progress import progress_bar
 from hrm.record import Measurement
 
@@ -54,6 +59,7 @@ class RunResult:
     outputs: list[dict[str, Any]]  # {"output_token_ids": [...], "text": str | None}, input order
     measured: Measurement
     environment: dict[str, Any]
+    cpu_gemm: CpuGemmChoice | None = None  # the GEMM path the run took on a CPU
 
 
 def prepare_run(
@@ -163,17 +169,44 @@ def _check_ids(prompts: list[list[int]], vocab_size: int, where) -> None:
             )
 
 
+@contextmanager
+def torch_threads(threads: int | None):
+    """torch's intra-op threads set to `threads` for the block (None: leave them), then restored."""
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def execute(
     spec: RunSpec,
     *,
+    cpu_gemm: CpuGemmChoice | Callable[[], CpuGemmChoice] | None = None,
     sampling: Sampling | None = None,
     ignore_eos: bool = False,
     quiet: bool = False,
+    warn: Callable[[str], None] = lambda message: None,
 ) -> RunResult:
-    """Load the weights, generate, and measure prefill and decode time."""
+    """Load the weights, generate, and measure prefill and decode time.
+
+    cpu_gemm: the CPU GEMM path (MoEModel), or a function that chooses it, called once the
+    checkpoint has opened (a broken checkpoint fails before a probe). `warn` hears when other
+    processes took enough of the CPU that the measurement is not comparable."""
     checkpoint = open_checkpoint(spec.checkpoint, spec.dtype, device=spec.device)
-    model = MoEModel(checkpoint)
-    bar = progress_bar(total=spec.gen_len, desc="generating", quiet=quiet)
+    model = MoEModel(checkpoint, cpu_gemm() if callable(cpu_gemm) else cpu_gemm)
+    bar = progress_bar(total=1, desc="prefill", quiet=quiet)
+
+    def on_step(phase: str) -> None:
+        if phase == "prefill":  # the decode steps get a bar of their own
+            bar.reset(total=spec.gen_len - 1)
+            bar.set_description("decode")
+        else:
+            bar.update()
+
+    times_before = cpu_times()
     try:
         generation: Generation = generate(
             model,
@@ -181,10 +214,17 @@ def execute(
             spec.gen_len,
             sampling=sampling or Sampling(),
             stop_token_ids=() if ignore_eos else spec.arch.eos_token_ids,
-            on_step=bar.update,
+            on_step=on_step,
         )
     finally:
         bar.close()
+    times_after = cpu_times()
+    busy = others_cpu_share(times_before, times_after) if times_before and times_after else None
+    if busy is not None and busy > BUSY_WARNING_SHARE:
+        warn(
+            f"other processes took {busy:.0%} of the CPU time during the run: its timings are "
+            "not comparable with a quiet run; run again on a quiet machine"
+        )
     outputs = [
         {"output_token_ids": ids, "text": _decode(spec.tokenizer, ids)}
         for ids in generation.output_token_ids
@@ -195,7 +235,20 @@ def execute(
         generated_tokens=generation.generated_tokens,
         peak_memory_bytes=_peak_memory_bytes(spec.device),
     )
-    return RunResult(spec=spec, outputs=outputs, measured=measured, environment=_environment(spec))
+    environment = {
+        **_environment(spec),
+        "other_processes_cpu_share": round(busy, 3) if busy is not None else "unknown",
+        "cpu_gemm": None
+        if model.cpu_gemm is None
+        else {**model.cpu_gemm.to_dict(), "calls": dict(model.gemm_calls)},
+    }
+    return RunResult(
+        spec=spec,
+        outputs=outputs,
+        measured=measured,
+        environment=environment,
+        cpu_gemm=model.cpu_gemm,
+    )
 
 
 def _decode(tokenizer, ids: list[int]) -> str | None:

@@ -67,9 +67,11 @@ def generate(
     sampling: Sampling = Sampling(),
     stop_token_ids: Sequence[int] = (),
     keep_logits: bool = False,
-    on_step: Callable[[], None] | None = None,
+    on_step: Callable[[str], None] | None = None,
 ) -> Generation:
-    """Generate up to `gen_len` tokens for every prompt; a sequence stops after a stop token."""
+    """Generate up to `gen_len` tokens for every prompt; a sequence stops after a stop token.
+
+    on_step(phase) after each step: "prefill" once (the first token), then "decode" per step."""
     if gen_len < 1 or not prompts or not all(prompts):
         raise HrmError("generation needs at least one non-empty prompt and gen_len >= 1")
     device = model.device
@@ -103,7 +105,7 @@ def generate(
             if step == 0:
                 t1 = time.perf_counter()  # the first token is prefill's output
             if on_step is not None:
-                on_step()
+                on_step("decode" if step else "prefill")
             if stops.numel():
                 finished |= torch.isin(tokens[:, step], stops)
                 if bool(finished.all()):

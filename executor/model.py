@@ -13,12 +13,16 @@ E = experts, K = experts per token, I = expert width, A = token-expert assignmen
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 import torch.nn.functional as F
 
 from executor.checkpoint import Checkpoint, LayerWeights
 from executor.kv_cache import KVCache
-from hrm.widen import WIDEN_SLICE_ELEMENTS, widened_linear
+from hrm.cpu_gemm import CpuGemmChoice
+from hrm.errors import HrmError
+from hrm.gemm_paths import WIDEN_SLICE_ELEMENTS, native_linear, widened_linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -51,26 +55,40 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class MoEModel:
     """Weights plus the per-stage math; holds no per-batch state (that lives in KVCache)."""
 
-    def __init__(self, checkpoint: Checkpoint):
+    def __init__(self, checkpoint: Checkpoint, cpu_gemm: CpuGemmChoice | None = None):
+        """cpu_gemm: the GEMM path per token count on a CPU (hrm.cpu_gemm); without one a CPU
+        model probes this host for it (about a second). Ignored on a GPU, which runs native."""
         self.arch = checkpoint.arch
         self.weights = checkpoint.weights
         self.dtype = checkpoint.dtype
         self.device = checkpoint.weights.embed.device
         self._norm = rms_norm if self.arch.norm == "rmsnorm" else layer_norm
-        # CPU GEMMs in bf16/fp16 run 2-14x slower than in fp32 on CPUs without native 16-bit
-        # matrix units (ci-cpu: 11-22 vs 60-177 GFLOP/s), so there each weight is widened to
-        # fp32 slice by slice just for its GEMM; weights stay stored in the run's dtype
-        # (docs/decisions.md).  One scratch buffer, reused, holds the widened slice.
-        half = self.dtype in (torch.bfloat16, torch.float16)
-        self.gemm_dtype = torch.float32 if half and self.device.type == "cpu" else self.dtype
-        widen = self.gemm_dtype != self.dtype
-        self._scratch = torch.empty(WIDEN_SLICE_ELEMENTS, dtype=self.gemm_dtype) if widen else None
+        dtype_name = str(self.dtype).removeprefix("torch.")
+        if self.device.type != "cpu":
+            cpu_gemm = None
+        elif cpu_gemm is None:
+            from hrm.profiling.host_gemm import probe_cpu_gemm
+
+            cpu_gemm = probe_cpu_gemm(self.arch, dtype_name)
+        elif cpu_gemm.dtype != dtype_name:
+            raise HrmError(f"the CPU GEMM choice is for {cpu_gemm.dtype}, the run is {dtype_name}")
+        self.cpu_gemm = cpu_gemm
+        self.gemm_calls: Counter[str] = Counter()  # GEMMs run per path: what the record reports
+        # weights stay stored in the run's dtype; one scratch buffer, reused, holds a widened slice
+        widens = cpu_gemm is not None and "widened" in cpu_gemm.paths
+        self._scratch = torch.empty(WIDEN_SLICE_ELEMENTS) if widens else None
 
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """x [T, in] @ w [out, in].T computed in the GEMM dtype; the result in x's dtype."""
-        if w.dtype == self.gemm_dtype:
-            return F.linear(x.to(w.dtype), w).to(x.dtype)
-        return widened_linear(x, w, self._scratch)
+        """x [T, in] @ w [out, in].T along the chosen path for T tokens; the result in x's dtype."""
+        if self.cpu_gemm is None:
+            self.gemm_calls["native"] += 1
+            return native_linear(x, w)
+        path = self.cpu_gemm.path_at(x.shape[0])
+        self.gemm_calls[path] += 1
+        pad = self.cpu_gemm.pads(path)
+        if path == "widened":
+            return widened_linear(x, w, self._scratch, pad=pad)
+        return native_linear(x, w, pad=pad)
 
     def new_cache(self, batch_size: int, max_len: int) -> KVCache:
         a = self.arch
@@ -192,7 +210,7 @@ class MoEModel:
         order = torch.argsort(top_i.flatten(), stable=True)  # [A] assignments sorted by expert
         token_of = order // K  # [A]
         counts = torch.bincount(top_i.flatten(), minlength=self.arch.num_experts).tolist()  # [E]
-        xs = x[token_of].to(self.gemm_dtype)  # [A, H]
+        xs = x[token_of]  # [A, H]
         ys = torch.empty_like(xs)  # [A, H]
         start = 0
         for e, n in enumerate(counts):

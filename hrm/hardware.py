@@ -61,7 +61,7 @@ class Curve:
         return max(y for _, y in self.points)
 
 
-# 16-bit float dtypes a CPU may compute in float32 after widening (DeviceSpec.flops_per_s).
+# 16-bit float dtypes a CPU may compute in float32 after widening (hrm.cpu_gemm).
 HALF_DTYPES = ("bfloat16", "float16")
 # hrm profile times that path on a CPU and stores its rates beside the dtypes under these keys.
 WIDENED_KEYS = {dtype: f"{dtype}_widened" for dtype in HALF_DTYPES}
@@ -81,36 +81,18 @@ class DeviceSpec:
     # Free memory when a measured profile was taken (MemAvailable, cudaMemGetInfo); None if unknown.
     available_memory_bytes: float | None = None
 
-    def flops_per_s(self, dtype: str, *, widen_half: bool = False) -> float:
+    def flops_per_s(self, dtype: str) -> float:
         """Peak FLOP/s of all `count` devices for `dtype`; falls back to float32 when absent.
-
-        widen_half: 16-bit weights may be widened to float32 for the GEMM (what the executor does
-        on a CPU; docs/decisions.md), so the faster of the native rate and that path's applies:
-        the measured `<dtype>_widened` rate when the profile has one, else the float32 rate.
-        """
+        (A CPU's 16-bit GEMMs take the path hrm.cpu_gemm chooses; price those with it.)"""
         rate = self.peak_flops_per_s.get(dtype, self.peak_flops_per_s.get("float32"))
         if rate is None:
             raise HrmError(f"{self.name}: no FLOP rate for {dtype} or float32 in the profile")
-        if widen_half and dtype in HALF_DTYPES:
-            rate = max(rate, self.peak_flops_per_s.get(self._widened_path(dtype), rate))
         return rate * self.count
 
-    def matmul_flops_per_s(self, dtype: str, tokens: float, *, widen_half: bool = False) -> float:
-        """Achieved GEMM FLOP/s of all devices at `tokens` rows: the measured curve, else peak
-        (widen_half as in flops_per_s, curve against curve)."""
-        rate = self._curve_or_peak(dtype, tokens)
-        if widen_half and dtype in HALF_DTYPES:
-            rate = max(rate, self._curve_or_peak(self._widened_path(dtype), tokens))
-        return rate
-
-    def _widened_path(self, dtype: str) -> str:
-        """The rate key of the executor's widened path for a 16-bit dtype: measured, else fp32."""
-        key = WIDENED_KEYS[dtype]
-        return key if key in self.peak_flops_per_s else "float32"
-
-    def _curve_or_peak(self, key: str, tokens: float) -> float:
-        curve = self.matmul_curves.get(key)
-        return curve.at(tokens) * self.count if curve else self.flops_per_s(key)
+    def matmul_flops_per_s(self, dtype: str, tokens: float) -> float:
+        """Achieved GEMM FLOP/s of all devices at `tokens` rows: the measured curve, else peak."""
+        curve = self.matmul_curves.get(dtype)
+        return curve.at(tokens) * self.count if curve else self.flops_per_s(dtype)
 
     @property
     def total_memory_bytes(self) -> float:

@@ -9,17 +9,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hrm.arch import ModelArch
+from hrm.cpu_gemm import CpuGemmChoice, choose_cpu_gemm, gemm_peak_flops_per_s
 from hrm.hardware import DeviceSpec, HardwareProfile
 from hrm.ops import Op, expert_ffn_op, layer_ops, lm_head_op
 
 
 def attainable_flops_per_s(
-    device: DeviceSpec, dtype: str, intensity: float, *, widen_half: bool = False
+    device: DeviceSpec, dtype: str, intensity: float, *, peak_flops_per_s: float | None = None
 ) -> float:
-    """P = min(P_peak, B_peak * I)  (paper Eq 4-5); widen_half for the CPU, whose 16-bit math the
-    executor does in float32 when that is faster (DeviceSpec.flops_per_s)."""
-    peak = device.flops_per_s(dtype, widen_half=widen_half)
+    """P = min(P_peak, B_peak * I)  (paper Eq 4-5); peak_flops_per_s replaces the device's peak
+    for `dtype` (the CPU's, along the GEMM path hrm.cpu_gemm chooses: cpu_peak_flops_per_s)."""
+    peak = device.flops_per_s(dtype) if peak_flops_per_s is None else peak_flops_per_s
     return min(peak, device.total_memory_bandwidth_bytes_per_s * intensity)
+
+
+def cpu_peak_flops_per_s(cpu: DeviceSpec, dtype: str) -> float:
+    """The CPU's compute roof for `dtype`: the best peak of the GEMM paths the choice takes."""
+    return gemm_peak_flops_per_s(cpu, choose_cpu_gemm(cpu, dtype))
 
 
 def cross_level_flops_per_s(
@@ -55,7 +61,7 @@ def turning_points(hardware: HardwareProfile, dtype: str) -> TurningPoints | Non
     link = hardware.h2d_bytes_per_s
     cpu, gpu = hardware.cpu, hardware.gpu
     # P1: B_link * I = min(P_cpu, B_cpu * I)  =>  I = P_cpu / B_link, valid when B_cpu >= B_link
-    cpu_peak = cpu.flops_per_s(dtype, widen_half=True)
+    cpu_peak = cpu_peak_flops_per_s(cpu, dtype)
     p1 = cpu_peak / link if cpu.total_memory_bandwidth_bytes_per_s >= link else None
     # P2: B_link * I = min(P_gpu, B_gpu * I)  =>  I = P_gpu / B_link, valid when B_gpu >= B_link
     p2 = gpu.flops_per_s(dtype) / link if gpu.total_memory_bandwidth_bytes_per_s >= link else None
@@ -118,13 +124,15 @@ def op_time(
     link_bytes: float = 0.0,
     link_bytes_per_s: float = 0.0,
     overlap: str = "max",
-    widen_half: bool = False,
+    peak_flops_per_s: float | None = None,
 ) -> OpTime:
-    """T = max(flops / P_peak, bytes / B_peak, link bytes / B_link)  (paper Eq 13-14)."""
+    """T = max(flops / P_peak, bytes / B_peak, link bytes / B_link)  (paper Eq 13-14);
+    peak_flops_per_s as in attainable_flops_per_s."""
     local = op.bytes if local_bytes is None else local_bytes
+    peak = device.flops_per_s(dtype) if peak_flops_per_s is None else peak_flops_per_s
     return OpTime(
         name=op.name,
-        compute_s=op.flops / device.flops_per_s(dtype, widen_half=widen_half),
+        compute_s=op.flops / peak,
         memory_s=local / device.total_memory_bandwidth_bytes_per_s,
         link_s=link_bytes / link_bytes_per_s if link_bytes else 0.0,
         overlap=overlap,
@@ -154,15 +162,16 @@ def run_time_bound(
     gen_len: int,
     dtype: str = "bfloat16",
     kv_dtype: str | None = None,
-    widen_half: bool = False,
+    cpu_gemm: CpuGemmChoice | None = None,
 ) -> RunBound:
     """Roofline bound of prefill plus every decode step, each op at max(compute, memory).
 
     The first token comes from prefill; decode step t (1..gen_len-1) attends over
-    prompt_len + t keys, so the context grows step by step. widen_half: 16-bit math may run at
-    the widened path's rate (a CPU; DeviceSpec.flops_per_s), bytes still counted in `dtype`.
+    prompt_len + t keys, so the context grows step by step. cpu_gemm: the device is a CPU whose
+    GEMMs take that choice's paths, so its roof is their best peak (bytes still in `dtype`).
     """
     kv_dtype = kv_dtype or dtype
+    peak = gemm_peak_flops_per_s(device, cpu_gemm) if cpu_gemm else device.flops_per_s(dtype)
     binding: dict[str, float] = {"compute": 0.0, "memory": 0.0}
 
     def step_time(new_tokens: float, context: float) -> float:
@@ -180,7 +189,7 @@ def run_time_bound(
         ops.append(lm_head_op(arch, batch=batch, weight_dtype=dtype))
         total = 0.0
         for op in ops:
-            t = op_time(op, device, dtype, widen_half=widen_half)
+            t = op_time(op, device, dtype, peak_flops_per_s=peak)
             binding[t.binding] += t.time_s
             total += t.time_s
         return total

@@ -14,6 +14,7 @@ from hrm.ops import attention_op, expert_ffn_op
 from hrm.roofline import (
     TurningPoints,
     attainable_flops_per_s,
+    cpu_peak_flops_per_s,
     cross_level_flops_per_s,
     ffn_balance_batch,
     turning_points,
@@ -116,7 +117,7 @@ def build_roofline_report(
         dtype=dtype,
         context=context,
         micro_batch=micro_batch,
-        cpu_peak_flops_per_s=hardware.cpu.flops_per_s(dtype, widen_half=True),
+        cpu_peak_flops_per_s=cpu_peak_flops_per_s(hardware.cpu, dtype),
         cpu_bandwidth_bytes_per_s=hardware.cpu.total_memory_bandwidth_bytes_per_s,
         gpu_peak_flops_per_s=gpu.flops_per_s(dtype) if gpu else None,
         gpu_bandwidth_bytes_per_s=gpu.total_memory_bandwidth_bytes_per_s if gpu else None,
@@ -142,6 +143,8 @@ def _point(hardware, dtype, label, op, batch, kv_dtype, cpu_i, gpu_i, link_i) ->
         kv_dtype=kv_dtype,
         cpu_intensity=cpu_i,
         gpu_intensity=gpu_i,
-        cpu_flops_per_s=attainable_flops_per_s(hardware.cpu, dtype, cpu_i, widen_half=True),
+        cpu_flops_per_s=attainable_flops_per_s(
+            hardware.cpu, dtype, cpu_i, peak_flops_per_s=cpu_peak_flops_per_s(hardware.cpu, dtype)
+        ),
         gpu_streamed_flops_per_s=streamed,
     )

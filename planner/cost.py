@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hrm.arch import ModelArch
+from hrm.cpu_gemm import CpuGemmChoice, choose_cpu_gemm, gemm_flops_per_s
 from hrm.hardware import Curve, DeviceSpec, HardwareProfile
 from hrm.ops import ACTIVATION_DTYPE, Op, expected_distinct_experts, layer_ops, lm_head_op
 from hrm.policy import dtype_bytes
@@ -54,11 +55,23 @@ class Setting:
     schedule: str = "cgopipe"
     weight_dtype: str = "bfloat16"
     kv_dtype: str = "bfloat16"
+    # the CPU's GEMM path by token count (hrm.cpu_gemm); None: chosen from the profile's CPU
+    cpu_gemm: CpuGemmChoice | None = None
 
     @property
     def compute_dtype(self) -> str:
         """GEMMs run in the weight dtype, or bfloat16 after dequantising integer weights."""
         return self.weight_dtype if self.weight_dtype in FLOAT_DTYPES else "bfloat16"
+
+    @property
+    def cpu_gemm_choice(self) -> CpuGemmChoice:
+        """The path the executor takes for each CPU GEMM: given (what a run took), else the one
+        hrm.cpu_gemm picks from the profile's curves."""
+        if self.cpu_gemm is not None:
+            return self.cpu_gemm
+        return choose_cpu_gemm(
+            self.hardware.cpu, self.compute_dtype, source=f"profile {self.hardware.name}"
+        )
 
     @property
     def steps(self) -> int:
@@ -139,11 +152,17 @@ class MicroBatchSeconds:
     embed_to_gpu: np.ndarray  # next tokens' embeddings, gathered on the CPU
 
 
-def op_seconds(op: Op, device: DeviceSpec, dtype: str, rows, *, widen_half: bool) -> np.ndarray:
+def op_seconds(
+    op: Op, device: DeviceSpec, dtype: str, rows, *, cpu_gemm: CpuGemmChoice | None = None
+) -> np.ndarray:
     """T_op = max(FLOPs / P(rows), bytes / B)  (paper Eq 13-14), P from the profile's GEMM curve
-    at `rows` rows when it has one, else the peak; widen_half for the CPU, whose 16-bit GEMMs the
-    executor runs in float32 when that is faster (DeviceSpec.flops_per_s)."""
-    rate = device.matmul_flops_per_s(dtype, float(rows), widen_half=widen_half)
+    at `rows` rows when it has one, else the peak; on the CPU (cpu_gemm given) P is the rate of
+    the path the executor takes at those rows, padded as it pads (hrm.cpu_gemm)."""
+    rows = float(rows)
+    if cpu_gemm is None:
+        rate = device.matmul_flops_per_s(dtype, rows)
+    else:
+        rate = gemm_flops_per_s(device, cpu_gemm, rows)
     return np.maximum(
         np.asarray(op.flops) / rate,
         np.asarray(op.bytes) / device.total_memory_bandwidth_bytes_per_s,
@@ -206,15 +225,15 @@ def micro_batch_seconds(setting: Setting, b: float) -> MicroBatchSeconds:
     }
     group = arch.num_attention_heads / arch.num_key_value_heads
 
-    def on(device: DeviceSpec | None, widen_half: bool = False):
+    def on(device: DeviceSpec | None, cpu_gemm: CpuGemmChoice | None = None):
         if device is None:  # no GPU: these entries are multiplied by F_g = 0
             return {key: np.zeros(steps) for key in ("dense", "ffn", "attention", "head")}
 
         def both(name: str, pre_rows: float, dec_rows: float) -> np.ndarray:
             if name not in prefill:
                 return np.zeros(steps)
-            pre = op_seconds(prefill[name], device, dtype, pre_rows, widen_half=widen_half)
-            dec = op_seconds(decode[name], device, dtype, dec_rows, widen_half=widen_half)
+            pre = op_seconds(prefill[name], device, dtype, pre_rows, cpu_gemm=cpu_gemm)
+            dec = op_seconds(decode[name], device, dtype, dec_rows, cpu_gemm=cpu_gemm)
             dec = dec * np.ones(steps - 1)
             return np.concatenate([[pre], dec])
 
@@ -228,10 +247,10 @@ def micro_batch_seconds(setting: Setting, b: float) -> MicroBatchSeconds:
             "dense": sum(both(name, chunk, b) for name in DENSE_OPS),
             "ffn": both("expert_ffn", *ffn_rows),
             "attention": both("attention", s_pre, group),
-            "head": op_seconds(head, device, dtype, b, widen_half=widen_half) * np.ones(steps),
+            "head": op_seconds(head, device, dtype, b, cpu_gemm=cpu_gemm) * np.ones(steps),
         }
 
-    gpu, cpu = on(hw.gpu), on(hw.cpu, widen_half=True)
+    gpu, cpu = on(hw.gpu), on(hw.cpu, setting.cpu_gemm_choice)
     hidden_page = b * s_pre * arch.hidden_size * adt
     qkv = b * (arch.q_size + 2 * arch.kv_size) * adt
     kv_per_token_layer = 2 * arch.kv_size * kdt

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hrm.arch import ModelArch
+from hrm.cpu_gemm import CpuGemmChoice
 from hrm.errors import HrmError
 from hrm.hardware import HardwareProfile
 from hrm.plan import MemoryFootprint, Plan, Prediction, check_schedule
@@ -221,10 +222,13 @@ def predict(
     workload: Workload,
     policy: Policy,
     schedule: str = "cgopipe",
+    *,
+    cpu_gemm: CpuGemmChoice | None = None,
 ) -> Plan:
     """The model's prediction for one given policy, no search (e.g. for `hrm run --hardware`).
 
     The Plan's memory shows whether the policy fits; predict does not refuse one that does not.
+    cpu_gemm: the CPU GEMM path a run took (default: the one chosen from the profile).
     """
     check_policy(policy, hardware, schedule)
     setting = Setting(
@@ -234,6 +238,7 @@ def predict(
         schedule=schedule,
         weight_dtype=policy.weight_dtype,
         kv_dtype=policy.kv_dtype,
+        cpu_gemm=cpu_gemm,
     )
     return build_plan(batch_model(setting, policy.batch_size, policy.micro_batch_size), policy)
 
@@ -246,6 +251,7 @@ def predict_resident_run(
     batch_size: int,
     dtype: str,
     on_gpu: bool = False,
+    cpu_gemm: CpuGemmChoice | None = None,
 ) -> Plan:
     """The prediction for a run held wholly by one device in `dtype` (`hrm run --hardware`): the
     weights and KV cache in that device's memory, the whole batch as one micro-batch."""
@@ -259,4 +265,4 @@ def predict_resident_run(
         weight_dtype=dtype,
         kv_dtype=dtype,
     )
-    return predict(arch, hardware, workload, policy)
+    return predict(arch, hardware, workload, policy, cpu_gemm=cpu_gemm)

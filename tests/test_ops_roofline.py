@@ -5,10 +5,12 @@ import dataclasses
 import pytest
 
 from hrm.arch import resolve_model
+from hrm.cpu_gemm import choose_cpu_gemm
 from hrm.hardware import HardwareProfile, resolve_hardware
 from hrm.ops import attention_op, expected_distinct_experts, expert_ffn_op, layer_ops, lm_head_op
 from hrm.roofline import (
     attainable_flops_per_s,
+    cpu_peak_flops_per_s,
     cross_level_flops_per_s,
     ffn_balance_batch,
     op_time,
@@ -131,26 +133,24 @@ def test_run_time_bound_charges_each_decode_step_its_own_context():
     assert steps[1] > steps[0]
 
 
-def test_cpu_16_bit_math_runs_at_the_faster_of_native_and_widened_when_widened():
-    """ci-cpu (measured): bf16 GEMMs natively at about 22 GFLOP/s, along the executor's widened
-    path about 140; the executor widens, so widen_half takes the faster."""
+def test_the_cpu_roof_is_the_peak_of_the_gemm_path_the_choice_takes():
+    """ci-cpu (AVX2, measured): bf16 GEMMs natively at about 22 GFLOP/s, along the widened path
+    about 160; the choice widens there, so the CPU's roof is the widened peak."""
     cpu = resolve_hardware("ci-cpu").cpu
     native, widened = cpu.flops_per_s("bfloat16"), cpu.flops_per_s("bfloat16_widened")
     assert native < widened / 4
-    assert cpu.flops_per_s("bfloat16", widen_half=True) == widened
-    assert cpu.flops_per_s("float32", widen_half=True) == cpu.flops_per_s("float32")
-    assert cpu.matmul_flops_per_s("bfloat16", 16, widen_half=True) == cpu.matmul_flops_per_s(
-        "bfloat16_widened", 16
-    )
-    assert attainable_flops_per_s(cpu, "bfloat16", 1e6, widen_half=True) == widened
+    assert cpu_peak_flops_per_s(cpu, "bfloat16") == widened
+    assert cpu_peak_flops_per_s(cpu, "float32") == cpu.flops_per_s("float32")
+    assert attainable_flops_per_s(cpu, "bfloat16", 1e6, peak_flops_per_s=widened) == widened
     # a profile without a measured widened path falls back to float32
     fp32_only = dataclasses.replace(
         cpu, peak_flops_per_s={"float32": 100e9, "bfloat16": 20e9}, matmul_curves={}
     )
-    assert fp32_only.flops_per_s("bfloat16", widen_half=True) == 100e9
+    assert cpu_peak_flops_per_s(fp32_only, "bfloat16") == 100e9
     shape = dict(batch=64, prompt_len=64, gen_len=8, dtype="bfloat16")
-    widened = run_time_bound(MIXTRAL, cpu, **shape, widen_half=True)
-    assert widened.throughput_tok_s > 2 * run_time_bound(MIXTRAL, cpu, **shape).throughput_tok_s
+    choice = choose_cpu_gemm(cpu, "bfloat16")
+    bound = run_time_bound(MIXTRAL, cpu, **shape, cpu_gemm=choice)
+    assert bound.throughput_tok_s > 2 * run_time_bound(MIXTRAL, cpu, **shape).throughput_tok_s
     # a faster native rate is kept (h200-sxm's host: AMX bf16 above fp32)
     host = resolve_hardware("h200-sxm").cpu
-    assert host.flops_per_s("bfloat16", widen_half=True) == host.flops_per_s("bfloat16") == 20e12
+    assert cpu_peak_flops_per_s(host, "bfloat16") == host.flops_per_s("bfloat16") == 20e12

@@ -180,17 +180,26 @@ def test_a_tiny_run_times_the_executors_widened_path_for_16_bit(tiny_profile):
     assert set(tiny_profile.provenance["cpu_matmul"]["spread"]) >= {"bfloat16_widened"}
 
 
-def test_widened_sweep_rotates_weight_copies_and_computes_the_gemm():
+@pytest.mark.parametrize("widen", [False, True])
+def test_both_paths_rotate_weight_copies_and_compute_the_executors_gemm(monkeypatch, widen):
     import torch
 
-    from hrm.profiling.matmul import _widened_gemm
-    from hrm.widen import WIDEN_SLICE_ELEMENTS
+    import hrm.profiling.matmul as matmul
+    from hrm.gemm_paths import WIDEN_SLICE_ELEMENTS
 
-    calls = []
+    weights_seen = []
+    for name in ("native_linear", "widened_linear"):
+        inner = getattr(matmul, name)
+
+        def recorder(x, w, *args, _inner=inner, _name=name, **kwargs):
+            weights_seen.append((_name, w.data_ptr()))
+            return _inner(x, w, *args, **kwargs)
+
+        monkeypatch.setattr(matmul, name, recorder)
 
     def clock(fn, n):
         for _ in range(n):
-            calls.append(fn())
+            fn()
         return 1e-3 * n
 
     shape = GemmShape(model="t", hidden=64, intermediate=128)
@@ -200,20 +209,33 @@ def test_widened_sweep_rotates_weight_copies_and_computes_the_gemm():
         tokens_grid=(1, 4),
         device="cpu",
         clock=clock,
-        repeats=2,
+        repeats=4,
         min_sample_s=0.0,
         budget_s=10.0,
         tick=lambda: None,
-        widen=True,
+        widen=widen,
         streamed_bytes=3 * 64 * 128 * 2,  # three copies of the bf16 weight
     )
-    assert sweep.dtype == "bfloat16_widened" and [t for t, _ in sweep.points] == [1, 4]
-    assert calls[0].dtype == torch.bfloat16 and calls[-1].shape == (4, 128)
-    # rotation: each call takes the next weight
+    label = "bfloat16_widened" if widen else "bfloat16"
+    assert sweep.dtype == label and [t for t, _ in sweep.points] == [1, 4]
+    # every call is the executor's function for that path, each on the next of three copies
+    assert {name for name, _ in weights_seen} == {"widened_linear" if widen else "native_linear"}
+    assert len({ptr for _, ptr in weights_seen}) == 3
+    assert weights_seen[0][1] != weights_seen[1][1]
+    # rotation computes the real product, weight after weight
     weights = [torch.randn(128, 64).to(torch.bfloat16) for _ in range(2)]
     x = torch.randn(3, 64).to(torch.bfloat16)
-    scratch = torch.empty(WIDEN_SLICE_ELEMENTS)
+    scratch = torch.empty(WIDEN_SLICE_ELEMENTS) if widen else None
     turn = [0]
-    first, second = (_widened_gemm(x, weights, scratch, turn) for _ in range(2))
+    first, second = (matmul._rotating_gemm(x, weights, scratch, turn) for _ in range(2))
     for w, out in ((weights[0], first), (weights[1], second)):
-        assert torch.equal(out, (x.float() @ w.float().t()).to(torch.bfloat16))
+        expected = (x.float() @ w.float().t()).to(torch.bfloat16)
+        assert torch.allclose(out.float(), expected.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_the_profile_records_the_cpus_matrix_features(tiny_profile):
+    from hrm.profiling.cpu import MATRIX_FEATURES, matrix_features
+
+    features = tiny_profile.provenance["cpu_matrix_features"]
+    assert features == list(matrix_features())
+    assert set(features) <= set(MATRIX_FEATURES)

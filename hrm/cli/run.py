@@ -42,26 +42,49 @@ def add_parser(subparsers) -> None:
         "--hardware",
         help="profile (bundled name or YAML): add the planner's prediction of this very run",
     )
-    p.add_argument("--output", help="JSONL of outputs, one line per prompt in input order")
+    p.add_argument(
+        "--cpu-gemm",
+        default="auto",
+        help="CPU GEMM path for 16-bit weights: auto (the faster per token count, from the "
+        "--hardware profile of this host or a one-second probe), native or widened (auto)",
+    )
+    p.add_argument("--threads", type=int, help="CPU threads the run uses (default: torch's)")
+    p.add_argument(
+        "--output",
+        help="JSONL of outputs, one line per prompt in input order (default: stdout, with the "
+        "summary on stderr)",
+    )
     p.add_argument("--json", action="store_true", help="print the RunRecord as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from executor.api import execute, prepare_run
+    import sys
+
+    from executor.api import execute, prepare_run, torch_threads
     from executor.generate import Sampling
+    from hrm.cpu_gemm import MODES
     from hrm.errors import HrmError
     from hrm.hardware import resolve_hardware
     from hrm.io import atomic_write_text, check_writable
+    from hrm.profiling.host_gemm import cpu_gemm_for_run, host_differs
+
+    def warn(message: str) -> None:
+        print(f"hrm run: {message}", file=sys.stderr)
 
     if args.prompt_len is not None and args.batch is None:
         raise HrmError("--prompt-len needs --batch (the number of random prompts)")
     if args.prompts is not None and args.batch is not None:
         raise HrmError("--batch goes with --prompt-len; a --prompts file sets its own batch")
+    if args.cpu_gemm not in MODES:
+        raise HrmError(f"--cpu-gemm: unknown path {args.cpu_gemm!r}; use one of {', '.join(MODES)}")
+    if args.threads is not None and args.threads < 1:
+        raise HrmError(f"--threads must be at least 1, got {args.threads}")
     output = check_writable(args.output) if args.output else None
     hardware = resolve_hardware(args.hardware) if args.hardware else None
-    if hardware is not None and args.device.startswith("cuda") and not hardware.has_gpu:
+    on_gpu = args.device.startswith("cuda")
+    if hardware is not None and on_gpu and not hardware.has_gpu:
         raise HrmError(
             f"--hardware {args.hardware} has no GPU, so it cannot predict a --device "
             f"{args.device} run; give a profile with a GPU or run on the cpu"
@@ -77,24 +100,42 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         device=args.device,
     )
-    result = execute(spec, sampling=sampling, ignore_eos=args.ignore_eos, quiet=args.quiet)
+
+    def choose():  # at the run's own thread count, once the checkpoint has opened
+        return cpu_gemm_for_run(
+            spec.arch, spec.dtype, mode=args.cpu_gemm, hardware=hardware, warn=warn
+        )
+
+    if on_gpu and hardware is not None and hardware.source == "measured":
+        differs = host_differs(hardware)
+        if differs:
+            warn(f"warning: {differs}: the prediction is for that host")
+    with torch_threads(args.threads):
+        result = execute(
+            spec,
+            cpu_gemm=None if on_gpu else choose,
+            sampling=sampling,
+            ignore_eos=args.ignore_eos,
+            quiet=args.quiet,
+            warn=lambda message: warn(f"warning: {message}"),
+        )
     lines = "".join(json.dumps(o) + "\n" for o in result.outputs)
     if output is not None:
         atomic_write_text(output, lines)
     record = build_record(result, hardware)
     if args.json:
         print(json.dumps(record.to_dict(), indent=2))
-    else:
-        if output is None:
-            print(lines, end="")
-        print(format_summary(record))
+        return 0
+    if output is None:
+        print(lines, end="")
+    print(format_summary(record), file=sys.stderr)
     return 0
 
 
 def build_record(result, hardware=None):
     """The RunRecord of a finished run, with the planner's prediction for the same run (same
     model, batch, prompt lengths, generation length, dtype and device, everything resident on
-    that device) when a hardware profile is given."""
+    that device, and on a CPU the GEMM path the run took) when a hardware profile is given."""
     from hrm.record import RunRecord
     from hrm.workload import Workload
 
@@ -112,6 +153,7 @@ def build_record(result, hardware=None):
             batch_size=len(spec.prompt_lens),
             dtype=spec.dtype,
             on_gpu=spec.device.startswith("cuda"),
+            cpu_gemm=result.cpu_gemm,
         )
         predicted = plan.predicted.to_dict()
     return RunRecord(

@@ -49,7 +49,7 @@ class SweepPlan:
 PRESETS = {
     "quick": SweepPlan(
         name="quick",
-        tokens_grid=(1, 4, 16, 64, 256, 1024),
+        tokens_grid=(1, 4, 12, 16, 64, 256, 1024),
         repeats=3,
         min_sample_s=0.05,
         matmul_budget_s=12.0,
@@ -60,7 +60,7 @@ PRESETS = {
     ),
     "full": SweepPlan(
         name="full",
-        tokens_grid=tuple(2**i for i in range(13)),
+        tokens_grid=(1, 2, 4, 8, 12, *(2**i for i in range(4, 13))),
         repeats=5,
         min_sample_s=0.1,
         matmul_budget_s=110.0,
@@ -117,6 +117,7 @@ def measure_profile(
         "host": platform.node(),
         "os": platform.platform(),
         "cpu_model": facts.cpu_model,
+        "cpu_matrix_features": list(facts.matrix_features),
         "cores": facts.cores,
         "torch": str(torch.__version__),
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
@@ -180,9 +181,12 @@ def _measure_cpu(
         tick=tick,
     )
     cache = facts.last_level_cache_bytes or 0.0
-    # native dtypes, then the executor's own path for 16-bit weights (streaming 2x the cache)
+    # both of the executor's paths (native, then widened for 16-bit weights), each streaming
+    # weights from memory: twice the last-level cache, within the sweep's memory share
+    streamed = min(2 * cache, _MATMUL_MEMORY_FRACTION * available)
+    sweep = partial(sweep, streamed_bytes=streamed)
     sweeps = [sweep(dtype=dtype) for dtype in SWEPT_DTYPES]
-    sweeps += [sweep(dtype=d, widen=True, streamed_bytes=2 * cache) for d in HALF_DTYPES]
+    sweeps += [sweep(dtype=d, widen=True) for d in HALF_DTYPES]
     array_bytes = min(max(plan.min_array_bytes, 8 * cache), available / 8)
     if array_bytes < 4 * cache:
         warnings.append(

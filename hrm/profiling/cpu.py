@@ -17,6 +17,9 @@ from pathlib import Path
 from hrm.profiling.timing import Timing, perf_counter_clock, time_calls
 
 BANDWIDTH_KINDS = ("read", "copy", "triad")
+# CPU flags that decide which GEMM path is fast (hrm.cpu_gemm): recorded in every profile, and a
+# run warns when its host's differ from its profile's
+MATRIX_FEATURES = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_fp16")
 _READ_ROW = 4096  # elements per row of the matrix the read kernel multiplies by a vector
 
 
@@ -27,6 +30,7 @@ class HostFacts:
     memory_bytes: float
     available_memory_bytes: float | None
     last_level_cache_bytes: float | None
+    matrix_features: tuple[str, ...]
 
 
 def host_facts() -> HostFacts:
@@ -39,7 +43,20 @@ def host_facts() -> HostFacts:
         memory_bytes=total,
         available_memory_bytes=available,
         last_level_cache_bytes=_last_level_cache_bytes(),
+        matrix_features=matrix_features(),
     )
+
+
+def matrix_features() -> tuple[str, ...]:
+    """The MATRIX_FEATURES this CPU has (/proc/cpuinfo flags; empty where that is absent)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                return tuple(f for f in MATRIX_FEATURES if f in flags)
+    except OSError:
+        pass
+    return ()
 
 
 def _cpu_model() -> str:

@@ -5,10 +5,10 @@ executor runs it; T = tokens, H = hidden size, I = expert width). The weight kee
 size unless memory forbids: a scaled-down weight fits in the last-level cache and overstates the
 small-token (decode) rates, which are bound by reading the weight from memory.
 
-On a CPU the 16-bit dtypes are also timed along the executor's own path (`widen=True`): the
-16-bit weight widened to float32 slice by slice, each slice multiplied at once, the input and
-output converted as the executor converts them. Enough weight copies are rotated that they
-stream from memory as a model's many experts do, even when one matrix would fit in the cache.
+Both of the executor's CPU paths are timed (hrm.gemm_paths): native, and for 16-bit dtypes the
+weight widened to float32 slice by slice (`widen=True`). Enough weight copies are rotated, on
+both paths alike, that they stream from memory as a model's many experts do, even when one
+matrix would fit in the cache.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from functools import partial
 
 from hrm.arch import ModelArch
+from hrm.gemm_paths import WIDEN_SLICE_ELEMENTS, native_linear, widened_linear
 from hrm.hardware import WIDENED_KEYS, Curve
 from hrm.profiling.timing import Clock, Timing, estimated_duration_s, time_calls
-from hrm.widen import WIDEN_SLICE_ELEMENTS, widened_linear
 
 SWEPT_DTYPES = ("float32", "bfloat16", "float16")
 _ALIGN = 64  # scaled sizes stay multiples of 64, as real layer sizes are
@@ -104,23 +104,19 @@ def sweep_matmul(
 
     The next point's call time is extrapolated linearly in tokens from the last one, which
     overestimates it (efficiency grows with tokens), so the budget holds. `tick` is called once
-    per grid point, measured or not, to drive the progress bar. widen: the executor's CPU path
-    for a 16-bit dtype, reported as `<dtype>_widened`, rotating over enough weight copies to
-    stream at least `streamed_bytes` (twice the last-level cache, say) from memory.
+    per grid point, measured or not, to drive the progress bar. Both paths run the executor's
+    own functions (hrm.gemm_paths), unpadded: native (reported as `dtype`) or, with widen, the
+    widened path of a 16-bit dtype (reported as `<dtype>_widened`). Each call takes the next of
+    enough weight copies to stream at least `streamed_bytes` (twice the last-level cache, say)
+    from memory, as a model's many experts do.
     """
     import torch
 
     # T = tokens, H = hidden, I = expert width
     on = {"dtype": getattr(torch, dtype), "device": device}
-    max_tokens = max(tokens_grid)
-    weight = torch.randn(shape.intermediate, shape.hidden, **on)  # [I, H]
-    inputs = torch.randn(max_tokens, shape.hidden, **on)  # [T, H]
-    if widen:
-        copies = max(1, math.ceil(streamed_bytes / (weight.numel() * weight.element_size())))
-        weights = [weight] + [weight.clone() for _ in range(copies - 1)]
-        scratch = torch.empty(WIDEN_SLICE_ELEMENTS, dtype=torch.float32)
-    else:
-        outputs = torch.empty(max_tokens, shape.intermediate, **on)  # [T, I]
+    weights = rotating_weights(shape, on, streamed_bytes)  # each [I, H]
+    inputs = torch.randn(max(tokens_grid), shape.hidden, **on)  # [T, H]
+    scratch = torch.empty(WIDEN_SLICE_ELEMENTS, dtype=torch.float32) if widen else None
     points: list[tuple[int, Timing]] = []
     stopped = None
     started = time.perf_counter()
@@ -138,11 +134,7 @@ def sweep_matmul(
                     f"{budget_s:.0f} s budget"
                 )
         if stopped is None:
-            if widen:
-                gemm = partial(_widened_gemm, inputs[:tokens], weights, scratch, [0])
-            else:
-                # [T, H] @ [H, I] -> [T, I], into a preallocated output: the kernel, not malloc
-                gemm = partial(torch.mm, inputs[:tokens], weight.t(), out=outputs[:tokens])
+            gemm = partial(_rotating_gemm, inputs[:tokens], weights, scratch, [0])
             try:
                 timing = time_calls(gemm, clock=clock, repeats=repeats, min_sample_s=min_sample_s)
                 points.append((tokens, timing))
@@ -153,8 +145,22 @@ def sweep_matmul(
     return MatmulSweep(dtype=label, shape=shape, points=tuple(points), stopped=stopped)
 
 
-def _widened_gemm(x, weights: list, scratch, turn: list[int]):
-    """hrm.widen.widened_linear on the next of `weights` (rotated so that they stream)."""
+def rotating_weights(shape: GemmShape, on: dict, streamed_bytes: float) -> list:
+    """Copies of one random [I, H] weight, enough that together they span `streamed_bytes`."""
+    import torch
+
+    # random rows tiled: the values do not change a dense GEMM's speed, and randn of a whole
+    # Mixtral expert alone takes longer than the executor's probe may
+    block = torch.randn(min(_ALIGN, shape.intermediate), shape.hidden, **on)  # [64, H]
+    tiles = -(-shape.intermediate // block.shape[0])
+    weight = block.repeat(tiles, 1)[: shape.intermediate].contiguous()  # [I, H]
+    copies = max(1, math.ceil(streamed_bytes / (weight.numel() * weight.element_size())))
+    return [weight] + [weight.clone() for _ in range(copies - 1)]
+
+
+def _rotating_gemm(x, weights: list, scratch, turn: list[int]):
+    """The executor's GEMM (hrm.gemm_paths) on the next of `weights`: widened when given a
+    scratch buffer, else native."""
     w = weights[turn[0] % len(weights)]
     turn[0] += 1
-    return widened_linear(x, w, scratch)
+    return native_linear(x, w) if scratch is None else widened_linear(x, w, scratch)

@@ -13,6 +13,7 @@ import torch
 from executor.checkpoint import open_checkpoint
 from executor.generate import generate
 from executor.model import MoEModel
+from hrm.cpu_gemm import CpuGemmChoice
 from tests.executor.conftest import ragged_prompts, reference_model
 
 LENGTHS = (5, 12, 1, 9, 12, 3)
@@ -49,9 +50,16 @@ def describe(ours: torch.Tensor, theirs: torch.Tensor) -> str:
     return f"max diff {diff.max():.3g}, mean diff {diff.mean():.3g}, max |ref| {scale:.3g}"
 
 
-def run_executor(path, prompts, dtype="float32", steps=STEPS):
-    model = MoEModel(open_checkpoint(path, dtype))
+def run_executor(path, prompts, dtype="float32", steps=STEPS, cpu_gemm=None):
+    model = MoEModel(open_checkpoint(path, dtype), cpu_gemm)
     return generate(model, prompts, steps, keep_logits=True)
+
+
+def forced(dtype: str, path: str, padded: bool) -> CpuGemmChoice:
+    """Every CPU GEMM along one path, padded or not."""
+    return CpuGemmChoice(
+        dtype=dtype, buckets=((0.0, path),), padded=(path,) if padded else (), source="test"
+    )
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -90,17 +98,21 @@ def test_layouts_load_the_same_weights(checkpoints):
         assert torch.equal(first.lm_head, other.lm_head)
 
 
+@pytest.mark.parametrize(("gemm", "padded"), [("native", False), ("widened", True)])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("name", ["mixtral-single", "dbrx"])
-def test_bfloat16_logits_within_bf16_tolerance(checkpoints, name):
-    """In bf16 our logits stay within 3e-2 of transformers' bf16 logits at every step where both
-    runs have chosen the same tokens so far, and our prefill error against fp32 is no worse than
-    twice transformers' own bf16 error (a flipped expert choice moves logits a lot, and bf16
-    makes both implementations flip the same way)."""
+def test_16_bit_logits_within_tolerance_on_each_gemm_path(checkpoints, name, dtype, gemm, padded):
+    """In bf16 (and fp16), on either CPU GEMM path, our logits stay within 3e-2 of transformers'
+    logits in the same dtype at every step where both runs have chosen the same tokens so far,
+    and our prefill error against fp32 is no worse than twice transformers' own (a flipped expert
+    choice moves logits a lot, and 16-bit rounding makes both implementations flip the same
+    way)."""
     path = checkpoints[name]
     prompts = ragged_prompts(LENGTHS, seed=5)
-    ours = run_executor(path, prompts, "bfloat16", steps=8)
+    ours = run_executor(path, prompts, dtype, steps=8, cpu_gemm=forced(dtype, gemm, padded))
     _, exact = reference_generate(reference_model(path), prompts, 8)
-    theirs_tokens, theirs = reference_generate(reference_model(path, torch.bfloat16), prompts, 8)
+    reference = reference_model(path, getattr(torch, dtype))
+    theirs_tokens, theirs = reference_generate(reference, prompts, 8)
     assert ours.step_logits[0].dtype == torch.float32
     ours_err, theirs_err = (relative_error(x[0], exact[0]) for x in (ours.step_logits, theirs))
     assert ours_err <= max(2 * theirs_err, 2e-2), f"ours {ours_err:.3g}, theirs {theirs_err:.3g}"

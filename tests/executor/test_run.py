@@ -10,6 +10,7 @@ from executor.api import prepare_run
 from executor.checkpoint import open_checkpoint
 from executor.generate import Sampling, generate, sample
 from executor.model import MoEModel
+from hrm.cpu_gemm import CpuGemmChoice
 from tests.executor.conftest import ragged_prompts
 
 
@@ -136,23 +137,30 @@ def test_hardware_adds_the_planners_prediction_of_this_run(run_cli, checkpoints)
 
     args = ["--prompt-len", "6", "--batch", "3", "--gen-len", "4", "--ignore-eos", "--quiet"]
     checkpoint = checkpoints["mixtral-fused"]
-    status, stdout, _ = run_cli(
+    status, stdout, stderr = run_cli(
         "run", "--checkpoint", checkpoint, *args, "--dtype", "bfloat16", "--hardware", "ci-cpu"
     )
     assert status == 0
-    summary = stdout.splitlines()[-1]
+    summary = stderr.splitlines()[-1]
     assert summary.startswith("predicted on ci-cpu:") and "against measured" in summary
+    # stdout holds the outputs alone: valid JSONL
+    assert [len(json.loads(line)["output_token_ids"]) for line in stdout.splitlines()] == [4] * 3
     status, stdout, _ = run_cli(
         "run", "--checkpoint", checkpoint, *args, "--dtype", "bfloat16", "--hardware", "ci-cpu",
         "--json",
     )  # fmt: skip
     record = json.loads(stdout)
+    # ci-cpu was measured on another host, so the run probed its GEMM path; the prediction
+    # prices the path that ran
+    ran = CpuGemmChoice.from_dict(record["environment"]["cpu_gemm"])
+    assert ran.source.startswith("probe")
     expected = predict_resident_run(
         resolve_model(checkpoint / "config.json"),
         resolve_hardware("ci-cpu"),
         Workload(prompt_len_mean=6, prompt_len_max=6, gen_len=4),
         batch_size=3,
         dtype="bfloat16",
+        cpu_gemm=ran,
     )
     assert record["hardware"] == "ci-cpu"
     assert record["predicted"] == expected.predicted.to_dict()

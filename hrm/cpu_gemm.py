@@ -1,0 +1,203 @@
+"""Which GEMM path the CPU takes, per dtype and token count: chosen once, used by both sides.
+
+A 16-bit GEMM on a CPU runs `native` (torch in bf16/fp16) or `widened` (float32 after converting
+the weight slice by slice; hrm.gemm_paths). On an AVX2 EPYC widened was 4-8x faster; on a
+Sapphire Rapids with AMX-BF16 native was 2-10x faster. Which wins also moves with the token
+count, so the choice is made per token bucket from measured curves: the profile's `<dtype>` and
+`<dtype>_widened` matmul curves, or the executor's short probe at the model's shapes. The
+executor runs `path_at(tokens)`; the planner prices exactly that path with `gemm_flops_per_s`.
+A path pads its rows (hrm.gemm_paths.padded_tokens) where its measured time at 16 rows is clearly
+below its time at 12: the dip of sgemm at 9-15 rows on AVX2.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from hrm.errors import HrmError
+from hrm.gemm_paths import padded_tokens
+from hrm.hardware import HALF_DTYPES, WIDENED_KEYS, Curve
+from hrm.schema import check_keys
+
+PATHS = ("native", "widened")
+MODES = ("auto", *PATHS)
+PAD_CHECK_TOKENS = (12, 16)  # padding pays when 16 rows take less time than 12 ...
+PAD_MIN_GAIN = 0.1  # ... by at least this share: a tie is timing noise (about 5% between runs)
+
+
+class GemmRates(Protocol):
+    """Measured or datasheet GEMM rates: a DeviceSpec, or a probe's measurement."""
+
+    peak_flops_per_s: Mapping[str, float]
+    matmul_curves: Mapping[str, Curve]
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeasuredRates:
+    """GemmRates from a probe: curves per rate key, peaks their best points."""
+
+    matmul_curves: Mapping[str, Curve]
+
+    @property
+    def peak_flops_per_s(self) -> dict[str, float]:
+        return {key: curve.best for key, curve in self.matmul_curves.items()}
+
+
+def rate_key(rates: GemmRates, dtype: str, path: str) -> str:
+    """The profile key of a path's rates: the dtype itself when native; `<dtype>_widened` when
+    widened, or float32 where the profile has no widened rate (the widened GEMM is an fp32 one)."""
+    if path == "native":
+        return dtype
+    key = WIDENED_KEYS[dtype]
+    return key if key in rates.peak_flops_per_s else "float32"
+
+
+def rate_at(rates: GemmRates, key: str, tokens: float) -> float:
+    """FLOP/s at `tokens` rows: the measured curve, else the peak, else float32's."""
+    curve = rates.matmul_curves.get(key)
+    return curve.at(tokens) if curve is not None else peak_at(rates, key)
+
+
+def peak_at(rates: GemmRates, key: str) -> float:
+    """The peak FLOP/s of a rate key, else float32's."""
+    peak = rates.peak_flops_per_s.get(key, rates.peak_flops_per_s.get("float32"))
+    if peak is None:
+        raise HrmError(f"no FLOP rate for {key} or float32 in the CPU profile")
+    return peak
+
+
+def pays_to_pad(curve: Curve | None) -> bool:
+    """Measured: 16 rows take clearly less time than 12 (t = rows / rate); False without both
+    points."""
+    if curve is None:
+        return False
+    rates = dict(curve.points)
+    small, padded = PAD_CHECK_TOKENS
+    if small not in rates or padded not in rates:
+        return False
+    return padded / rates[padded] < (1 - PAD_MIN_GAIN) * small / rates[small]
+
+
+def has_choice_curves(rates: GemmRates, dtype: str) -> bool:
+    """Whether the curves hold what the choice needs: each path's curve with the padding points."""
+    keys = [dtype] + ([WIDENED_KEYS[dtype]] if dtype in HALF_DTYPES else [])
+    return all(
+        key in rates.matmul_curves
+        and set(PAD_CHECK_TOKENS) <= {x for x, _ in rates.matmul_curves[key].points}
+        for key in keys
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class CpuGemmChoice:
+    """The path each CPU GEMM of `dtype` takes by its token count, and which paths pad."""
+
+    dtype: str
+    buckets: tuple[tuple[float, str], ...]  # (first token count, path), ascending from 0
+    padded: tuple[str, ...] = ()
+    source: str
+
+    def path_at(self, tokens: float) -> str:
+        starts = [start for start, _ in self.buckets]
+        return self.buckets[bisect.bisect_right(starts, tokens) - 1][1]
+
+    def pads(self, path: str) -> bool:
+        return path in self.padded
+
+    def rows_at(self, tokens: float) -> float:
+        """The rows the GEMM runs at: padded when the chosen path pads."""
+        return padded_tokens(tokens) if self.pads(self.path_at(tokens)) else tokens
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(path for _, path in self.buckets))
+
+    def describe(self) -> str:
+        parts = []
+        for i, (start, path) in enumerate(self.buckets):
+            first = max(1, math.ceil(start))
+            end = self.buckets[i + 1][0] if i + 1 < len(self.buckets) else None
+            span = f"{first}+" if end is None else f"{first}-{math.ceil(end) - 1}"
+            parts.append(f"{path} at {span} tokens" + (" (padded)" if self.pads(path) else ""))
+        return f"{self.dtype}: " + ", ".join(parts) + f" [{self.source}]"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "dtype": self.dtype,
+            "buckets": [[start, path] for start, path in self.buckets],
+            "padded": list(self.padded),
+            "source": self.source,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "cpu_gemm") -> CpuGemmChoice:
+        """The choice as to_dict wrote it (a RunRecord's environment); extra keys (the run's
+        `calls`) are not the choice's and are left to the caller."""
+        data = check_keys(
+            data, where=where, required=set(cls.__dataclass_fields__), optional={"calls"}
+        )
+        buckets = data["buckets"]
+        if (
+            not isinstance(buckets, list)
+            or not buckets
+            or any(not isinstance(b, list) or len(b) != 2 or b[1] not in PATHS for b in buckets)
+        ):
+            raise HrmError(f"{where}: buckets must be a list of [first token count, path] pairs")
+        return cls(
+            dtype=str(data["dtype"]),
+            buckets=tuple((float(start), path) for start, path in buckets),
+            padded=tuple(data["padded"]),
+            source=str(data["source"]),
+        )
+
+
+def choose_cpu_gemm(
+    rates: GemmRates, dtype: str, mode: str = "auto", *, source: str = "profile"
+) -> CpuGemmChoice:
+    """The fastest path at each token count of the curves' grid, from `rates`; mode native or
+    widened forces one path (padding still as measured). Float32 has one path, native."""
+    if mode not in MODES:
+        raise HrmError(f"--cpu-gemm: unknown path {mode!r}; use one of {', '.join(MODES)}")
+    paths = PATHS if dtype in HALF_DTYPES else ("native",)
+    keys = {path: rate_key(rates, dtype, path) for path in paths}
+    padded = tuple(p for p in paths if pays_to_pad(rates.matmul_curves.get(keys[p])))
+    if mode != "auto" and dtype not in HALF_DTYPES:
+        source = f"{dtype} runs natively; --cpu-gemm {mode} applies to 16-bit dtypes"
+        mode = "auto"
+    if mode != "auto":
+        return CpuGemmChoice(
+            dtype=dtype, buckets=((0.0, mode),), padded=padded, source=f"--cpu-gemm {mode}"
+        )
+
+    def seconds_per_row(path: str, tokens: float) -> float:
+        # t(T) = rows_run / rate(rows_run), per useful row
+        rows = padded_tokens(tokens) if path in padded else tokens
+        return rows / rate_at(rates, keys[path], rows) / tokens
+
+    curves = [rates.matmul_curves[k] for k in keys.values() if k in rates.matmul_curves]
+    grid = sorted({x for curve in curves for x, _ in curve.points}) or [1.0]
+    buckets: list[tuple[float, str]] = []
+    for i, tokens in enumerate(grid):
+        best = min(paths, key=lambda p: seconds_per_row(p, tokens))  # ties: native first
+        if not buckets or buckets[-1][1] != best:
+            # a bucket starts half way (in log tokens) from the previous grid point
+            start = 0.0 if i == 0 else math.sqrt(grid[i - 1] * tokens)
+            buckets.append((start, best))
+    return CpuGemmChoice(dtype=dtype, buckets=tuple(buckets), padded=padded, source=source)
+
+
+def gemm_flops_per_s(rates: GemmRates, choice: CpuGemmChoice, tokens: float) -> float:
+    """Useful FLOP/s of a GEMM at `tokens` rows along the chosen path: the path's rate at the rows
+    it runs (padded or not), times the useful share of those rows."""
+    path = choice.path_at(tokens)
+    rows = choice.rows_at(tokens)
+    return rate_at(rates, rate_key(rates, choice.dtype, path), rows) * tokens / rows
+
+
+def gemm_peak_flops_per_s(rates: GemmRates, choice: CpuGemmChoice) -> float:
+    """The CPU's compute roof for `choice.dtype`: the best peak among the paths it takes."""
+    return max(peak_at(rates, rate_key(rates, choice.dtype, path)) for path in choice.paths)

@@ -1,0 +1,63 @@
+"""The CPU's two GEMM paths for a weight: native, and widened to float32 slice by slice.
+
+`native` is torch's own GEMM in the weight's dtype: fast on CPUs with 16-bit matrix units (AMX,
+AVX-512 BF16/FP16), 4-8x slower than float32 on CPUs without them (AVX2). `widened` converts a
+16-bit weight to float32 one cache-sized slice at a time and multiplies each slice at once.
+Which one a run takes is chosen in hrm.cpu_gemm from measured curves; the executor runs these
+functions and `hrm profile` times these very functions, so the profile's rates are the
+executor's. Either may pad its rows with zeros (`pad`) where that was measured to pay. torch is
+imported inside: `import hrm` stays light.
+"""
+
+from __future__ import annotations
+
+# A widened slice of 16 MB (fp32) stays in the last-level cache between its conversion and its
+# GEMM; a whole expert matrix of Mixtral-shaped models up to 4096 x 1024 is one slice.
+WIDEN_SLICE_ELEMENTS = 2**22
+
+# Above 8 tokens a padded GEMM runs at the next multiple of this: fp32 GEMMs at 9-15 tokens ran at
+# half the rate of 16 on an AVX2 EPYC, 17-31 at 60-80% of 32 (docs/decisions.md).
+TOKEN_PAD = 16
+
+
+def padded_tokens(tokens: float) -> float:
+    """The rows a padded GEMM runs at: tokens up to 8, else the next multiple of TOKEN_PAD."""
+    return tokens if tokens <= 8 else -(-tokens // TOKEN_PAD) * TOKEN_PAD
+
+
+def _rows(x, dtype, pad: bool):
+    """x in `dtype`, with zero rows appended up to padded_tokens when `pad`."""
+    import torch
+
+    tokens = x.shape[0]
+    rows = int(padded_tokens(tokens)) if pad else tokens
+    if rows == tokens:
+        return x.to(dtype)
+    out = torch.zeros(rows, x.shape[1], dtype=dtype, device=x.device)  # [T_pad, in]
+    out[:tokens] = x
+    return out
+
+
+def native_linear(x, w, *, pad: bool = False):
+    """x [T, in] @ w [out, in].T by torch in w's dtype; the result in x's dtype."""
+    import torch.nn.functional as F
+
+    tokens = x.shape[0]
+    return F.linear(_rows(x, w.dtype, pad), w)[:tokens].to(x.dtype)
+
+
+def widened_linear(x, w, scratch, *, pad: bool = False):
+    """x [T, in] @ w [out, in].T in float32, the result in x's dtype. `scratch` is a float32
+    buffer of WIDEN_SLICE_ELEMENTS, reused call after call."""
+    import torch
+
+    tokens = x.shape[0]
+    xg = _rows(x, torch.float32, pad)  # [T_pad, in]
+    out_t = torch.empty(w.shape[0], xg.shape[0], dtype=torch.float32)  # [out, T_pad]
+    rows = max(1, WIDEN_SLICE_ELEMENTS // w.shape[1])
+    for start in range(0, w.shape[0], rows):
+        part = w[start : start + rows]
+        wide = scratch[: part.numel()].view(part.shape).copy_(part)
+        # slice @ x.T into row slices of the output: twice the speed of x @ slice.T
+        torch.mm(wide, xg.t(), out=out_t[start : start + rows])
+    return out_t[:, :tokens].t().to(x.dtype, memory_format=torch.contiguous_format)

@@ -1,0 +1,103 @@
+"""The CPU GEMM path of a run on this host: from the run's profile when it measured this host,
+else from a probe of about a second at the model's own expert shape.
+
+The probe is `hrm profile`'s sweep (hrm.profiling.matmul) on both paths, cut short: a few token
+counts including the padding check (12 and 16), weights rotated past the last-level cache (but
+never more than the model's own experts), one budget for both paths.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from hrm.arch import ModelArch
+from hrm.cpu_gemm import CpuGemmChoice, MeasuredRates, choose_cpu_gemm, has_choice_curves
+from hrm.hardware import HALF_DTYPES, HardwareProfile
+from hrm.policy import dtype_bytes
+from hrm.profiling import cpu
+from hrm.profiling.matmul import GemmShape, sweep_matmul
+from hrm.profiling.timing import perf_counter_clock
+
+PROBE_TOKENS = (1, 12, 16, 64, 256)
+PROBE_BUDGET_S = 1.0
+
+
+def host_differs(profile: HardwareProfile) -> str | None:
+    """Why `profile` does not describe this host's CPU (None when it does): a datasheet, or a
+    measurement of another CPU model or another set of matrix features."""
+    if profile.source != "measured":
+        return f"{profile.name} is a datasheet profile, not a measurement of this host"
+    facts = cpu.host_facts()
+    theirs_model = profile.provenance.get("cpu_model")
+    theirs_features = profile.provenance.get("cpu_matrix_features")
+    if theirs_model != facts.cpu_model:
+        return f"{profile.name} was measured on {theirs_model!r}; this host is {facts.cpu_model!r}"
+    if theirs_features is None:
+        return (
+            f"{profile.name} does not record its CPU's matrix features (profiled before they were)"
+        )
+    if tuple(theirs_features) != facts.matrix_features:
+        return (
+            f"{profile.name} was measured on a CPU with {', '.join(theirs_features) or 'none'}; "
+            f"this host has {', '.join(facts.matrix_features) or 'none'}"
+        )
+    return None
+
+
+def probe_cpu_gemm(
+    arch: ModelArch, dtype: str, *, mode: str = "auto", budget_s: float = PROBE_BUDGET_S
+) -> CpuGemmChoice:
+    """Time both GEMM paths of `dtype` at the model's expert shape and choose between them."""
+    facts = cpu.host_facts()
+    shape = GemmShape(model=arch.name, hidden=arch.hidden_size, intermediate=arch.intermediate_size)
+    experts_bytes = arch.num_layers * arch.num_experts * 3 * shape.hidden * shape.intermediate
+    available = facts.available_memory_bytes or facts.memory_bytes
+    streamed = min(
+        2 * (facts.last_level_cache_bytes or 0.0),
+        experts_bytes * dtype_bytes(dtype),
+        available / 8,
+    )
+    widen = (False, True) if dtype in HALF_DTYPES else (False,)
+    started = time.perf_counter()
+    sweeps = [
+        sweep_matmul(
+            dtype=dtype,
+            shape=shape,
+            tokens_grid=PROBE_TOKENS,
+            device="cpu",
+            clock=perf_counter_clock,
+            repeats=3,
+            min_sample_s=0.005,
+            budget_s=budget_s / len(widen),
+            tick=lambda: None,
+            widen=w,
+            streamed_bytes=streamed,
+        )
+        for w in widen
+    ]
+    elapsed = time.perf_counter() - started
+    rates = MeasuredRates(matmul_curves={s.dtype: s.curve() for s in sweeps if s.points})
+    return choose_cpu_gemm(
+        rates, dtype, mode, source=f"probe, {elapsed:.1f} s at {shape.describe()}"
+    )
+
+
+def cpu_gemm_for_run(
+    arch: ModelArch,
+    dtype: str,
+    *,
+    mode: str,
+    hardware: HardwareProfile | None,
+    warn: Callable[[str], None],
+) -> CpuGemmChoice:
+    """The choice a CPU run takes: from `hardware` when it measured this host with the curves the
+    choice needs, else from a probe; `warn` says once why the probe stood in."""
+    reason = host_differs(hardware) if hardware is not None else "no --hardware profile"
+    if reason is None and not has_choice_curves(hardware.cpu, dtype):
+        reason = f"{hardware.name} lacks the {dtype} curves of both GEMM paths at 12 and 16 tokens"
+    if reason is None:
+        return choose_cpu_gemm(hardware.cpu, dtype, mode, source=f"profile {hardware.name}")
+    choice = probe_cpu_gemm(arch, dtype, mode=mode)
+    warn(f"CPU GEMM path from a probe ({reason}): {choice.describe()}")
+    return choice

@@ -1,0 +1,183 @@
+"""The executor runs the CPU GEMM path hrm.cpu_gemm chose, the planner prices that same path, and
+`hrm run` records it, takes --cpu-gemm and --threads, and keeps stdout valid JSONL."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import yaml
+
+import executor.model
+from executor.checkpoint import open_checkpoint
+from executor.generate import generate
+from executor.model import MoEModel
+from hrm.cpu_gemm import CpuGemmChoice, choose_cpu_gemm
+from hrm.hardware import HardwareProfile, resolve_hardware
+from hrm.profiling import cpu
+from hrm.workload import Workload
+from planner.cost import Setting, micro_batch_seconds
+from tests.conftest import assert_one_line_error
+from tests.executor.conftest import ragged_prompts
+from tests.gemm_curves import AMX, AVX2, MIXED, scaled
+
+ARGS = ["--prompt-len", "5", "--batch", "3", "--gen-len", "3", "--ignore-eos", "--quiet"]
+
+
+def profile_with(curves, *, this_host: bool = True) -> HardwareProfile:
+    """A measured CPU-only profile with these bf16 curves, claiming to be this host (or not)."""
+    base = resolve_hardware("ci-cpu")
+    matmul = {k: scaled(c, 1e9) for k, c in curves.items()}
+    cpu_spec = dataclasses.replace(
+        base.cpu,
+        matmul_curves=matmul,
+        peak_flops_per_s={**base.cpu.peak_flops_per_s, **{k: c.best for k, c in matmul.items()}},
+    )
+    facts = cpu.host_facts()
+    provenance = {
+        **base.provenance,
+        "cpu_model": facts.cpu_model if this_host else "Some Other CPU",
+        "cpu_matrix_features": list(facts.matrix_features),
+    }
+    return dataclasses.replace(base, name="synthetic", cpu=cpu_spec, provenance=provenance)
+
+
+def record_paths(monkeypatch) -> list[tuple[str, int]]:
+    """(path, tokens) of every GEMM the executor runs from now on."""
+    calls: list[tuple[str, int]] = []
+    for path in ("native", "widened"):
+        inner = getattr(executor.model, f"{path}_linear")
+
+        def recorder(x, *args, _inner=inner, _path=path, **kwargs):
+            calls.append((_path, x.shape[0]))
+            return _inner(x, *args, **kwargs)
+
+        monkeypatch.setattr(executor.model, f"{path}_linear", recorder)
+    return calls
+
+
+@pytest.mark.parametrize("curves", [AVX2, AMX, MIXED], ids=["avx2", "amx", "mixed"])
+def test_the_executor_runs_the_path_the_planner_prices(checkpoints, monkeypatch, curves):
+    profile = profile_with(curves)
+    path = checkpoints["mixtral-single"]
+    setting = Setting(
+        arch=open_checkpoint(path).arch,
+        hardware=profile,
+        workload=Workload(prompt_len_mean=9, prompt_len_max=9, gen_len=3),
+    )
+    planned = setting.cpu_gemm_choice  # what the planner prices
+    ran = choose_cpu_gemm(profile.cpu, "bfloat16", source="profile synthetic")  # as hrm run does
+    assert ran == planned
+    model = MoEModel(open_checkpoint(path, "bfloat16"), ran)
+    calls = record_paths(monkeypatch)
+    generate(model, ragged_prompts((9, 9, 9, 9, 9, 9), seed=1), 3)  # 54-token prefill, decode 6
+    assert calls and all(p == planned.path_at(tokens) for p, tokens in calls)
+    assert {p for p, _ in calls} == set(planned.paths)
+    assert dict(model.gemm_calls) == {p: sum(q == p for q, _ in calls) for p in planned.paths}
+
+
+def test_the_planner_prices_native_on_amx_and_widened_on_avx2(checkpoints):
+    arch = open_checkpoint(checkpoints["mixtral-single"]).arch
+    workload = Workload(prompt_len_mean=16, prompt_len_max=16, gen_len=4)
+
+    def dense_seconds(curves, cpu_gemm=None):
+        setting = Setting(arch=arch, hardware=profile_with(curves), workload=workload)
+        if cpu_gemm is not None:
+            setting = dataclasses.replace(setting, cpu_gemm=cpu_gemm)
+        return float(micro_batch_seconds(setting, 16).cpu_ffn[0])
+
+    amx_native = dense_seconds(AMX)
+    amx_forced_widened = dense_seconds(
+        AMX, choose_cpu_gemm(profile_with(AMX).cpu, "bfloat16", "widened")
+    )
+    assert amx_forced_widened > 2 * amx_native  # the slower path, priced as it would run
+    avx2_widened = dense_seconds(AVX2)
+    avx2_forced_native = dense_seconds(
+        AVX2, choose_cpu_gemm(profile_with(AVX2).cpu, "bfloat16", "native")
+    )
+    assert avx2_forced_native > 2 * avx2_widened
+
+
+def run_record(run_cli, checkpoint, *extra) -> tuple[dict, str]:
+    status, stdout, stderr = run_cli("run", "--checkpoint", checkpoint, *ARGS, "--json", *extra)
+    assert status == 0, stderr
+    return json.loads(stdout), stderr
+
+
+@pytest.mark.parametrize("path", ["native", "widened"])
+def test_a_forced_path_is_the_one_that_ran_and_is_recorded(run_cli, checkpoints, path):
+    record, _ = run_record(
+        run_cli, checkpoints["mixtral-fused"], "--dtype", "bfloat16", "--cpu-gemm", path
+    )
+    ran = record["environment"]["cpu_gemm"]
+    assert CpuGemmChoice.from_dict(ran).paths == (path,)
+    assert set(ran["calls"]) == {path} and ran["calls"][path] > 0
+
+
+def test_a_profile_of_this_host_decides_and_none_other_does(run_cli, checkpoints, tmp_path):
+    checkpoint = checkpoints["mixtral-fused"]
+    mine = profile_with(MIXED).save(tmp_path / "mine.yaml")
+    record, stderr = run_record(run_cli, checkpoint, "--dtype", "bfloat16", "--hardware", mine)
+    assert record["environment"]["cpu_gemm"]["source"] == "profile synthetic"
+    assert "probe" not in stderr
+    theirs = profile_with(MIXED, this_host=False).save(tmp_path / "theirs.yaml")
+    record, stderr = run_record(run_cli, checkpoint, "--dtype", "bfloat16", "--hardware", theirs)
+    assert record["environment"]["cpu_gemm"]["source"].startswith("probe")
+    (note,) = [line for line in stderr.splitlines() if "probe" in line]
+    assert "measured on 'Some Other CPU'" in note
+    # a profile of this host taken before matrix features were recorded also yields to a probe
+    data = yaml.safe_load(mine.read_text())
+    del data["provenance"]["cpu_matrix_features"]
+    (tmp_path / "old.yaml").write_text(yaml.safe_dump(data))
+    _, stderr = run_record(run_cli, checkpoint, "--hardware", tmp_path / "old.yaml")
+    assert "does not record its CPU's matrix features" in stderr
+
+
+def test_threads_are_set_for_the_run_and_recorded(run_cli, checkpoints):
+    import torch
+
+    before = torch.get_num_threads()
+    record, _ = run_record(run_cli, checkpoints["dbrx"], "--threads", "1")
+    assert record["environment"]["threads"] == 1
+    assert torch.get_num_threads() == before
+
+
+def test_without_output_stdout_is_jsonl_and_the_summary_goes_to_stderr(run_cli, checkpoints):
+    status, stdout, stderr = run_cli("run", "--checkpoint", checkpoints["dbrx"], *ARGS)
+    assert status == 0
+    lines = [json.loads(line) for line in stdout.splitlines()]
+    assert len(lines) == 3 and all(len(line["output_token_ids"]) == 3 for line in lines)
+    assert "tok/s" in stderr.splitlines()[-1]
+
+
+def test_a_busy_machine_is_reported(run_cli, checkpoints, monkeypatch):
+    import executor.api
+
+    monkeypatch.setattr(executor.api, "others_cpu_share", lambda start, end: 0.4)
+    record, stderr = run_record(run_cli, checkpoints["dbrx"])
+    assert "other processes took 40% of the CPU time during the run" in stderr
+    assert record["environment"]["other_processes_cpu_share"] == 0.4
+
+
+def test_prefill_is_its_own_phase_for_the_progress_bar(checkpoints):
+    phases: list[str] = []
+    model = MoEModel(open_checkpoint(checkpoints["dbrx"]))
+    generate(model, [[1, 2, 3]], 4, on_step=phases.append)
+    assert phases == ["prefill", "decode", "decode", "decode"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "fragment"),
+    [
+        (["--cpu-gemm", "fast"], "--cpu-gemm: unknown path 'fast'"),
+        (["--threads", "0"], "--threads must be at least 1"),
+    ],
+)
+def test_bad_cpu_options_are_one_line(run_cli, checkpoints, tmp_path, extra, fragment):
+    out = tmp_path / "out.jsonl"
+    status, _, err = run_cli(
+        "run", "--checkpoint", checkpoints["dbrx"], *ARGS, "--output", out, *extra
+    )
+    assert_one_line_error(status, err, fragment)
+    assert not out.exists()

@@ -1,0 +1,117 @@
+"""hrm.cpu_gemm: one choice of CPU GEMM path per dtype and token count, priced as it runs.
+
+Synthetic curves stand for the two kinds of host: an AVX2 CPU (widened float32 faster at every
+token count, sgemm's dip at 12 rows), an AMX CPU (native bf16 faster everywhere), and one where
+the winner changes with the token count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from hrm.cpu_gemm import (
+    CpuGemmChoice,
+    MeasuredRates,
+    choose_cpu_gemm,
+    gemm_flops_per_s,
+    gemm_peak_flops_per_s,
+    has_choice_curves,
+    pays_to_pad,
+)
+from hrm.errors import HrmError
+from hrm.hardware import Curve, resolve_hardware
+from tests.gemm_curves import AMX, AVX2, MIXED, rates, scaled
+
+
+def test_avx2_widens_at_every_token_count_and_pads_where_sgemm_dips():
+    choice = choose_cpu_gemm(rates(AVX2), "bfloat16")
+    assert choice.paths == ("widened",)
+    assert all(choice.path_at(t) == "widened" for t in range(1, 3000, 7))
+    assert choice.padded == ("widened",)  # 16 rows in 16/60 of the time 12 take: 12/25
+    assert choice.rows_at(12) == 16 and choice.rows_at(8) == 8 and choice.rows_at(17) == 32
+
+
+def test_amx_runs_native_everywhere_and_does_not_pad_where_it_would_not_pay():
+    choice = choose_cpu_gemm(rates(AMX), "bfloat16")
+    assert choice.paths == ("native",)
+    # native: 12 rows at 130, 16 at 168 GFLOP/s: 16 rows take 0.095, 12 take 0.092 (no gain)
+    assert choice.padded == ()
+    assert choice.rows_at(12) == 12
+
+
+def test_the_winner_changes_with_the_token_count():
+    choice = choose_cpu_gemm(rates(MIXED), "bfloat16")
+    assert choice.paths == ("native", "widened")
+    assert [choice.path_at(t) for t in (1, 4, 12, 16)] == ["native"] * 4
+    assert [choice.path_at(t) for t in (64, 256, 1024, 5000)] == ["widened"] * 4
+    # the switch sits half way, in log tokens, between the grid points 16 and 64
+    assert choice.buckets == ((0.0, "native"), (32.0, "widened"))
+    assert choice.path_at(31.9) == "native" and choice.path_at(32) == "widened"
+
+
+def test_the_planner_prices_the_chosen_path_not_the_faster_of_two():
+    r = rates(MIXED)
+    choice = choose_cpu_gemm(r, "bfloat16")
+    assert gemm_flops_per_s(r, choice, 16) == 200e9  # native's curve
+    assert gemm_flops_per_s(r, choice, 256) == 300e9  # widened's curve
+    forced = choose_cpu_gemm(r, "bfloat16", "widened")
+    assert gemm_flops_per_s(r, forced, 16) == 66e9  # slower, but what the executor would run
+    assert gemm_peak_flops_per_s(r, choice) == 320e9
+    assert gemm_peak_flops_per_s(r, choose_cpu_gemm(r, "bfloat16", "native")) == 200e9
+
+
+def test_a_padded_gemm_is_priced_at_the_rows_it_runs():
+    r = rates(AVX2)
+    choice = choose_cpu_gemm(r, "bfloat16")
+    # 12 useful rows run as 16, at the 16-row rate: useful FLOP/s = 60 * 12 / 16
+    assert gemm_flops_per_s(r, choice, 12) == pytest.approx(60e9 * 12 / 16)
+    assert gemm_flops_per_s(r, choice, 4) == 17e9
+
+
+def test_padding_is_measured_not_assumed():
+    assert pays_to_pad(scaled(AVX2["bfloat16_widened"], 1e9))
+    assert not pays_to_pad(scaled(AMX["bfloat16"], 1e9))
+    assert not pays_to_pad(None)
+    without_12 = Curve(points=((1.0, 1e9), (16.0, 8e9)))
+    assert not pays_to_pad(without_12)
+
+
+def test_float32_runs_natively_and_a_forced_path_is_stated():
+    r = MeasuredRates(matmul_curves={"float32": scaled(AVX2["bfloat16_widened"], 1e9)})
+    choice = choose_cpu_gemm(r, "float32")
+    assert choice.paths == ("native",) and choice.padded == ("native",)
+    forced = choose_cpu_gemm(r, "float32", "widened")
+    assert forced.paths == ("native",) and "16-bit" in forced.source
+    native = choose_cpu_gemm(rates(AVX2), "bfloat16", "native")
+    assert native.paths == ("native",) and native.source == "--cpu-gemm native"
+    with pytest.raises(HrmError, match="--cpu-gemm: unknown path 'fast'"):
+        choose_cpu_gemm(r, "bfloat16", "fast")
+
+
+def test_peaks_alone_choose_one_path_with_float32_standing_in_for_widened():
+    l4 = resolve_hardware("l4").cpu  # datasheet: no curves, no widened rate
+    assert not has_choice_curves(l4, "bfloat16")
+    slow_native = dataclasses.replace(l4, peak_flops_per_s={"float32": 1e12, "bfloat16": 1e11})
+    assert choose_cpu_gemm(slow_native, "bfloat16").paths == ("widened",)
+    fast_native = dataclasses.replace(l4, peak_flops_per_s={"float32": 1e12, "bfloat16": 4e12})
+    assert choose_cpu_gemm(fast_native, "bfloat16").paths == ("native",)
+
+
+def test_old_profiles_lack_the_curves_the_choice_needs():
+    """ci-cpu was profiled before the 12-token point: padding cannot be read from it."""
+    cpu = resolve_hardware("ci-cpu").cpu
+    assert not has_choice_curves(cpu, "bfloat16")
+    assert has_choice_curves(rates(AVX2), "bfloat16")
+    assert not has_choice_curves(rates({"bfloat16": AVX2["bfloat16"]}), "bfloat16")
+
+
+def test_a_choice_round_trips_through_its_record_form():
+    choice = choose_cpu_gemm(rates(MIXED), "bfloat16", source="profile x")
+    record = {**choice.to_dict(), "calls": {"native": 3}}
+    assert CpuGemmChoice.from_dict(record) == choice
+    with pytest.raises(HrmError, match="unknown key 'speed'"):
+        CpuGemmChoice.from_dict({**record, "speed": 1})
+    with pytest.raises(HrmError, match="buckets"):
+        CpuGemmChoice.from_dict({**record, "buckets": [[0, "turbo"]]})
