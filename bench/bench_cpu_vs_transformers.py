@@ -2,10 +2,15 @@
 
 Both run the same random checkpoint (saved by transformers into a temporary directory), the same
 batch of random prompts and the same generation length, greedy, never stopping early; each is
-warmed up, then timed `--repeats` times and the median kept.  The roofline bound of the run comes
-from a measured hardware profile (hrm.roofline.run_time_bound).  A second part measures peak
-resident memory while the executor loads and touches every weight of a ~2 GB checkpoint, in a
-fresh process.  Prints a table; the last line is JSON; the same JSON goes to reports/.
+warmed up, then timed `--repeats` times and the median kept.  The host is profiled first (`hrm
+profile --quick` at the bench model's own shape) unless `--hardware` names a profile; the
+executor takes the CPU GEMM path that profile chooses (hrm.cpu_gemm), and the bound and the
+prediction price that same path: the roofline bound at the path's peak
+(hrm.roofline.run_time_bound) and the planner's prediction of the run at the path's curves,
+which is the bound of every op at max(FLOPs / achieved rate, bytes / bandwidth).  A second part
+measures peak resident memory while the executor loads and touches every weight of a ~2 GB
+checkpoint, in a fresh process.  Prints a table; the last line is JSON; the same JSON goes to
+reports/.
 
     python bench/bench_cpu_vs_transformers.py [--quick] [--hardware PATH] [--repeats N]
 """
@@ -19,10 +24,11 @@ import subprocess
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
 import torch
+
+from hrm.cpu_gemm import CpuGemmChoice
 
 ROOT = Path(__file__).resolve().parents[1]
 FULL = dict(hidden=1024, width=3584, layers=4, batch=64, prompt_len=64, gen_len=128)
@@ -71,12 +77,43 @@ def median_time(run, repeats: int) -> tuple[float, list[float]]:
     return statistics.median(times), times
 
 
-def time_executor(path: Path, prompts: list[list[int]], gen_len: int, repeats: int):
+def profile_host(config_path: Path, output: Path) -> Path:
+    """A quick profile of this host at the bench model's expert shape: the rates this run sees."""
+    subprocess.run(
+        [sys.executable, "-m", "hrm", "profile", "--quick", "--device", "cpu", "--quiet"]
+        + ["--model", str(config_path), "-o", str(output)],
+        check=True,
+        cwd=ROOT,
+    )
+    return output
+
+
+def host_cpu_gemm(config_path: Path, hardware: str, dtype: str):
+    """The profile and the GEMM path `hrm run --hardware` would take with it on this host."""
+    from hrm.arch import resolve_model
+    from hrm.hardware import resolve_hardware
+    from hrm.profiling.host_gemm import cpu_gemm_for_run
+
+    profile = resolve_hardware(hardware)
+    choice = cpu_gemm_for_run(
+        resolve_model(config_path), dtype, mode="auto", hardware=profile, warn=print
+    )
+    return profile, choice
+
+
+def host_description() -> str:
+    from hrm.profiling.cpu import host_facts
+
+    facts = host_facts()
+    return f"{facts.cpu_model}, {facts.cores} cores, {' '.join(facts.matrix_features)}"
+
+
+def time_executor(path: Path, prompts: list[list[int]], gen_len: int, repeats: int, cpu_gemm):
     from executor.checkpoint import open_checkpoint
     from executor.generate import generate
     from executor.model import MoEModel
 
-    model = MoEModel(open_checkpoint(path, "bfloat16"))
+    model = MoEModel(open_checkpoint(path, "bfloat16"), cpu_gemm)
     generate(model, prompts[:2], 2)  # warm-up
     outputs = {}
 
@@ -105,32 +142,23 @@ def time_transformers(path: Path, prompts: list[list[int]], gen_len: int, repeat
     return median, times, outputs["tokens"]
 
 
-def model_figures(config_path: Path, hardware: str, batch: int, prompt_len: int, gen_len: int):
-    """What the model says of this run on the profile's CPU, as tok/s: the roofline bound (16-bit
-    math at the faster of the bfloat16 and float32 rates, as the executor widens bf16 weights for
-    each GEMM on a CPU), the bound at the native bfloat16 rate, and the planner's prediction
-    (`hrm run --hardware`). Nones with a warning when the profile cannot be read."""
+def model_figures(config_path: Path, profile, cpu_gemm, batch: int, prompt_len: int, gen_len: int):
+    """What the model says of this run on the profile's CPU along the chosen GEMM path, as tok/s:
+    the roofline bound at the path's peak, and the planner's prediction (`hrm run --hardware`)
+    at its curves."""
     from hrm.arch import resolve_model
-    from hrm.errors import HrmError
-    from hrm.hardware import resolve_hardware
     from hrm.roofline import run_time_bound
     from hrm.workload import Workload
     from planner import predict_resident_run
 
-    try:
-        profile = resolve_hardware(hardware)
-    except HrmError as exc:
-        warnings.warn(f"no roofline bound or prediction: {exc}", stacklevel=1)
-        return {"bound_tok_s": None, "bound_native_bf16_tok_s": None, "predicted": None}
     arch = resolve_model(config_path)
     shape = dict(batch=batch, prompt_len=prompt_len, gen_len=gen_len, dtype="bfloat16")
     workload = Workload.from_prompt_lens([prompt_len] * batch, gen_len)
-    plan = predict_resident_run(arch, profile, workload, batch_size=batch, dtype="bfloat16")
-    return {
-        "bound_tok_s": run_time_bound(arch, profile.cpu, **shape, widen_half=True).throughput_tok_s,
-        "bound_native_bf16_tok_s": run_time_bound(arch, profile.cpu, **shape).throughput_tok_s,
-        "predicted": plan.predicted.to_dict(),
-    }
+    plan = predict_resident_run(
+        arch, profile, workload, batch_size=batch, dtype="bfloat16", cpu_gemm=cpu_gemm
+    )
+    bound = run_time_bound(arch, profile.cpu, **shape, cpu_gemm=cpu_gemm)
+    return {"bound_tok_s": bound.throughput_tok_s, "predicted": plan.predicted.to_dict()}
 
 
 _LOAD_PROBE = """
@@ -171,7 +199,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller run, under 60 s")
     parser.add_argument("--repeats", type=int, help="timed runs per side (3; 1 with --quick)")
-    parser.add_argument("--hardware", default="ci-cpu", help="profile for the bound (ci-cpu)")
+    parser.add_argument(
+        "--hardware", help="profile for the GEMM path and the bound (default: profile this host)"
+    )
     parser.add_argument("--skip-load-check", action="store_true", help="no 2 GB load check")
     parser.add_argument("--output", help="JSON to write (reports/bench_cpu_vs_transformers.json)")
     args = parser.parse_args()
@@ -186,9 +216,11 @@ def main() -> None:
         config = mixtral_config(shape["hidden"], shape["width"], shape["layers"])
         path = save_checkpoint(config, Path(tmp) / "bench")
         params = sum(p.stat().st_size for p in path.glob("*.safetensors")) / 2
-        ex_s, ex_times, ex_tokens = time_executor(path, prompts, gen_len, repeats)
+        hardware = args.hardware or str(profile_host(path / "config.json", Path(tmp) / "host.yaml"))
+        profile, cpu_gemm = host_cpu_gemm(path / "config.json", hardware, "bfloat16")
+        ex_s, ex_times, ex_tokens = time_executor(path, prompts, gen_len, repeats, cpu_gemm)
         hf_s, hf_times, hf_tokens = time_transformers(path, prompts, gen_len, repeats)
-        model = model_figures(path, args.hardware, batch, prompt_len, gen_len)
+        model = model_figures(path, profile, cpu_gemm, batch, prompt_len, gen_len)
         load = None if args.quick or args.skip_load_check else load_peak_rss(Path(tmp))
 
     tokens = batch * gen_len
@@ -205,23 +237,24 @@ def main() -> None:
         **model,
         "executor_fraction_of_bound": _ratio(tokens / ex_s, model["bound_tok_s"]),
         "transformers_fraction_of_bound": _ratio(tokens / hf_s, model["bound_tok_s"]),
-        # (predicted - measured) / measured, as RunRecord.prediction_error
-        "prediction_error": (
-            _ratio(model["predicted"]["throughput_tok_s"], tokens / ex_s) - 1
-            if model["predicted"]
-            else None
+        "executor_fraction_of_prediction": _ratio(
+            tokens / ex_s, model["predicted"]["throughput_tok_s"]
         ),
+        # (predicted - measured) / measured, as RunRecord.prediction_error
+        "prediction_error": _ratio(model["predicted"]["throughput_tok_s"], tokens / ex_s) - 1,
         # bf16 rounding differs between the two, and a random model's logits are nearly flat,
         # so greedy paths part early; tests/executor holds fp32 to identical tokens.
         "tokens_agreeing_before_first_difference_mean": statistics.mean(prefixes),
         "first_token_agreement": sum(p > 0 for p in prefixes) / batch,
         "load": load,
-        "hardware": args.hardware,
+        "hardware": args.hardware or "this host, profiled quickly at the bench model's shape",
+        "host": host_description(),
+        "cpu_gemm": cpu_gemm.to_dict(),
     }
     print(format_table(result))
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(result, indent=2) + "\n")
-    keys = ("executor_tok_s", "transformers_tok_s", "speedup", "bound_tok_s")
+    keys = ("executor_tok_s", "transformers_tok_s", "speedup", "bound_tok_s", "prediction_error")
     summary = {k: result[k] for k in keys}
     if load:
         summary["load_peak_rss_ratio"] = load["peak_rss_ratio"]
@@ -234,15 +267,16 @@ def format_table(r: dict) -> str:
         f"Mixtral-shaped, {m['params'] / 1e6:.0f}M params, {m['layers']} layers, bfloat16; "
         f"batch {m['batch']} x {m['prompt_len']} tokens, generate {m['gen_len']}; "
         f"median of {r['repeats']}, {r['threads']} threads",
+        f"host: {r['host']}; profile: {r['hardware']}",
+        f"CPU GEMM: {CpuGemmChoice.from_dict(r['cpu_gemm']).describe()}",
         f"{'':<14}{'tok/s':>10}{'of bound':>10}",
         f"{'executor':<14}{r['executor_tok_s']:>10.1f}{_pct(r['executor_fraction_of_bound']):>10}",
         f"{'transformers':<14}{r['transformers_tok_s']:>10.1f}"
         f"{_pct(r['transformers_fraction_of_bound']):>10}",
-        f"{'bound':<14}{_num(r['bound_tok_s']):>10}   16-bit math at the faster of the bfloat16 "
-        f"and float32 FLOP/s of {r['hardware']}",
-        f"{'bound, bf16':<14}{_num(r['bound_native_bf16_tok_s']):>10}   at the bfloat16 FLOP/s",
-        f"{'predicted':<14}{_num(r['predicted'] and r['predicted']['throughput_tok_s']):>10}   "
-        f"planner, all on the CPU ({_pct(r['prediction_error'])} against the executor)",
+        f"{'bound':<14}{_num(r['bound_tok_s']):>10}   roofline, at the chosen path's peak",
+        f"{'predicted':<14}{_num(r['predicted']['throughput_tok_s']):>10}"
+        f"{_pct(r['executor_fraction_of_prediction']):>10}   planner, all on the CPU, at the "
+        f"chosen path's curves (the executor at this share of it)",
         f"speedup {r['speedup']:.2f}x; same first token in "
         f"{100 * r['first_token_agreement']:.0f}% of sequences, paths part after "
         f"{r['tokens_agreeing_before_first_difference_mean']:.1f} tokens on average (bf16)",

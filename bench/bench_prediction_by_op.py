@@ -1,25 +1,23 @@
 """Where the planner's prediction of a CPU run is right and wrong, operation by operation.
 
-Runs the benchmark model of bench_cpu_vs_transformers.py (the same random bf16 Mixtral-shaped
-checkpoint, batch and lengths) with the executor, timing each part of every layer: dense
-(norms, QKV and O projections), attention, expert FFN (router included) and the LM head, per phase
-(prefill, decode). Beside each it puts the planner's seconds for the same part
-(planner.cost.micro_batch_seconds with the all-CPU policy of `hrm run --hardware`), twice: from
-`--hardware` (ci-cpu, whose GEMM curves were timed at Mixtral 8x7B's expert shape) and from a
-quick `hrm profile --model` of this machine at the benchmark model's own shape, so that what the
-shape explains is told apart from what the model leaves out. The router sits in the planner's
-dense part (0.02% of the FLOPs). Prints a table; the last line is JSON; the same JSON goes to
-reports/.
+Runs the benchmark model of bench_cpu_vs_transformers.py (the same random Mixtral-shaped
+checkpoint, batch and lengths, in `--dtype`) with the executor, timing each part of every layer:
+dense (norms, QKV and O projections), attention, expert FFN (router included) and the LM head, per
+phase (prefill, decode). Beside each it puts the planner's seconds for the same part
+(planner.cost.micro_batch_seconds with the all-CPU policy of `hrm run --hardware`) from a quick
+`hrm profile --model` of this host at the benchmark model's own shape, or from `--hardware`. The
+executor and the planner take the same CPU GEMM path, the one that profile chooses
+(hrm.cpu_gemm). The router sits in the planner's dense part (0.02% of the FLOPs). Prints a
+table; the last line is JSON; the same JSON goes to reports/.
 
-    python bench/bench_prediction_by_op.py [--quick] [--hardware PATH]
+    python bench/bench_prediction_by_op.py [--quick] [--dtype bfloat16|float32] [--hardware PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
+import statistics
 import tempfile
 import time
 from collections import defaultdict
@@ -29,21 +27,29 @@ from bench_cpu_vs_transformers import (
     FULL,
     QUICK,
     ROOT,
+    host_cpu_gemm,
+    host_description,
     mixtral_config,
+    profile_host,
     random_prompts,
     save_checkpoint,
 )
 
+from hrm.cpu_gemm import CpuGemmChoice
+
 PARTS = ("dense", "attention", "expert ffn", "lm head", "other")
 
 
-def measure(path: Path, prompts: list[list[int]], gen_len: int) -> dict:
-    """Seconds per (phase, part) of one executor run, after a warm-up run."""
+def measure(
+    path: Path, prompts: list[list[int]], gen_len: int, dtype: str, cpu_gemm, repeats: int
+) -> dict:
+    """Seconds per (phase, part): the median over `repeats` executor runs, after a warm-up run
+    (single runs on these VMs vary by up to 1.5x)."""
     from executor.checkpoint import open_checkpoint
     from executor.generate import generate
     from executor.model import MoEModel
 
-    model = MoEModel(open_checkpoint(path, "bfloat16"))
+    model = MoEModel(open_checkpoint(path, dtype), cpu_gemm)
     generate(model, prompts[:2], 2)  # warm-up
     seconds: dict[tuple[str, str], float] = defaultdict(float)
     phase = {"now": "prefill"}
@@ -74,9 +80,20 @@ def measure(path: Path, prompts: list[list[int]], gen_len: int) -> dict:
         timed(name, part)
     timed("prefill", "whole", sets_phase="prefill")
     timed("decode", "whole", sets_phase="decode")
-    t0 = time.perf_counter()
-    generate(model, prompts, gen_len)
-    total = time.perf_counter() - t0
+    runs = []
+    for _ in range(repeats):
+        seconds.clear()
+        t0 = time.perf_counter()
+        generate(model, prompts, gen_len)
+        runs.append(_parts(seconds, time.perf_counter() - t0))
+    return {
+        ph: {part: statistics.median(run[ph][part] for run in runs) for part in PARTS}
+        for ph in ("prefill", "decode")
+    }
+
+
+def _parts(seconds: dict[tuple[str, str], float], total: float) -> dict:
+    """One run's timers as seconds per (phase, part)."""
     result = {}
     for ph in ("prefill", "decode"):
         s = {p: seconds[(ph, p)] for p in ("dense", "attention", "expert ffn", "lm head")}
@@ -89,18 +106,22 @@ def measure(path: Path, prompts: list[list[int]], gen_len: int) -> dict:
     return result
 
 
-def predict(path: Path, hardware: str, batch: int, prompt_len: int, gen_len: int) -> dict:
+def predict(path: Path, hw, cpu_gemm, dtype: str, batch: int, prompt_len: int, gen_len: int):
     """The planner's seconds per (phase, part) for the all-CPU run of `hrm run --hardware`."""
     from hrm.arch import resolve_model
-    from hrm.hardware import resolve_hardware
     from hrm.workload import Workload
     from planner import predict_resident_run
     from planner.cost import Setting, micro_batch_seconds
 
-    arch, hw = resolve_model(path / "config.json"), resolve_hardware(hardware)
+    arch = resolve_model(path / "config.json")
     workload = Workload.from_prompt_lens([prompt_len] * batch, gen_len)
     setting = Setting(
-        arch=arch, hardware=hw, workload=workload, weight_dtype="bfloat16", kv_dtype="bfloat16"
+        arch=arch,
+        hardware=hw,
+        workload=workload,
+        weight_dtype=dtype,
+        kv_dtype=dtype,
+        cpu_gemm=cpu_gemm,
     )
     mb = micro_batch_seconds(setting, batch)
     layers = arch.num_layers
@@ -114,7 +135,9 @@ def predict(path: Path, hardware: str, batch: int, prompt_len: int, gen_len: int
         "prefill": {p: float(v[0]) for p, v in parts.items()},
         "decode": {p: float(v[1:].sum()) for p, v in parts.items()},
     }
-    plan = predict_resident_run(arch, hw, workload, batch_size=batch, dtype="bfloat16")
+    plan = predict_resident_run(
+        arch, hw, workload, batch_size=batch, dtype=dtype, cpu_gemm=cpu_gemm
+    )
     # the parts must add up to the prediction hrm run reports
     assert abs(sum(result["prefill"].values()) - plan.predicted.prefill_s) < 1e-9
     assert abs(sum(result["decode"].values()) - plan.predicted.decode_s) < 1e-9
@@ -124,10 +147,13 @@ def predict(path: Path, hardware: str, batch: int, prompt_len: int, gen_len: int
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="the quick shape of the CPU bench")
-    parser.add_argument("--hardware", default="ci-cpu", help="profile to predict with (ci-cpu)")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument("--hardware", help="profile to predict with (default: profile this host)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs to take the median of (3)")
     parser.add_argument("--output", help="JSON to write (reports/bench_prediction_by_op.json)")
     args = parser.parse_args()
-    name = "bench_prediction_by_op_quick" if args.quick else "bench_prediction_by_op"
+    name = "bench_prediction_by_op" + ("_quick" if args.quick else "")
+    name += "" if args.dtype == "bfloat16" else f"_{args.dtype}"
     output = Path(args.output or ROOT / "reports" / f"{name}.json")
     shape = QUICK if args.quick else FULL
     batch, prompt_len, gen_len = shape["batch"], shape["prompt_len"], shape["gen_len"]
@@ -135,21 +161,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         config = mixtral_config(shape["hidden"], shape["width"], shape["layers"])
         path = save_checkpoint(config, Path(tmp) / "bench")
-        shaped = Path(tmp) / "at-this-shape.yaml"
-        subprocess.run(
-            [sys.executable, "-m", "hrm", "profile", "--quick", "--device", "cpu", "--quiet"]
-            + ["--model", str(path / "config.json"), "-o", str(shaped)],
-            check=True,
-            cwd=ROOT,
-        )
-        measured = measure(path, prompts, gen_len)
-        predicted = predict(path, args.hardware, batch, prompt_len, gen_len)
-        predicted_shaped = predict(path, str(shaped), batch, prompt_len, gen_len)
+        hardware = args.hardware or str(profile_host(path / "config.json", Path(tmp) / "host.yaml"))
+        profile, cpu_gemm = host_cpu_gemm(path / "config.json", hardware, args.dtype)
+        measured = measure(path, prompts, gen_len, args.dtype, cpu_gemm, args.repeats)
+        predicted = predict(path, profile, cpu_gemm, args.dtype, batch, prompt_len, gen_len)
     rows = []
     for ph in ("prefill", "decode"):
         for part in PARTS:
             m = measured[ph][part]
-            p, q = predicted[ph].get(part, 0.0), predicted_shaped[ph].get(part, 0.0)
+            p = predicted[ph].get(part, 0.0)
             rows.append(
                 {
                     "phase": ph,
@@ -157,15 +177,19 @@ def main() -> None:
                     "measured_s": m,
                     "predicted_s": p,
                     "error": (p - m) / m if m else None,
-                    "predicted_at_shape_s": q,
-                    "error_at_shape": (q - m) / m if m else None,
                 }
             )
-    totals = {
-        key: sum(r[key] for r in rows)
-        for key in ("measured_s", "predicted_s", "predicted_at_shape_s")
+    totals = {key: sum(r[key] for r in rows) for key in ("measured_s", "predicted_s")}
+    totals["error"] = totals["predicted_s"] / totals["measured_s"] - 1
+    result = {
+        "model": {**shape, "dtype": args.dtype},
+        "repeats": args.repeats,
+        "hardware": args.hardware or "this host, profiled quickly at the bench model's shape",
+        "host": host_description(),
+        "cpu_gemm": cpu_gemm.to_dict(),
+        "rows": rows,
+        "totals": totals,
     }
-    result = {"model": shape, "hardware": args.hardware, "rows": rows, "totals": totals}
     print(format_table(result))
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(result, indent=2) + "\n")
@@ -174,21 +198,18 @@ def main() -> None:
 
 def format_table(r: dict) -> str:
     lines = [
-        f"{'':<21}{'':>10}{r['hardware']:>20}{'profiled at this shape':>24}",
-        f"{'phase':<9}{'part':<12}{'measured s':>10}{'predicted s':>12}{'error':>8}"
-        f"{'predicted s':>16}{'error':>8}",
+        f"{r['model']['dtype']}; host: {r['host']}; profile: {r['hardware']}",
+        f"CPU GEMM: {CpuGemmChoice.from_dict(r['cpu_gemm']).describe()}",
+        f"{'phase':<9}{'part':<12}{'measured s':>12}{'predicted s':>12}{'error':>8}",
     ]
     for row in r["rows"]:
         lines.append(
-            f"{row['phase']:<9}{row['part']:<12}{row['measured_s']:>10.3f}"
+            f"{row['phase']:<9}{row['part']:<12}{row['measured_s']:>12.3f}"
             f"{row['predicted_s']:>12.3f}{_pct(row['error']):>8}"
-            f"{row['predicted_at_shape_s']:>16.3f}{_pct(row['error_at_shape']):>8}"
         )
     t = r["totals"]
-    m = t["measured_s"]
     lines.append(
-        f"{'total':<21}{m:>10.3f}{t['predicted_s']:>12.3f}{_pct(t['predicted_s'] / m - 1):>8}"
-        f"{t['predicted_at_shape_s']:>16.3f}{_pct(t['predicted_at_shape_s'] / m - 1):>8}"
+        f"{'total':<21}{t['measured_s']:>12.3f}{t['predicted_s']:>12.3f}{_pct(t['error']):>8}"
     )
     return "\n".join(lines)
 

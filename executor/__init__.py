@@ -1,4 +1,4 @@
-"""executor: reads real Hugging Face MoE checkpoints and runs them (DESIGN.md, The executor).
+"""executor: reads real Hugging Face MoE checkpoints and runs them (docs/architecture.md).
 
 Imports torch; imports hrm, never planner.
 """

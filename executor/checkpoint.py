@@ -1,6 +1,6 @@
 """Open a local Mixtral or DBRX checkpoint into one canonical set of per-layer weights.
 
-Three on-disk layouts (DESIGN.md, The executor) become the same `ModelWeights`: every tensor is a
+Three on-disk layouts (docs/architecture.md) become the same `ModelWeights`: every tensor is a
 view of the memory-mapped safetensors file when it already has the requested dtype, or is copied
 once into that dtype (and the file pages released) when it has not, so loading never holds two
 copies.  Each expert's w1, w3 and w2 are separate tensors, addressable on their own, because the

@@ -1,7 +1,7 @@
 """hrm: the shared vocabulary and the hierarchical roofline model.
 
-Imports neither torch nor pulp (DESIGN.md): the planner and the executor import hrm, never the
-other way round.
+Imports neither torch nor pulp (docs/architecture.md): the planner and the executor import hrm,
+never the other way round.
 """
 
 from hrm.errors import HrmError

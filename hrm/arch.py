@@ -1,6 +1,6 @@
 """ModelArch: the geometry of a Mixture-of-Experts transformer, from a Hugging Face config.json.
 
-This module is the one place that knows config field names (DESIGN.md, Data model): the roofline,
+This module is the one place that knows config field names (docs/architecture.md): the roofline,
 the planner and the executor all read the model through ModelArch.  Supported model types:
 mixtral, dbrx, qwen2_moe and olmoe.
 """

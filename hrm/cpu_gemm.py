@@ -25,8 +25,10 @@ from hrm.schema import check_keys
 
 PATHS = ("native", "widened")
 MODES = ("auto", *PATHS)
-PAD_CHECK_TOKENS = (12, 16)  # padding pays when 16 rows take less time than 12 ...
-PAD_MIN_GAIN = 0.1  # ... by at least this share: a tie is timing noise (about 5% between runs)
+PAD_CHECK_TOKENS = (12, 16)  # padding pays when 16 rows take less time than 12
+# A path is taken over native, and padding over none, only when it saves at least this share of
+# the time: two profiles of one host differ by about 5%, so a smaller gain is timing noise.
+NOISE_FLOOR = 0.1
 
 
 class GemmRates(Protocol):
@@ -79,7 +81,7 @@ def pays_to_pad(curve: Curve | None) -> bool:
     small, padded = PAD_CHECK_TOKENS
     if small not in rates or padded not in rates:
         return False
-    return padded / rates[padded] < (1 - PAD_MIN_GAIN) * small / rates[small]
+    return padded / rates[padded] < (1 - NOISE_FLOOR) * small / rates[small]
 
 
 def has_choice_curves(rates: GemmRates, dtype: str) -> bool:
@@ -158,8 +160,9 @@ class CpuGemmChoice:
 def choose_cpu_gemm(
     rates: GemmRates, dtype: str, mode: str = "auto", *, source: str = "profile"
 ) -> CpuGemmChoice:
-    """The fastest path at each token count of the curves' grid, from `rates`; mode native or
-    widened forces one path (padding still as measured). Float32 has one path, native."""
+    """The fastest path at each token count of the curves' grid, from `rates` (native unless
+    another saves NOISE_FLOOR of its time); mode native or widened forces one path (padding still
+    as measured). Float32 has one path, native."""
     if mode not in MODES:
         raise HrmError(f"--cpu-gemm: unknown path {mode!r}; use one of {', '.join(MODES)}")
     paths = PATHS if dtype in HALF_DTYPES else ("native",)
@@ -182,7 +185,10 @@ def choose_cpu_gemm(
     grid = sorted({x for curve in curves for x, _ in curve.points}) or [1.0]
     buckets: list[tuple[float, str]] = []
     for i, tokens in enumerate(grid):
-        best = min(paths, key=lambda p: seconds_per_row(p, tokens))  # ties: native first
+        native = seconds_per_row("native", tokens)
+        best = min(paths, key=lambda p: seconds_per_row(p, tokens))
+        if seconds_per_row(best, tokens) > (1 - NOISE_FLOOR) * native:
+            best = "native"  # within noise of native: the plain path
         if not buckets or buckets[-1][1] != best:
             # a bucket starts half way (in log tokens) from the previous grid point
             start = 0.0 if i == 0 else math.sqrt(grid[i - 1] * tokens)

@@ -1,6 +1,6 @@
 """The one exception class for errors a user can cause.
 
-The command line turns an HrmError into one line on stderr and exit status 2 (DESIGN.md,
+The command line turns an HrmError into one line on stderr and exit status 2 (docs/architecture.md,
 Conventions); anything else is a bug and keeps its traceback.
 """
 

@@ -1,8 +1,8 @@
 """Reading and writing the project's files: strict loaders and atomic writers.
 
 Every output goes through `atomic_write_*` so that a failure never leaves a partial file
-(DESIGN.md, Conventions), and every input through `load_*` so that a missing or malformed file is
-one HrmError naming the file.
+(docs/architecture.md, Conventions), and every input through `load_*` so that a missing or
+malformed file is one HrmError naming the file.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Plan: a Policy with its schedule and the planner's prediction, the file `hrm plan -o` writes.
 
 `hrm run --plan plan.json` reads exactly this file, so the executor allocates by the same
-accounting the planner checked (DESIGN.md, Data model).
+accounting the planner checked (docs/architecture.md, Data model).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Policy: where each part of the model lives and runs, and how the batch is cut.
 
 The paper's P = (N, mu, A_g, F_g, r_w, r_c) (reference, section 2), plus the dtypes. Fractions are
-fractions (0..1), never percents (STYLE.md habit 1).
+fractions (0..1), never percents.
 """
 
 from __future__ import annotations

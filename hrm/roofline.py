@@ -1,6 +1,6 @@
 """The hierarchical roofline model (reference, section 1): roofs, turning points, op times.
 
-Pure functions that return breakdowns, not scalars (STYLE.md habit 5): which roof binds is part of
+Pure functions that return breakdowns, not scalars: which roof binds is part of
 every answer. Levels: i = GPU (higher), j = CPU (lower); the link is PCIe from j to i.
 """
 

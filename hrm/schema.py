@@ -1,4 +1,4 @@
-"""Strict construction of frozen dataclasses from parsed files (STYLE.md habit 3).
+"""Strict construction of frozen dataclasses from parsed files.
 
 Unknown keys are rejected with the key named, missing keys are named, and every error says which
 file (or section of a file) it came from.

@@ -1,7 +1,7 @@
 """Decimal and binary sizes, bandwidths and FLOP rates: parse from files, print for people.
 
 Files hold "16 GB", "16GiB", "300 GB/s", "65 TFLOP/s" or plain numbers in SI base units (bytes,
-bytes per second, FLOP per second); everything in memory is SI base units (STYLE.md habit 1).
+bytes per second, FLOP per second); everything in memory is SI base units.
 Convert only here.
 """
 

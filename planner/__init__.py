@@ -1,6 +1,6 @@
 """The planner: the end-to-end cost and memory model, the exact MILP policy search, baselines.
 
-Imports hrm, never executor (DESIGN.md). `predict` evaluates one given policy
+Imports hrm, never executor (docs/architecture.md). `predict` evaluates one given policy
 (`predict_resident_run`: the one-device run of `hrm run --hardware`); `search` finds the best ones.
 """
 

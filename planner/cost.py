@@ -1,4 +1,4 @@
-"""The end-to-end time model: prefill and every decode step, per layer, per queue (DESIGN.md).
+"""The end-to-end time model: prefill and every decode step, per layer, per queue.
 
 Once N (batch) and mu (micro-batch) are fixed, every time below is an affine function of the
 placement v = (1, A_g, F_g, r_w, r_c): A_g = attention on the GPU, F_g = layers (projections,

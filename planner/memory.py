@@ -21,8 +21,8 @@ from hrm.ops import ACTIVATION_DTYPE
 from hrm.policy import dtype_bytes
 from hrm.workload import Workload
 
-# The one headroom (DESIGN.md): plans use at most this fraction of each device's memory; the rest
-# is left for the CUDA context, allocator fragmentation and the operating system.
+# The one headroom: plans use at most this fraction of each device's memory; the rest is left for
+# the CUDA context, allocator fragmentation and the operating system.
 USABLE_MEMORY_FRACTION = 0.9
 
 # Prefill runs each micro-batch through the layer in chunks of at most this many tokens, so the

@@ -115,3 +115,11 @@ def test_a_choice_round_trips_through_its_record_form():
         CpuGemmChoice.from_dict({**record, "speed": 1})
     with pytest.raises(HrmError, match="buckets"):
         CpuGemmChoice.from_dict({**record, "buckets": [[0, "turbo"]]})
+
+
+def test_a_path_within_timing_noise_of_native_is_not_taken():
+    native = AMX["bfloat16"]
+    near = {"bfloat16": native, "bfloat16_widened": scaled(native, 1.05)}  # 5% faster: noise
+    assert choose_cpu_gemm(rates(near), "bfloat16").paths == ("native",)
+    clear = {"bfloat16": native, "bfloat16_widened": scaled(native, 1.2)}
+    assert choose_cpu_gemm(rates(clear), "bfloat16").paths == ("widened",)

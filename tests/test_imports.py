@@ -1,4 +1,5 @@
-"""One-way doors (DESIGN.md): hrm loads neither torch nor pulp; planner and executor stay apart."""
+"""One-way doors (docs/architecture.md): hrm loads neither torch nor pulp; planner and executor
+stay apart."""
 
 import subprocess
 import sys

@@ -1,4 +1,4 @@
-"""The roofline model pinned to hand-computed numbers (STYLE.md habit 11)."""
+"""The roofline model pinned to hand-computed numbers."""
 
 import dataclasses
 

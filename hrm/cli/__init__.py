@@ -1,7 +1,7 @@
 """The `hrm` command line: one module per subcommand, with add_parser(subparsers) and run(args).
 
 Subcommand modules import nothing heavy at module level (no torch, no pulp); each `run` imports
-what it needs (STYLE.md habit 13). An HrmError becomes one line on stderr and exit status 2.
+what it needs. An HrmError becomes one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ SUBCOMMANDS = ("roofline", "profile", "plan", "run")
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (DESIGN.md, Conventions) and exit status 2."""
+    """argparse, but a usage error is one line (docs/architecture.md) and exit status 2."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")

@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
             spec.arch, spec.dtype, mode=args.cpu_gemm, hardware=hardware, warn=warn
         )
 
-    if on_gpu and hardware is not None and hardware.source == "measured":
+    if hardware is not None and hardware.source == "measured":
         differs = host_differs(hardware)
         if differs:
             warn(f"warning: {differs}: the prediction is for that host")

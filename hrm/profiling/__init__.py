@@ -4,7 +4,7 @@ The planner charges achieved, not datasheet, rates: peak FLOP/s per dtype is the
 expert-shaped GEMM reached, the matmul curves give the rate at each token count, and memory
 bandwidth is the streaming-read rate a decode step sees. Free-form detail (every bandwidth kind,
 spreads, load average, the command) goes in `provenance`. Nothing here imports torch at module
-level: `import hrm` stays light (DESIGN.md).
+level: `import hrm` stays light (docs/architecture.md).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """One timing loop for every measurement: warm up, repeat, take the median, keep the spread.
 
-STYLE.md habit 12. The clock is passed in, so the CPU (time.perf_counter) and the GPU (CUDA
+The clock is passed in, so the CPU (time.perf_counter) and the GPU (CUDA
 events, synchronised) share this loop; the module imports no torch.
 """
 

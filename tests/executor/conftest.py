@@ -139,7 +139,7 @@ def reference_model(path: Path, dtype: torch.dtype = torch.float32):
 
     config = AutoConfig.from_pretrained(path)
     if config.model_type == "dbrx":
-        # transformers 5.x reads rope_parameters and ignores attn_config.rope_theta (DESIGN.md).
+        # transformers 5.x reads rope_parameters and ignores attn_config.rope_theta.
         theta = json.loads((path / "config.json").read_text())["attn_config"]["rope_theta"]
         config.rope_parameters = {"rope_theta": float(theta), "rope_type": "default"}
     return AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype).eval()

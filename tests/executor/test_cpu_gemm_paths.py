@@ -126,6 +126,8 @@ def test_a_profile_of_this_host_decides_and_none_other_does(run_cli, checkpoints
     assert record["environment"]["cpu_gemm"]["source"].startswith("probe")
     (note,) = [line for line in stderr.splitlines() if "probe" in line]
     assert "measured on 'Some Other CPU'" in note
+    (warning,) = [line for line in stderr.splitlines() if "warning" in line]
+    assert "Some Other CPU" in warning and "the prediction is for that host" in warning
     # a profile of this host taken before matrix features were recorded also yields to a probe
     data = yaml.safe_load(mine.read_text())
     del data["provenance"]["cpu_matrix_features"]

@@ -1,4 +1,4 @@
-"""executor imports hrm and torch, never the planner (DESIGN.md: one-way doors)."""
+"""executor imports hrm and torch, never the planner (docs/architecture.md: one-way doors)."""
 
 import subprocess
 import sys

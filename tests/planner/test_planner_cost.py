@@ -1,4 +1,4 @@
-"""The cost and memory model pinned to hand-derived numbers (STYLE.md habit 11).
+"""The cost and memory model pinned to hand-derived numbers.
 
 Tiny model (conftest): L=2, h=64, i=128, nq=4, nkv=2, d=16, E=4, k=2, V=100; float32 weights and
 KV (4 B), bfloat16 activations (2 B). Per layer: attention 64*128 + 64*64 = 12288 params, router
