@@ -88,15 +88,21 @@ def profile_host(config_path: Path, output: Path) -> Path:
     return output
 
 
-def host_cpu_gemm(config_path: Path, hardware: str, dtype: str):
+def host_cpu_gemm(path: Path, hardware: str, dtype: str):
     """The profile and the GEMM path `hrm run --hardware` would take with it on this host."""
-    from hrm.arch import resolve_model
+    from executor.checkpoint import open_checkpoint
     from hrm.hardware import resolve_hardware
     from hrm.profiling.host_gemm import cpu_gemm_for_run
 
     profile = resolve_hardware(hardware)
+    checkpoint = open_checkpoint(path, dtype)
     choice = cpu_gemm_for_run(
-        resolve_model(config_path), dtype, mode="auto", hardware=profile, warn=print
+        checkpoint.arch,
+        dtype,
+        mode="auto",
+        hardware=profile,
+        weights=checkpoint.expert_gate_weights,
+        warn=print,
     )
     return profile, choice
 
@@ -217,7 +223,7 @@ def main() -> None:
         path = save_checkpoint(config, Path(tmp) / "bench")
         params = sum(p.stat().st_size for p in path.glob("*.safetensors")) / 2
         hardware = args.hardware or str(profile_host(path / "config.json", Path(tmp) / "host.yaml"))
-        profile, cpu_gemm = host_cpu_gemm(path / "config.json", hardware, "bfloat16")
+        profile, cpu_gemm = host_cpu_gemm(path, hardware, "bfloat16")
         ex_s, ex_times, ex_tokens = time_executor(path, prompts, gen_len, repeats, cpu_gemm)
         hf_s, hf_times, hf_tokens = time_transformers(path, prompts, gen_len, repeats)
         model = model_figures(path, profile, cpu_gemm, batch, prompt_len, gen_len)

@@ -162,7 +162,7 @@ def main() -> None:
         config = mixtral_config(shape["hidden"], shape["width"], shape["layers"])
         path = save_checkpoint(config, Path(tmp) / "bench")
         hardware = args.hardware or str(profile_host(path / "config.json", Path(tmp) / "host.yaml"))
-        profile, cpu_gemm = host_cpu_gemm(path / "config.json", hardware, args.dtype)
+        profile, cpu_gemm = host_cpu_gemm(path, hardware, args.dtype)
         measured = measure(path, prompts, gen_len, args.dtype, cpu_gemm, args.repeats)
         predicted = predict(path, profile, cpu_gemm, args.dtype, batch, prompt_len, gen_len)
     rows = []

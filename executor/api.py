@@ -20,7 +20,14 @@ from typing import Any
 
 import torch
 
-from executor.checkpoint import DTYPES, load_tokenizer, open_checkpoint, read_arch, stored_dtype
+from executor.checkpoint import (
+    DTYPES,
+    Checkpoint,
+    load_tokenizer,
+    open_checkpoint,
+    read_arch,
+    stored_dtype,
+)
 from executor.generate import Generation, Sampling, generate
 from executor.model import MoEModel
 from hrm.arch import ModelArch
@@ -184,7 +191,7 @@ def torch_threads(threads: int | None):
 def execute(
     spec: RunSpec,
     *,
-    cpu_gemm: CpuGemmChoice | Callable[[], CpuGemmChoice] | None = None,
+    cpu_gemm: CpuGemmChoice | Callable[[Checkpoint], CpuGemmChoice] | None = None,
     sampling: Sampling | None = None,
     ignore_eos: bool = False,
     quiet: bool = False,
@@ -192,11 +199,11 @@ def execute(
 ) -> RunResult:
     """Load the weights, generate, and measure prefill and decode time.
 
-    cpu_gemm: the CPU GEMM path (MoEModel), or a function that chooses it, called once the
-    checkpoint has opened (a broken checkpoint fails before a probe). `warn` hears when other
-    processes took enough of the CPU that the measurement is not comparable."""
+    cpu_gemm: the CPU GEMM path (MoEModel), or a function of the opened checkpoint that chooses
+    it (so a broken checkpoint fails before a probe, which times its weights). `warn` hears when
+    other processes took enough of the CPU that the measurement is not comparable."""
     checkpoint = open_checkpoint(spec.checkpoint, spec.dtype, device=spec.device)
-    model = MoEModel(checkpoint, cpu_gemm() if callable(cpu_gemm) else cpu_gemm)
+    model = MoEModel(checkpoint, cpu_gemm(checkpoint) if callable(cpu_gemm) else cpu_gemm)
     bar = progress_bar(total=1, desc="prefill", quiet=quiet)
 
     def on_step(phase: str) -> None:

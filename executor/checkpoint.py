@@ -185,6 +185,11 @@ class Checkpoint:
     weights: ModelWeights
     dtype: torch.dtype
 
+    @property
+    def expert_gate_weights(self) -> list[torch.Tensor]:
+        """Every expert's w1 [I, H], layer by layer: what a CPU GEMM probe rotates over."""
+        return [e.w1 for layer in self.weights.layers for e in layer.experts]
+
 
 def load_tokenizer(directory: Path):
     """The checkpoint's own tokenizer, or None when it ships none (then prompts are token ids)."""

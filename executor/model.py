@@ -69,7 +69,7 @@ class MoEModel:
         elif cpu_gemm is None:
             from hrm.profiling.host_gemm import probe_cpu_gemm
 
-            cpu_gemm = probe_cpu_gemm(self.arch, dtype_name)
+            cpu_gemm = probe_cpu_gemm(self.arch, dtype_name, checkpoint.expert_gate_weights)
         elif cpu_gemm.dtype != dtype_name:
             raise HrmError(f"the CPU GEMM choice is for {cpu_gemm.dtype}, the run is {dtype_name}")
         self.cpu_gemm = cpu_gemm

@@ -101,9 +101,14 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
     )
 
-    def choose():  # at the run's own thread count, once the checkpoint has opened
+    def choose(checkpoint):  # at the run's own thread count, once the checkpoint has opened
         return cpu_gemm_for_run(
-            spec.arch, spec.dtype, mode=args.cpu_gemm, hardware=hardware, warn=warn
+            spec.arch,
+            spec.dtype,
+            mode=args.cpu_gemm,
+            hardware=hardware,
+            weights=checkpoint.expert_gate_weights,
+            warn=warn,
         )
 
     if hardware is not None and hardware.source == "measured":

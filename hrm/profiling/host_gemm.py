@@ -2,14 +2,16 @@
 else from a probe of about a second at the model's own expert shape.
 
 The probe is `hrm profile`'s sweep (hrm.profiling.matmul) on both paths, cut short: a few token
-counts including the padding check (12 and 16), weights rotated past the last-level cache (but
-never more than the model's own experts), one budget for both paths.
+counts including the padding check (12 and 16), over the model's own expert weights (enough of
+them to stream twice the last-level cache, or all), one budget for both paths. Timing the run's
+own weights costs no memory and is exactly the executor's situation.
 """
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from hrm.arch import ModelArch
 from hrm.cpu_gemm import CpuGemmChoice, MeasuredRates, choose_cpu_gemm, has_choice_curves
@@ -46,18 +48,22 @@ def host_differs(profile: HardwareProfile) -> str | None:
 
 
 def probe_cpu_gemm(
-    arch: ModelArch, dtype: str, *, mode: str = "auto", budget_s: float = PROBE_BUDGET_S
+    arch: ModelArch,
+    dtype: str,
+    weights: Sequence,
+    *,
+    mode: str = "auto",
+    budget_s: float = PROBE_BUDGET_S,
 ) -> CpuGemmChoice:
-    """Time both GEMM paths of `dtype` at the model's expert shape and choose between them."""
+    """Time both GEMM paths of `dtype` over `weights` (the model's expert w1s, [I, H] in `dtype`)
+    and choose between them."""
     facts = cpu.host_facts()
     shape = GemmShape(model=arch.name, hidden=arch.hidden_size, intermediate=arch.intermediate_size)
-    experts_bytes = arch.num_layers * arch.num_experts * 3 * shape.hidden * shape.intermediate
-    available = facts.available_memory_bytes or facts.memory_bytes
-    streamed = min(
-        2 * (facts.last_level_cache_bytes or 0.0),
-        experts_bytes * dtype_bytes(dtype),
-        available / 8,
-    )
+    per_weight = shape.hidden * shape.intermediate * dtype_bytes(dtype)
+    wanted = math.ceil(2 * (facts.last_level_cache_bytes or 0.0) / per_weight)
+    rotated = list(weights[: max(1, wanted)])
+    for w in rotated:  # page the weights in first: a page fault is not a GEMM's cost
+        w.flatten()[:: max(1, 4096 // w.element_size())].sum()
     widen = (False, True) if dtype in HALF_DTYPES else (False,)
     started = time.perf_counter()
     sweeps = [
@@ -72,15 +78,14 @@ def probe_cpu_gemm(
             budget_s=budget_s / len(widen),
             tick=lambda: None,
             widen=w,
-            streamed_bytes=streamed,
+            weights=rotated,
         )
         for w in widen
     ]
     elapsed = time.perf_counter() - started
     rates = MeasuredRates(matmul_curves={s.dtype: s.curve() for s in sweeps if s.points})
-    return choose_cpu_gemm(
-        rates, dtype, mode, source=f"probe, {elapsed:.1f} s at {shape.describe()}"
-    )
+    source = f"probe, {elapsed:.1f} s over {len(rotated)} of the model's experts"
+    return choose_cpu_gemm(rates, dtype, mode, source=f"{source} at {shape.describe()}")
 
 
 def cpu_gemm_for_run(
@@ -89,15 +94,17 @@ def cpu_gemm_for_run(
     *,
     mode: str,
     hardware: HardwareProfile | None,
+    weights: Sequence,
     warn: Callable[[str], None],
 ) -> CpuGemmChoice:
     """The choice a CPU run takes: from `hardware` when it measured this host with the curves the
-    choice needs, else from a probe; `warn` says once why the probe stood in."""
+    choice needs, else from a probe over `weights` (the model's expert w1s); `warn` says once why
+    the probe stood in."""
     reason = host_differs(hardware) if hardware is not None else "no --hardware profile"
     if reason is None and not has_choice_curves(hardware.cpu, dtype):
         reason = f"{hardware.name} lacks the {dtype} curves of both GEMM paths at 12 and 16 tokens"
     if reason is None:
         return choose_cpu_gemm(hardware.cpu, dtype, mode, source=f"profile {hardware.name}")
-    choice = probe_cpu_gemm(arch, dtype, mode=mode)
+    choice = probe_cpu_gemm(arch, dtype, weights, mode=mode)
     warn(f"CPU GEMM path from a probe ({reason}): {choice.describe()}")
     return choice

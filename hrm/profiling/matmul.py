@@ -99,6 +99,7 @@ def sweep_matmul(
     tick: Callable[[], None],
     widen: bool = False,
     streamed_bytes: float = 0.0,
+    weights: list | None = None,
 ) -> MatmulSweep:
     """Time the GEMM at each token count; stop before a point that would overrun `budget_s`.
 
@@ -108,13 +109,15 @@ def sweep_matmul(
     own functions (hrm.gemm_paths), unpadded: native (reported as `dtype`) or, with widen, the
     widened path of a 16-bit dtype (reported as `<dtype>_widened`). Each call takes the next of
     enough weight copies to stream at least `streamed_bytes` (twice the last-level cache, say)
-    from memory, as a model's many experts do.
+    from memory, as a model's many experts do; or rotates the given `weights` (each [I, H] in
+    `dtype`: a model's own experts).
     """
     import torch
 
     # T = tokens, H = hidden, I = expert width
     on = {"dtype": getattr(torch, dtype), "device": device}
-    weights = rotating_weights(shape, on, streamed_bytes)  # each [I, H]
+    if weights is None:
+        weights = rotating_weights(shape, on, streamed_bytes)  # each [I, H]
     inputs = torch.randn(max(tokens_grid), shape.hidden, **on)  # [T, H]
     scratch = torch.empty(WIDEN_SLICE_ELEMENTS, dtype=torch.float32) if widen else None
     points: list[tuple[int, Timing]] = []
