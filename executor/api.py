@@ -34,7 +34,7 @@ from hrm.arch import ModelArch
 from hrm.cpu_gemm import CpuGemmChoice
 from hrm.errors import HrmError
 from hrm.profiling import BUSY_WARNING_SHARE
-from hrm.profiling.cpu import cpu_times, others_cpu_share
+from hrm.profiling.cpu import cpu_times, measured_others_share
 from hrm.progress import progress_bar
 from hrm.record import Measurement
 
@@ -226,7 +226,7 @@ def execute(
     finally:
         bar.close()
     times_after = cpu_times()
-    busy = others_cpu_share(times_before, times_after) if times_before and times_after else None
+    busy = measured_others_share(times_before, times_after)
     if busy is not None and busy > BUSY_WARNING_SHARE:
         warn(
             f"other processes took {busy:.0%} of the CPU time during the run: its timings are "

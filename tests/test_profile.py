@@ -11,7 +11,7 @@ import pytest
 from hrm.arch import resolve_model
 from hrm.hardware import HardwareProfile
 from hrm.profiling import SweepPlan, measure_profile
-from hrm.profiling.cpu import CpuTimes, others_cpu_share
+from hrm.profiling.cpu import CpuTimes, measured_others_share, others_cpu_share
 from hrm.profiling.matmul import GemmShape, fit_shape, sweep_matmul
 from hrm.profiling.timing import Timing, time_calls
 
@@ -123,6 +123,10 @@ def test_other_processes_share_excludes_our_own_cpu_time():
     assert others_cpu_share(start, CpuTimes(busy=1200, total=5200, own=200)) == 0.5
     assert others_cpu_share(start, CpuTimes(busy=1100, total=5200, own=200)) == 0.0
     assert others_cpu_share(start, start) == 0.0
+    # too short an interval to tell: not measured
+    assert measured_others_share(start, CpuTimes(busy=1100, total=5100, own=150)) is None
+    assert measured_others_share(start, CpuTimes(busy=1200, total=5200, own=200)) == 0.5
+    assert measured_others_share(None, start) is None
 
 
 @pytest.fixture(scope="module")

@@ -104,7 +104,7 @@ def measure_profile(
     finally:
         torch.set_num_threads(threads_before)
     times_after = cpu.cpu_times()
-    busy = cpu.others_cpu_share(times_before, times_after) if times_before and times_after else None
+    busy = cpu.measured_others_share(times_before, times_after)
     if busy is not None and busy > BUSY_WARNING_SHARE:
         warnings.append(
             f"other processes took {busy:.0%} of the CPU time while measuring: the figures are "

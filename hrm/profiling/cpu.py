@@ -118,6 +118,18 @@ def cpu_times() -> CpuTimes | None:
     return CpuTimes(busy=sum(ticks) - idle, total=sum(ticks), own=int(own[11]) + int(own[12]))
 
 
+# Below this many clock ticks (all CPUs together: 2 CPU-seconds) a tick or two of any daemon
+# reads as a large share: the share is then not measured.
+MIN_SHARE_TICKS = 200
+
+
+def measured_others_share(start: CpuTimes | None, end: CpuTimes | None) -> float | None:
+    """others_cpu_share over an interval long enough to tell, else None."""
+    if start is None or end is None or end.total - start.total < MIN_SHARE_TICKS:
+        return None
+    return others_cpu_share(start, end)
+
+
 def others_cpu_share(start: CpuTimes, end: CpuTimes) -> float:
     """Fraction of all CPU time between two readings that other processes (or the host) took.
 

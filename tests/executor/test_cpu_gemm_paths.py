@@ -128,7 +128,9 @@ def test_a_profile_of_this_host_decides_and_none_other_does(run_cli, checkpoints
     assert "over 8 of the model's experts" in record["environment"]["cpu_gemm"]["source"]
     (note,) = [line for line in stderr.splitlines() if "probe" in line]
     assert "measured on 'Some Other CPU'" in note
-    (warning,) = [line for line in stderr.splitlines() if "warning" in line]
+    warnings = [line for line in stderr.splitlines() if "warning" in line]
+    assert len(warnings) == 1, warnings
+    (warning,) = warnings
     assert "Some Other CPU" in warning and "the prediction is for that host" in warning
     # a profile of this host taken before matrix features were recorded also yields to a probe
     data = yaml.safe_load(mine.read_text())
@@ -158,7 +160,7 @@ def test_without_output_stdout_is_jsonl_and_the_summary_goes_to_stderr(run_cli, 
 def test_a_busy_machine_is_reported(run_cli, checkpoints, monkeypatch):
     import executor.api
 
-    monkeypatch.setattr(executor.api, "others_cpu_share", lambda start, end: 0.4)
+    monkeypatch.setattr(executor.api, "measured_others_share", lambda start, end: 0.4)
     record, stderr = run_record(run_cli, checkpoints["dbrx"])
     assert "other processes took 40% of the CPU time during the run" in stderr
     assert record["environment"]["other_processes_cpu_share"] == 0.4
