@@ -113,6 +113,20 @@ class LinkSpec:
     d2h_curve: Curve | None = None
     # Bytes per second moved in both directions together when h2d and d2h run at once (measured).
     bidirectional_bytes_per_s: float | None = None
+    # The GPUs' links share one host root complex (a PCIe switch): together they move no more
+    # than one link's bandwidth. Default False: each GPU on a root port of its own.
+    shared: bool = False
+
+
+INTERCONNECTS = ("pcie", "nvlink")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Interconnect:
+    """GPU-to-GPU links for tensor parallelism's all-reduces: per GPU, each direction."""
+
+    kind: str  # pcie (peer-to-peer through the host bridge) or nvlink
+    bytes_per_s: float
 
     def h2d_at(self, nbytes: float) -> float:
         return self.h2d_curve.at(nbytes) if self.h2d_curve else self.h2d_bytes_per_s
@@ -130,6 +144,9 @@ class HardwareProfile:
     cpu: DeviceSpec
     gpu: DeviceSpec | None = None
     link: LinkSpec | None = None
+    # GPU-to-GPU links; None: PCIe peer-to-peer at the link's h2d rate (through the host)
+    interconnect: Interconnect | None = None
+    price_per_hour: float | None = None  # USD per machine-hour, for cost per token (optional)
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
@@ -158,13 +175,46 @@ class HardwareProfile:
         return self.gpu.count if self.gpu else 0
 
     @property
+    def link_lanes(self) -> int:
+        """Links' worth of host bandwidth the GPUs get together: one each, or one in all when
+        they share a root complex."""
+        if self.link is None:
+            return 0
+        return 1 if self.link.shared else self.gpu_count
+
+    @property
     def h2d_bytes_per_s(self) -> float:
-        """Aggregate host-to-device bandwidth: each GPU has its own PCIe link."""
-        return self.link.h2d_bytes_per_s * self.gpu_count if self.link else 0.0
+        """Aggregate host-to-device bandwidth over the GPUs' links."""
+        return self.link.h2d_bytes_per_s * self.link_lanes if self.link else 0.0
 
     @property
     def d2h_bytes_per_s(self) -> float:
-        return self.link.d2h_bytes_per_s * self.gpu_count if self.link else 0.0
+        return self.link.d2h_bytes_per_s * self.link_lanes if self.link else 0.0
+
+    @property
+    def peer_bytes_per_s(self) -> float:
+        """GPU-to-GPU bandwidth per GPU and direction: the interconnect's, else PCIe peer to
+        peer at the link's h2d rate."""
+        if self.interconnect is not None:
+            return self.interconnect.bytes_per_s
+        return self.link.h2d_bytes_per_s if self.link else 0.0
+
+    def with_gpu_count(self, count: int) -> HardwareProfile:
+        """The same machine using `count` of its GPUs (tensor parallel across them)."""
+        if self.gpu is None:
+            raise HrmError(f"{self.name} has no GPU: plan it without --gpus")
+        if not 1 <= count <= self.gpu.count:
+            raise HrmError(
+                f"--gpus {count}: {self.name} has {self.gpu.count} GPU"
+                f"{'s' if self.gpu.count != 1 else ''}; give counts from 1 to {self.gpu.count}"
+            )
+        if count == self.gpu.count:
+            return self
+        return dataclasses.replace(
+            self,
+            name=f"{self.name}@{count}gpu",
+            gpu=dataclasses.replace(self.gpu, count=count),
+        )
 
     def with_resources(
         self,
@@ -192,7 +242,11 @@ class HardwareProfile:
         if link_bytes_per_s is not None:
             if link is None:
                 raise HrmError(f"{self.name}: has no GPU, so its PCIe bandwidth cannot be set")
-            link = LinkSpec(h2d_bytes_per_s=link_bytes_per_s, d2h_bytes_per_s=link_bytes_per_s)
+            link = LinkSpec(
+                h2d_bytes_per_s=link_bytes_per_s,
+                d2h_bytes_per_s=link_bytes_per_s,
+                shared=link.shared,
+            )
         return dataclasses.replace(self, gpu=gpu, cpu=cpu, link=link)
 
     # -- files ---------------------------------------------------------------------------------
@@ -203,7 +257,7 @@ class HardwareProfile:
             data,
             where=where,
             required={"name", "source", "cpu"},
-            optional={"description", "provenance", "gpu", "link"},
+            optional={"description", "provenance", "gpu", "link", "interconnect", "price_per_hour"},
         )
         name = str(data["name"])
         provenance = data.get("provenance") or {}
@@ -226,6 +280,18 @@ class HardwareProfile:
         source = data["source"]
         if source not in SOURCES:
             raise HrmError(f"{where}: source must be one of {', '.join(SOURCES)}, got {source!r}")
+        interconnect = None
+        if data.get("interconnect") is not None:
+            if gpu is None:
+                raise HrmError(f"{where}: has an 'interconnect' section but no 'gpu'")
+            interconnect = _interconnect_from_dict(data["interconnect"], f"{where}: interconnect")
+        price = data.get("price_per_hour")
+        if price is not None and (
+            isinstance(price, bool) or not isinstance(price, (int, float)) or not price > 0
+        ):
+            raise HrmError(
+                f"{where}: price_per_hour must be a positive number (USD), got {price!r}"
+            )
         return cls(
             name=name,
             source=source,
@@ -234,6 +300,8 @@ class HardwareProfile:
             cpu=_device_from_dict(data["cpu"], f"{where}: cpu", is_cpu=True),
             gpu=gpu,
             link=link,
+            interconnect=interconnect,
+            price_per_hour=float(price) if price is not None else None,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -247,6 +315,13 @@ class HardwareProfile:
         out["cpu"] = _device_to_dict(self.cpu)
         if self.link is not None:
             out["link"] = _link_to_dict(self.link)
+        if self.interconnect is not None:
+            out["interconnect"] = {
+                "kind": self.interconnect.kind,
+                "bandwidth": units.format_bandwidth(self.interconnect.bytes_per_s, None),
+            }
+        if self.price_per_hour is not None:
+            out["price_per_hour"] = self.price_per_hour
         return out
 
     @classmethod
@@ -340,9 +415,13 @@ def _link_from_dict(data: Any, where: str) -> LinkSpec:
         data,
         where=where,
         required={"h2d", "d2h"},
-        optional={"h2d_curve", "d2h_curve", "bidirectional"},
+        optional={"h2d_curve", "d2h_curve", "bidirectional", "shared"},
     )
+    shared = data.get("shared", False)
+    if not isinstance(shared, bool):
+        raise HrmError(f"{where}: shared must be true or false, got {shared!r}")
     return LinkSpec(
+        shared=shared,
         h2d_bytes_per_s=units.parse_bandwidth(data["h2d"], f"{where}: h2d"),
         d2h_bytes_per_s=units.parse_bandwidth(data["d2h"], f"{where}: d2h"),
         h2d_curve=_curve_from_list(data["h2d_curve"], f"{where}: h2d_curve", units.parse_bandwidth)
@@ -370,7 +449,21 @@ def _link_to_dict(link: LinkSpec) -> dict[str, Any]:
         out["d2h_curve"] = _curve_to_list(link.d2h_curve)
     if link.bidirectional_bytes_per_s is not None:
         out["bidirectional"] = units.format_bandwidth(link.bidirectional_bytes_per_s, None)
+    if link.shared:
+        out["shared"] = True
     return out
+
+
+def _interconnect_from_dict(data: Any, where: str) -> Interconnect:
+    data = check_keys(data, where=where, required={"kind", "bandwidth"})
+    if data["kind"] not in INTERCONNECTS:
+        raise HrmError(
+            f"{where}: kind must be one of {', '.join(INTERCONNECTS)}, got {data['kind']!r}"
+        )
+    return Interconnect(
+        kind=data["kind"],
+        bytes_per_s=units.parse_bandwidth(data["bandwidth"], f"{where}: bandwidth"),
+    )
 
 
 def _curve_from_list(points: Any, where: str, parse_rate) -> Curve:

@@ -26,7 +26,7 @@ from hrm.plan import Plan
 from hrm.policy import Policy, dtype_bytes
 from planner.cost import Setting, link_seconds
 from planner.evaluate import batch_model, build_plan, policy_vector
-from planner.memory import memory_terms, usable_bytes
+from planner.memory import usable_bytes
 from planner.search import fill_gpu
 
 FLEXGEN_GBS = (1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -155,14 +155,7 @@ def _policy(setting: Setting, n: int, mu: int, *, weights: float, kv: float) -> 
 
 def _fits(setting: Setting, policy: Policy) -> bool:
     hw = setting.hardware
-    mem = memory_terms(
-        setting.arch,
-        setting.workload,
-        batch_size=policy.batch_size,
-        micro_batch_size=policy.micro_batch_size,
-        weight_dtype=setting.weight_dtype,
-        kv_dtype=setting.kv_dtype,
-    )
+    mem = setting.memory(policy.batch_size, policy.micro_batch_size)
     v = policy_vector(policy)
     return bool(
         np.all(mem.gpu_total() @ v <= usable_bytes(hw.gpu.total_memory_bytes))

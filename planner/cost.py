@@ -11,7 +11,7 @@ page sizes) are constants at fixed (N, mu), so one set of coefficients serves th
 Steps: index 0 is prefill (the first token), 1..G-1 the decode steps at context S + t.
 
 Per layer and step, each queue's busy time (paper Eq 12-14, extended):
-  Q_gpu = sum over micro-batches of F_g*(T_dense + T_ffn) + A_g*T_attn       (GPU stream)
+  Q_gpu = sum over micro-batches of F_g*(T_dense + T_ffn + T_allreduce) + A_g*T_attn  (GPU)
   Q_cpu = sum over micro-batches of (1-F_g)*(T_dense + T_ffn) + (1-A_g)*T_attn  (CPU workers)
   Q_h2d = (F_g - r_w)*W_l/B_h2d(page) + sum of activations and KV prefetch   (PCIe in)
   Q_d2h = sum of QKV to the CPU and KV written back                           (PCIe out)
@@ -33,11 +33,12 @@ import numpy as np
 
 from hrm.arch import ModelArch
 from hrm.cpu_gemm import CpuGemmChoice, choose_cpu_gemm, gemm_flops_per_s
+from hrm.errors import HrmError
 from hrm.hardware import Curve, DeviceSpec, HardwareProfile
 from hrm.ops import ACTIVATION_DTYPE, Op, expected_distinct_experts, layer_ops, lm_head_op
 from hrm.policy import dtype_bytes
 from hrm.workload import Workload
-from planner.memory import PREFILL_CHUNK_TOKENS, WeightBytes
+from planner.memory import PREFILL_CHUNK_TOKENS, MemoryTerms, WeightBytes, memory_terms
 from planner.memory import placement_vector as vec
 
 DENSE_OPS = ("norms", "qkv_proj", "o_proj", "router", "shared_expert")
@@ -57,6 +58,9 @@ class Setting:
     kv_dtype: str = "bfloat16"
     # the CPU's GEMM path by token count (hrm.cpu_gemm); None: chosen from the profile's CPU
     cpu_gemm: CpuGemmChoice | None = None
+
+    def __post_init__(self) -> None:
+        check_tensor_parallel(self.arch, self.hardware)
 
     @property
     def compute_dtype(self) -> str:
@@ -88,6 +92,18 @@ class Setting:
     @property
     def weights(self) -> WeightBytes:
         return WeightBytes.of(self.arch, self.weight_dtype)
+
+    def memory(self, batch_size, micro_batch_size: int) -> MemoryTerms:
+        """Every buffer at N = batch_size (scalar or array) and mu = micro_batch_size."""
+        return memory_terms(
+            self.arch,
+            self.workload,
+            batch_size=batch_size,
+            micro_batch_size=micro_batch_size,
+            weight_dtype=self.weight_dtype,
+            kv_dtype=self.kv_dtype,
+            gpu_count=max(1, self.hardware.gpu_count),
+        )
 
 
 @dataclass(frozen=True)
@@ -147,6 +163,7 @@ class MicroBatchSeconds:
     activations_to_cpu: np.ndarray  # prefill: hidden page out; decode: QKV (D1)
     kv_to_gpu: np.ndarray  # decode with GPU attention: the CPU part of the cache, prefetched
     kv_to_cpu: np.ndarray  # prefill: the prompt's K, V; decode: the new token's
+    gpu_all_reduce: np.ndarray  # tensor parallelism: after attention and after the experts
     head_gpu: np.ndarray  # final norm + LM head, once per step (not per layer)
     head_cpu: np.ndarray
     embed_to_gpu: np.ndarray  # next tokens' embeddings, gathered on the CPU
@@ -177,17 +194,49 @@ def _curve_at(curve: Curve, x: np.ndarray) -> np.ndarray:
 
 
 def link_seconds(hardware: HardwareProfile, nbytes, direction: str) -> np.ndarray:
-    """T = bytes / B_link(bytes per GPU): each of the `count` GPUs moves its share on its own link,
-    at the measured rate for that transfer size when the profile has a curve."""
+    """T = bytes / (lanes * B_link(bytes per lane)): each of the `count` GPUs moves its share on
+    its own link (lanes = count), or all share one root complex (lanes = 1); at the measured rate
+    for that transfer size when the profile has a curve."""
     nbytes = np.asarray(nbytes, dtype=float)
     link = hardware.link
     if link is None:
         return np.zeros_like(nbytes)
-    count = hardware.gpu_count
+    lanes = hardware.link_lanes
     curve = link.h2d_curve if direction == "h2d" else link.d2h_curve
     flat = link.h2d_bytes_per_s if direction == "h2d" else link.d2h_bytes_per_s
-    per_link = _curve_at(curve, nbytes / count) if curve else flat
-    return nbytes / (per_link * count)
+    per_link = _curve_at(curve, nbytes / lanes) if curve else flat
+    return nbytes / (per_link * lanes)
+
+
+def all_reduce_seconds(hardware: HardwareProfile, nbytes) -> np.ndarray:
+    """Ring all-reduce of `nbytes` over the g GPUs of tensor parallelism (NCCL's ring: a
+    reduce-scatter then an all-gather, 2(g-1) steps of nbytes/g each way on every GPU):
+      T_ar = 2 * (g - 1) / g * S / B_peer
+    B_peer: the profile's interconnect (NVLink), else PCIe peer-to-peer at the link's rate.
+    Per-step latency is not counted, so small messages come out optimistic. 0 for one GPU."""
+    nbytes = np.asarray(nbytes, dtype=float)
+    g = hardware.gpu_count
+    if g <= 1:
+        return np.zeros_like(nbytes)
+    return 2.0 * (g - 1) / g * nbytes / hardware.peer_bytes_per_s
+
+
+def check_tensor_parallel(arch: ModelArch, hardware: HardwareProfile) -> None:
+    """Megatron-style sharding over g GPUs splits query and KV heads and each expert's width
+    across them: each must divide by g."""
+    g = hardware.gpu_count
+    if g <= 1:
+        return
+    for field, value in (
+        ("num_attention_heads", arch.num_attention_heads),
+        ("num_key_value_heads", arch.num_key_value_heads),
+        ("intermediate_size", arch.intermediate_size),
+    ):
+        if value % g:
+            raise HrmError(
+                f"{arch.name}: {field} = {value} does not divide by {g} GPUs for tensor "
+                f"parallelism; plan with a GPU count that divides it"
+            )
 
 
 def micro_batch_seconds(setting: Setting, b: float) -> MicroBatchSeconds:
@@ -280,6 +329,15 @@ def micro_batch_seconds(setting: Setting, b: float) -> MicroBatchSeconds:
                 d2h(b * kv_per_token_layer) * np.ones(steps - 1),
             ]
         ),
+        # two all-reduces of the micro-batch's hidden states per layer (Megatron: after the O
+        # projection and after the expert FFN), prefill over all its prompt tokens
+        gpu_all_reduce=2
+        * np.concatenate(
+            [
+                [all_reduce_seconds(hw, b * s_pre * arch.hidden_size * adt)],
+                all_reduce_seconds(hw, b * arch.hidden_size * adt) * np.ones(steps - 1),
+            ]
+        ),
         head_gpu=gpu["head"],
         head_cpu=cpu["head"],
         embed_to_gpu=h2d(b * arch.hidden_size * adt) * np.ones(steps),
@@ -323,6 +381,7 @@ def queue_terms(setting: Setting, mb: MicroBatchSeconds) -> QueueTerms:
             "dense": _per_mb(on_gpu, mb.gpu_dense),
             "expert ffn": _per_mb(on_gpu, mb.gpu_ffn),
             "attention": _per_mb(att_gpu, mb.gpu_attention),
+            "all-reduce": _per_mb(on_gpu, mb.gpu_all_reduce),
         },
         "cpu": {
             "dense": _per_mb(on_cpu, mb.cpu_dense),

@@ -30,7 +30,7 @@ from planner.cost import (
     weight_stream_seconds,
     with_last_micro_batch,
 )
-from planner.memory import MemoryTerms, memory_terms, placement_vector, usable_bytes
+from planner.memory import MemoryTerms, placement_vector, usable_bytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,14 +86,7 @@ def batch_model(setting: Setting, batch_size: int, micro_batch_size: int) -> Bat
         micro_batch_size=micro_batch_size,
         queues=queues,
         terms=schedule_terms(setting.schedule, queues),
-        memory=memory_terms(
-            setting.arch,
-            setting.workload,
-            batch_size=batch_size,
-            micro_batch_size=micro_batch_size,
-            weight_dtype=setting.weight_dtype,
-            kv_dtype=setting.kv_dtype,
-        ),
+        memory=setting.memory(batch_size, micro_batch_size),
     )
 
 
@@ -153,6 +146,18 @@ def build_plan(model: BatchModel, policy: Policy) -> Plan:
         bottleneck=_bottleneck(model, layer_values, v),
         binding_memory=binding_memory(memory),
     )
+
+
+def component_seconds(model: BatchModel, policy: Policy) -> dict[str, dict[str, float]]:
+    """Busy seconds of each queue's components over the whole run (every layer and step), e.g.
+    the GPU's "all-reduce" share of its time."""
+    v = policy_vector(policy)
+    m, ws = model.full_micro_batches, model.weight_stream_s
+    layers = model.setting.arch.num_layers
+    return {
+        queue: {c: float(layers * (e.coefficients(m, ws) @ v).sum()) for c, e in parts.items()}
+        for queue, parts in model.queues.components.items()
+    }
 
 
 def _bottleneck(model: BatchModel, layer_values: dict[str, np.ndarray], v: np.ndarray) -> str:

@@ -98,8 +98,12 @@ def memory_terms(
     micro_batch_size: int,
     weight_dtype: str,
     kv_dtype: str,
+    gpu_count: int = 1,
 ) -> MemoryTerms:
-    """Every buffer of a run with N = batch_size (scalar or array) and mu = micro_batch_size."""
+    """Every buffer of a run with N = batch_size (scalar or array) and mu = micro_batch_size.
+
+    Over g GPUs in tensor parallel, weights, KV cache and expert intermediates are sharded (the
+    totals stay), while each GPU holds the whole residual stream: activations count g times."""
     n = np.asarray(batch_size, dtype=float)[..., None]  # [..., 1] broadcasts against the basis
     mu = float(micro_batch_size)
     adt = dtype_bytes(ACTIVATION_DTYPE)
@@ -123,7 +127,7 @@ def memory_terms(
         "lm head": v(ffn=w.head) * np.ones_like(n),
         # r_c * KV
         "kv cache": v(rc=1.0) * kv,
-        "activations": v(ffn=1.0) * activations,
+        "activations": v(ffn=gpu_count) * activations,
         "workspace": v(ffn=workspace) * np.ones_like(n),
     }
     cpu = {

@@ -40,7 +40,6 @@ from planner.memory import (
     RW,
     USABLE_MEMORY_FRACTION,
     kv_cache_bytes,
-    memory_terms,
     usable_bytes,
 )
 from planner.milp import solve_placement
@@ -72,6 +71,10 @@ MU_GRID = (
 MAX_BATCH_SIZE = 16384
 # Two throughputs closer than this (relative) are equal: the solver's tolerance.
 REL_TOL = 1e-7
+
+
+class NoPolicyFits(HrmError):
+    """The workload fits no policy on the machine: the message says which memory is short."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -187,14 +190,7 @@ def fill_gpu(setting: Setting, batch_size, mu: int, combo: tuple[int, int]) -> F
     none of this kind does."""
     ffn, att = combo
     hw = setting.hardware
-    mem = memory_terms(
-        setting.arch,
-        setting.workload,
-        batch_size=batch_size,
-        micro_batch_size=mu,
-        weight_dtype=setting.weight_dtype,
-        kv_dtype=setting.kv_dtype,
-    )
+    mem = setting.memory(batch_size, mu)
     g, c = np.atleast_2d(mem.gpu_total()), np.atleast_2d(mem.cpu_total())
     gpu_cap = usable_bytes(hw.gpu.total_memory_bytes) if hw.gpu else 0.0
     return Fill(
@@ -353,10 +349,10 @@ def search(
             (float(u), mu, int(k * mu)) for u, k in zip(upper, m, strict=True) if np.isfinite(u)
         )
     if not points:
-        raise HrmError(infeasibility_message(setting, combos))
+        raise NoPolicyFits(infeasibility_message(setting, combos))
     top, solved = _solve_best(setting, points, top_k)
     if not top:
-        raise HrmError(infeasibility_message(setting, combos))
+        raise NoPolicyFits(infeasibility_message(setting, combos))
     stats = SearchStats(grid_points=evaluated, rows_skipped=skipped, milps_solved=solved)
     return SearchResult(status="optimal", top=tuple(top), stats=stats)
 

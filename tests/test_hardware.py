@@ -130,3 +130,30 @@ def test_widened_rates_belong_to_the_cpu_only():
     data["gpu"]["flops"]["bfloat16_widened"] = "1 TFLOP/s"
     with pytest.raises(HrmError, match="gpu: flops.*bfloat16_widened"):
         HardwareProfile.from_dict(data)
+
+
+def test_interconnect_shared_links_and_price_round_trip_and_are_checked(tmp_path):
+    data = resolve_hardware("4xt4").to_dict()
+    data["interconnect"] = {"kind": "nvlink", "bandwidth": "300 GB/s"}
+    data["link"]["shared"] = True
+    data["price_per_hour"] = 1.4
+    profile = HardwareProfile.from_dict(copy.deepcopy(data))
+    assert profile.peer_bytes_per_s == 300e9 and profile.link.shared
+    assert profile.h2d_bytes_per_s == profile.link.h2d_bytes_per_s  # one root complex for all
+    assert profile.price_per_hour == 1.4
+    assert HardwareProfile.load(profile.save(tmp_path / "p.yaml")) == profile
+    # without an interconnect the GPUs talk PCIe peer to peer at the link's rate
+    assert resolve_hardware("4xt4").peer_bytes_per_s == 12e9
+    for key, value, fragment in (
+        ("interconnect", {"kind": "infiniband", "bandwidth": "1 GB/s"}, "kind must be one of"),
+        ("interconnect", {"kind": "nvlink"}, "missing key 'bandwidth'"),
+        ("price_per_hour", -2, "price_per_hour must be a positive number"),
+        ("price_per_hour", "cheap", "price_per_hour must be a positive number"),
+    ):
+        with pytest.raises(HrmError, match=fragment):
+            HardwareProfile.from_dict({**copy.deepcopy(data), key: value})
+    with pytest.raises(HrmError, match="shared must be true or false"):
+        HardwareProfile.from_dict({**data, "link": {**data["link"], "shared": "yes"}})
+    cpu_only = {k: v for k, v in data.items() if k not in ("gpu", "link")}
+    with pytest.raises(HrmError, match="'interconnect' section but no 'gpu'"):
+        HardwareProfile.from_dict(cpu_only)

@@ -25,7 +25,25 @@ def add_parser(subparsers) -> None:
         "prefill plus decode, and show what binds it and the baselines beside it.",
     )
     p.add_argument("--model", required=True, help="bundled name, config.json or checkpoint dir")
-    p.add_argument("--hardware", required=True, help="bundled profile name or a profile .yaml")
+    p.add_argument(
+        "--hardware",
+        required=True,
+        help="bundled profile name or a profile .yaml; a comma-separated list compares machines",
+    )
+    p.add_argument(
+        "--gpus", help="GPU counts to plan the machine with, e.g. 1,2,4 (tensor parallel)"
+    )
+    p.add_argument(
+        "--price",
+        help='USD per machine-hour, e.g. "t4=0.35,l4=0.70" (else the profile\'s price_per_hour)',
+    )
+    dataset = p.add_mutually_exclusive_group()
+    dataset.add_argument(
+        "--dataset-tokens", type=float, help="tokens to generate in all: time and cost of the job"
+    )
+    dataset.add_argument(
+        "--prompts", help="JSONL prompts file: time and cost of its prompts x --gen-len tokens"
+    )
     p.add_argument("--prompt-len", type=float, required=True, help="mean prompt length (tokens)")
     p.add_argument("--max-prompt-len", type=int, help="longest prompt (default: the mean)")
     p.add_argument("--padding", action="store_true", help="pad every prompt to the longest")
@@ -45,7 +63,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("-o", "--output", help="write the best plan here (for hrm run --plan)")
     p.add_argument("--sweep", choices=SWEEPS, help="best throughput as this resource changes")
     p.add_argument("--sweep-values", help="comma-separated sizes or bandwidths (default 1/4x-4x)")
-    p.add_argument("--plot", help="sweep chart PNG (default sweep-RESOURCE-MODEL-HARDWARE.png)")
+    p.add_argument(
+        "--plot",
+        help="chart PNG: the sweep (default sweep-RESOURCE-MODEL-HARDWARE.png), or with several "
+        "options throughput against cost per token",
+    )
     p.set_defaults(run=run)
 
 
@@ -67,10 +89,11 @@ def _workload(args):
     )
 
 
-def _hardware(args):
+def _hardware(args, name: str | None = None):
+    """The named machine (default --hardware) with --cpu-mem, --gpu-mem and --pcie applied."""
     from hrm.hardware import resolve_hardware
 
-    hardware = resolve_hardware(args.hardware)
+    hardware = resolve_hardware(name or args.hardware)
     return hardware.with_resources(
         cpu_memory_bytes=parse_bytes(args.cpu_mem, "--cpu-mem") if args.cpu_mem else None,
         gpu_memory_bytes=parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None,
@@ -85,13 +108,28 @@ def run(args: argparse.Namespace) -> int:
     workload = _workload(args)
     if args.top < 1:
         raise HrmError(f"--top must be at least 1, got {args.top}")
+    names = [name.strip() for name in args.hardware.split(",")]
+    if not any(names):
+        raise HrmError("--hardware: give at least one machine (a bundled name or a .yaml)")
+    if not all(names):
+        raise HrmError(f"--hardware {args.hardware!r}: an empty name in the list; remove it")
+    comparing = len(names) > 1 or any(
+        x is not None for x in (args.gpus, args.price, args.dataset_tokens, args.prompts)
+    )
     if args.output:
         check_writable(args.output)
-    if args.plot and not args.sweep:
-        raise HrmError("--plot draws a sweep: add --sweep cpu-mem|gpu-mem|pcie")
+    if comparing and (args.output or args.sweep):
+        raise HrmError(
+            "-o and --sweep take one machine; leave them out when comparing options "
+            "(--gpus, --price, --dataset-tokens, --prompts or several --hardware)"
+        )
+    if args.plot and not (args.sweep or comparing):
+        raise HrmError("--plot draws a sweep (--sweep) or a comparison (--price with --hardware)")
     if args.sweep and args.output:
         raise HrmError("-o writes one plan; leave it out with --sweep (use --plot for the chart)")
     arch = resolve_model(args.model)
+    if comparing:
+        return _run_comparison(args, arch, names, workload)
     hardware = _hardware(args)
     dtype = args.dtype or hardware.half_dtype
     options = {"schedule": args.schedule, "weight_dtype": dtype, "kv_dtype": args.kv_dtype or dtype}
@@ -231,3 +269,143 @@ def _run_sweep(args, arch, hardware, workload, options) -> int:
     lines.append(f"wrote {plot_path}")
     print("\n".join(lines))
     return 0
+
+
+def _gpu_counts(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    counts = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part.isdigit() or int(part) < 1:
+            raise HrmError(f"--gpus: expected positive GPU counts like 1,2,4, got {text!r}")
+        counts.append(int(part))
+    return sorted(set(counts))
+
+
+def _dataset_tokens(args) -> float | None:
+    """--dataset-tokens, or the prompts of --prompts times --gen-len."""
+    if args.dataset_tokens is not None:
+        if not math.isfinite(args.dataset_tokens) or args.dataset_tokens <= 0:
+            raise HrmError(f"--dataset-tokens must be positive, got {args.dataset_tokens:g}")
+        return args.dataset_tokens
+    if args.prompts is None:
+        return None
+    from pathlib import Path
+
+    path = Path(args.prompts)
+    if not path.is_file():
+        raise HrmError(f"{path}: no such prompts file; check the path")
+    count = 0
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                raise HrmError(f"{path}:{n}: not a JSON object; one prompt per line") from None
+            if not isinstance(record, dict) or not record.keys() & {"prompt", "prompt_token_ids"}:
+                raise HrmError(f"{path}:{n}: give 'prompt_token_ids' or 'prompt'")
+            count += 1
+    if not count:
+        raise HrmError(f"{path}: no prompts in the file")
+    return float(count * args.gen_len)
+
+
+def _run_comparison(args, arch, names: list[str], workload) -> int:
+    """Several machines and/or GPU counts side by side, ordered by cost (else speed)."""
+    from hrm.io import check_writable
+    from planner.compare import parse_prices, plan_options, plot_options
+
+    counts = _gpu_counts(args.gpus)
+    prices = parse_prices(args.price, names) if args.price else None
+    tokens = _dataset_tokens(args)
+    if args.plot:
+        check_writable(args.plot)
+    machines = {name: _hardware(args, name) for name in names}
+    options = plan_options(
+        arch,
+        machines,
+        workload,
+        gpu_counts=counts,
+        prices=prices,
+        schedule=args.schedule,
+        dtype=args.dtype,
+        kv_dtype=args.kv_dtype,
+    )
+    priced = any(o.cost_per_million_tokens is not None for o in options)
+
+    def order(o):
+        if not o.plan:
+            return (2, 0.0)
+        cost = o.cost_per_million_tokens
+        return (0, cost) if priced and cost is not None else (1, -o.throughput_tok_s)
+
+    options.sort(key=order)
+    fitting = [o for o in options if o.plan]
+    fastest = max(fitting, key=lambda o: o.throughput_tok_s).label if fitting else None
+    costed = [o for o in fitting if o.cost_per_million_tokens is not None]
+    cheapest = min(costed, key=lambda o: o.cost_per_million_tokens).label if costed else None
+    title = (
+        f"{arch.name}: prompts {workload.prompt_len_mean:g} (max {workload.prompt_len_max}), "
+        f"{workload.gen_len} new tokens, {args.schedule}"
+    )
+    if args.plot:
+        plot_options(options, args.plot, title)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "model": arch.name,
+                    "workload": workload.to_dict(),
+                    "options": [o.to_dict(tokens) for o in options],
+                    "fastest": fastest,
+                    "cheapest": cheapest,
+                    "plot": args.plot,
+                },
+                indent=2,
+            )
+        )
+        return 0
+    print(format_comparison(options, title, tokens, fastest=fastest, cheapest=cheapest))
+    if args.plot:
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def format_comparison(options, title: str, tokens, *, fastest, cheapest) -> str:
+    one_gpu = {o.machine: o.throughput_tok_s for o in options if o.gpus == 1 and o.plan}
+    header = (
+        f"  {'option':<22}{'N':>6} {'mu':>5} {'tok/s':>9} {'scaling':>8} {'all-red':>8} "
+        f"{'$/h':>6} {'$/M tok':>8}"
+    )
+    if tokens is not None:
+        header += f" {'job h':>8} {'job $':>8}"
+    lines = [title, header]
+    for o in options:
+        if o.plan is None:
+            lines.append(f"  {o.label:<22}does not fit: {o.why_not}")
+            continue
+        q = o.plan.policy
+        base = one_gpu.get(o.machine)
+        scaling = f"{o.throughput_tok_s / base:.2f}x" if base else "-"
+        row = (
+            f"  {o.label:<22}{q.batch_size:>6} {q.micro_batch_size:>5} {o.throughput_tok_s:>9.1f} "
+            f"{scaling:>8} {_percent(o.all_reduce_share):>8} {_money(o.price_per_hour):>6} "
+            f"{_money(o.cost_per_million_tokens):>8}"
+        )
+        if tokens is not None:
+            hours = o.dataset_seconds(tokens) / 3600
+            row += f" {hours:>8.2f} {_money(o.dataset_cost(tokens)):>8}"
+        marks = [
+            m for m, label in (("fastest", fastest), ("cheapest", cheapest)) if label == o.label
+        ]
+        row += f"  binds: {o.plan.bottleneck}" + (f"  <- {', '.join(marks)}" if marks else "")
+        lines.append(row)
+    if tokens is not None:
+        lines.append(f"  job: {tokens:.4g} generated tokens")
+    return "\n".join(lines)
+
+
+def _money(x) -> str:
+    return "-" if x is None else f"{x:.2f}"
