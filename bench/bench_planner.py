@@ -1,4 +1,6 @@
-"""Wall time of the full `hrm plan` search for each setting of reports/plans.md (target < 1 s).
+"""Wall time of the full `hrm plan` search for each setting of reports/plans.md (target < 1 s),
+of `--gpus 1,2,4` for Mixtral 8x22B on 4xt4 (target < 3 s) and of a five-machine comparison
+(target < 5 s).
 
     PYTHONPATH=. python bench/bench_planner.py [--repeats 3]
 
@@ -13,15 +15,18 @@ import statistics
 import time
 from pathlib import Path
 
-from plan_settings import MACHINES, workloads
+from plan_settings import EXAMPLE_PRICES, MACHINES, workloads
 
 from hrm.arch import resolve_model
 from hrm.hardware import resolve_hardware
 from hrm.io import atomic_write_json
+from hrm.workload import Workload
+from planner.compare import plan_options
 from planner.search import search
 
 REPORTS = Path(__file__).resolve().parent.parent / "reports"
 TARGET_S = 1.0
+COMPARISON_TARGETS_S = {"gpus 1,2,4": 3.0, "five machines": 5.0}
 
 
 def main() -> None:
@@ -69,7 +74,42 @@ def main() -> None:
         f"max {summary['max_s']:.3f} s, median {summary['median_s']:.3f} s, "
         f"{summary['under_target']}/{len(rows)} under {TARGET_S} s"
     )
-    atomic_write_json(REPORTS / "bench_planner.json", {"summary": summary, "rows": rows})
+    comparisons = time_comparisons(args.repeats)
+    atomic_write_json(
+        REPORTS / "bench_planner.json",
+        {"summary": summary, "rows": rows, "comparisons": comparisons},
+    )
+
+
+def time_comparisons(repeats: int) -> list[dict]:
+    """The capacity-planning searches of `hrm plan --gpus` and of a list of machines."""
+    workload = Workload(prompt_len_mean=77, prompt_len_max=418, gen_len=128)
+    jobs = {
+        "gpus 1,2,4": lambda: plan_options(
+            resolve_model("mixtral-8x22b"),
+            {"4xt4": resolve_hardware("4xt4")},
+            workload,
+            gpu_counts=[1, 2, 4],
+        ),
+        "five machines": lambda: plan_options(
+            resolve_model("mixtral-8x7b"),
+            {name: resolve_hardware(name) for name in EXAMPLE_PRICES},
+            workload,
+            prices=EXAMPLE_PRICES,
+        ),
+    }
+    out = []
+    for name, job in jobs.items():
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            job()
+            times.append(time.perf_counter() - start)
+        target = COMPARISON_TARGETS_S[name]
+        row = {"comparison": name, "median_s": statistics.median(times), "target_s": target}
+        out.append(row)
+        print(f"{name:<16} median {row['median_s']:.3f} s (target {target} s)")
+    return out
 
 
 if __name__ == "__main__":

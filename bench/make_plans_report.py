@@ -8,15 +8,27 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from plan_settings import MACHINES, workloads
+from plan_settings import (
+    EXAMPLE_PRICES,
+    MACHINES,
+    SCALING_GPUS,
+    SCALING_MACHINE,
+    SCALING_MODELS,
+    workloads,
+)
 
 from hrm.arch import resolve_model
 from hrm.errors import HrmError
 from hrm.hardware import resolve_hardware
 from hrm.io import atomic_write_json, atomic_write_text
+from hrm.workload import Workload
 from planner.baselines import baselines
+from planner.compare import plan_options
 from planner.cost import Setting
 from planner.search import search
+
+# MTBench-like, 128 new tokens: the workload of the scaling and cost tables
+MTBENCH_G128 = Workload(prompt_len_mean=77, prompt_len_max=418, gen_len=128)
 
 REPORTS = Path(__file__).resolve().parent.parent / "reports"
 
@@ -55,6 +67,27 @@ def run_all() -> list[dict]:
 
 def _tput(entry) -> float | None:
     return entry["predicted"]["throughput_tok_s"] if entry and entry.get("predicted") else None
+
+
+def scaling_rows() -> list[dict]:
+    """Each SCALING_MODELS on SCALING_MACHINE with 1, 2 and 4 of its GPUs (tensor parallel)."""
+    hw = resolve_hardware(SCALING_MACHINE)
+    rows = []
+    for model in SCALING_MODELS:
+        options = plan_options(
+            resolve_model(model), {SCALING_MACHINE: hw}, MTBENCH_G128, gpu_counts=SCALING_GPUS
+        )
+        rows += [{"model": model, **o.to_dict()} for o in options]
+    return rows
+
+
+def cost_rows() -> list[dict]:
+    """Mixtral 8x7B on each single-GPU machine of EXAMPLE_PRICES, priced."""
+    machines = {name: resolve_hardware(name) for name in EXAMPLE_PRICES}
+    options = plan_options(
+        resolve_model("mixtral-8x7b"), machines, MTBENCH_G128, prices=EXAMPLE_PRICES
+    )
+    return [o.to_dict(dataset_tokens=1e9) for o in options]
 
 
 def _device(on_gpu: bool) -> str:
@@ -101,10 +134,69 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def scaling_markdown(rows: list[dict]) -> str:
+    lines = [
+        "",
+        f"## Tensor parallelism: {SCALING_MACHINE} with 1, 2 and 4 of its GPUs",
+        "",
+        "MTBench-like, 128 new tokens (`hrm plan --hardware 4xt4 --gpus 1,2,4`). Each GPU adds "
+        "its memory, bandwidth, FLOP/s and its own PCIe link; the layers pay two ring "
+        "all-reduces per micro-batch over PCIe peer to peer (no NVLink on T4). Scaling is "
+        "against the smallest GPU count that fits.",
+        "",
+        "| model | GPUs | N | mu | w | tok/s | scaling | all-reduce share of GPU time | binds |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    first: dict[str, float] = {}
+    for r in sorted(rows, key=lambda r: (r["model"], r["gpus"])):
+        head = f"| {r['model']} | {r['gpus']} |"
+        if r["plan"] is None:
+            lines.append(f"{head} does not fit |" + " |" * 6)
+            continue
+        p = r["plan"]["policy"]
+        base = first.setdefault(r["model"], r["throughput_tok_s"])
+        lines.append(
+            f"{head} {p['batch_size']} | {p['micro_batch_size']} | "
+            f"{p['weights_gpu_fraction']:.0%} | {r['throughput_tok_s']:.1f} | "
+            f"{r['throughput_tok_s'] / base:.2f}x | {r['all_reduce_share']:.1%} | "
+            f"{r['plan']['bottleneck']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def cost_markdown(rows: list[dict]) -> str:
+    lines = [
+        "",
+        "## Cost per token: Mixtral 8x7B on one GPU of each bundled machine",
+        "",
+        "MTBench-like, 128 new tokens, `hrm plan --hardware t4,l4,a100-80g,h100-sxm,h200-sxm "
+        "--price ...`. **The prices are examples** (round on-demand cloud rates for one such GPU "
+        "and its host, USD per machine-hour), not quotes; the job is 1e9 generated tokens.",
+        "",
+        "| machine | example $/h | tok/s | $ per M tokens | job hours | job $ | binds |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        if r["plan"] is None:
+            lines.append(
+                f"| {r['machine']} | {r['price_per_hour']:.2f} | does not fit |" + " |" * 4
+            )
+            continue
+        lines.append(
+            f"| {r['machine']} | {r['price_per_hour']:.2f} | {r['throughput_tok_s']:.1f} | "
+            f"{r['cost_per_million_tokens']:.3f} | {r['dataset_seconds'] / 3600:.1f} | "
+            f"{r['dataset_cost']:.0f} | {r['plan']['bottleneck']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     rows = run_all()
-    atomic_write_json(REPORTS / "plans.json", rows)
-    atomic_write_text(REPORTS / "plans.md", markdown(rows))
+    scaling, costs = scaling_rows(), cost_rows()
+    atomic_write_json(REPORTS / "plans.json", {"plans": rows, "scaling": scaling, "cost": costs})
+    atomic_write_text(
+        REPORTS / "plans.md", markdown(rows) + scaling_markdown(scaling) + cost_markdown(costs)
+    )
     print(f"wrote {REPORTS / 'plans.md'} and plans.json")
 
 

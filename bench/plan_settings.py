@@ -16,6 +16,17 @@ MACHINES = (
 )
 
 
+# Tensor-parallel scaling rows: these models on the 4xT4 machine using 1, 2 and 4 of its GPUs.
+SCALING_MODELS = ("mixtral-8x22b", "dbrx")
+SCALING_MACHINE = "4xt4"
+SCALING_GPUS = (1, 2, 4)
+
+# The cost table's machines, with example prices in USD per machine-hour. They are round
+# examples of on-demand cloud rates for one such GPU and its host, not quotes: give your own with
+# `hrm plan --price`.
+EXAMPLE_PRICES = {"t4": 0.35, "l4": 0.70, "a100-80g": 3.70, "h100-sxm": 7.00, "h200-sxm": 10.00}
+
+
 @dataclass(frozen=True)
 class NamedWorkload:
     name: str
