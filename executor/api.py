@@ -241,6 +241,8 @@ def execute(
         decode_s=generation.decode_s,
         generated_tokens=generation.generated_tokens,
         peak_memory_bytes=_peak_memory_bytes(spec.device),
+        # on a CPU the one device is the CPU, busy the whole run; a GPU's queues are not timed yet
+        busy_fraction={"cpu": 1.0} if spec.device == "cpu" else {},
     )
     environment = {
         **_environment(spec),

@@ -76,6 +76,15 @@ def check_writable(path: str | os.PathLike) -> Path:
     return p
 
 
+def check_writable_dir(path: str | os.PathLike) -> Path:
+    """Fail early if the output directory `path` cannot be made or written into."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise HrmError(f"{p}: exists and is not a directory; choose another output directory")
+    check_writable((p if p.is_dir() else p.parent) / ".hrm-probe")
+    return p
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
     """Call `write(tmp_path)`, then rename the temporary file onto `path`.
 

@@ -12,7 +12,7 @@ import sys
 
 from hrm.errors import HrmError
 
-SUBCOMMANDS = ("roofline", "profile", "plan", "run")
+SUBCOMMANDS = ("roofline", "profile", "plan", "run", "report", "validate")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -148,8 +148,9 @@ def build_record(result, hardware=None):
     # Prefill packs the prompts (no compute on padding), so the workload is unpadded.
     workload = Workload.from_prompt_lens(spec.prompt_lens, spec.gen_len, padding=False)
     predicted = None
+    environment = dict(result.environment)
     if hardware is not None:
-        from planner import predict_resident_run
+        from planner import MODEL_VERSION, predict_resident_run
 
         plan = predict_resident_run(
             spec.arch,
@@ -160,7 +161,8 @@ def build_record(result, hardware=None):
             on_gpu=spec.device.startswith("cuda"),
             cpu_gemm=result.cpu_gemm,
         )
-        predicted = plan.predicted.to_dict()
+        predicted = {**plan.predicted.to_dict(), "busy_s": dict(plan.busy_s)}
+        environment["model_version"] = MODEL_VERSION
     return RunRecord(
         model=spec.arch.name,
         hardware=hardware.name if hardware is not None else None,
@@ -168,7 +170,7 @@ def build_record(result, hardware=None):
         plan=None,
         predicted=predicted,
         measured=result.measured,
-        environment=result.environment,
+        environment=environment,
     )
 
 

@@ -11,6 +11,7 @@ from executor.checkpoint import open_checkpoint
 from executor.generate import Sampling, generate, sample
 from executor.model import MoEModel
 from hrm.cpu_gemm import CpuGemmChoice
+from planner import MODEL_VERSION
 from tests.executor.conftest import ragged_prompts
 
 
@@ -163,7 +164,8 @@ def test_hardware_adds_the_planners_prediction_of_this_run(run_cli, checkpoints)
         cpu_gemm=ran,
     )
     assert record["hardware"] == "ci-cpu"
-    assert record["predicted"] == expected.predicted.to_dict()
+    assert record["predicted"] == {**expected.predicted.to_dict(), "busy_s": expected.busy_s}
+    assert record["environment"]["model_version"] == MODEL_VERSION
     assert record["predicted"]["generated_tokens"] == record["measured"]["generated_tokens"] == 12
     measured = record["measured"]["throughput_tok_s"]
     assert record["prediction_error"] == (

@@ -1,0 +1,230 @@
+"""`hrm validate`: a sweep of real runs, each with the planner's prediction, then `hrm report`;
+exit status 1 when the model's error (MAPE) exceeds --max-mape.
+
+The host is profiled first (quick, at the model's own shape) unless --hardware names a profile
+of this very host: a stale or foreign profile would test the profile, not the model. Every
+setting runs `--repeats` times, the passes interleaved, and the run-to-run spread is reported.
+The executor holds the model on one device today (schedule "resident"); the offloading
+schedules join the sweep as they land.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+# (batch sizes, (prompt length, ragged) pairs, generation lengths): ragged prompts spread their
+# lengths over [L/2, 3L/2]; uniform ones all have L tokens
+SWEEPS = {
+    "quick": ((1, 16), ((16, False), (64, True)), (8,)),
+    "full": ((1, 8, 32, 64), ((32, False), (128, True)), (16, 64)),
+}
+DTYPES = ("bfloat16", "float32")
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "validate",
+        help="run a sweep with the executor, report predicted against measured, fail past a MAPE",
+        description="Profile this host (or take --hardware, a profile of it), run a sweep of "
+        "batch sizes, prompt lengths (uniform and ragged), generation lengths and dtypes, write "
+        "each RunRecord under DIR/runs/ and the report (hrm report) into DIR, and exit with "
+        "status 1 when the mean absolute percentage error exceeds --max-mape.",
+    )
+    p.add_argument("--hardware", help="a measured profile of this host (default: profile it now)")
+    p.add_argument("--checkpoint", help="checkpoint directory to run")
+    p.add_argument("--model", help="with --random-weights: bundled name or config.json")
+    p.add_argument(
+        "--random-weights", action="store_true", help="the model's architecture, random weights"
+    )
+    p.add_argument("--layers", type=int, help="with --random-weights: this many layers")
+    p.add_argument("--quick", action="store_true", help="a small sweep (minutes on 2 cores)")
+    p.add_argument("--repeats", type=int, default=2, help="runs of each setting, interleaved (2)")
+    p.add_argument("--max-mape", type=float, default=0.15, help="fail above this MAPE (0.15)")
+    p.add_argument("--threads", type=int, help="CPU threads for the runs (default: torch's)")
+    p.add_argument("-o", "--output", required=True, metavar="DIR", help="directory to write")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from hrm.errors import HrmError
+    from hrm.hardware import resolve_hardware
+    from hrm.io import check_writable_dir
+    from hrm.profiling.host_gemm import host_differs
+
+    check_writable_dir(args.output)
+    if not 0 < args.max_mape < 10:
+        raise HrmError(f"--max-mape is a fraction (0.15 = 15%), got {args.max_mape:g}")
+    if args.repeats < 1:
+        raise HrmError(f"--repeats must be at least 1, got {args.repeats}")
+    if args.threads is not None and args.threads < 1:
+        raise HrmError(f"--threads must be at least 1, got {args.threads}")
+    if bool(args.checkpoint) == bool(args.random_weights):
+        raise HrmError("give --checkpoint DIR, or --model M --random-weights [--layers L]")
+    if args.random_weights and not args.model:
+        raise HrmError("--random-weights needs --model (a bundled name or a config.json)")
+    if args.layers is not None and (not args.random_weights or args.layers < 1):
+        raise HrmError("--layers is a positive layer count for --random-weights")
+    hardware = resolve_hardware(args.hardware) if args.hardware else None
+    if hardware is not None:
+        differs = host_differs(hardware)
+        if differs:
+            raise HrmError(
+                f"--hardware: {differs}; a sweep here needs a profile of this host "
+                "(leave out --hardware to profile it first)"
+            )
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint = (
+            Path(args.checkpoint) if args.checkpoint else random_checkpoint(args, Path(tmp))
+        )
+        return _validate(args, checkpoint, hardware)
+
+
+def random_checkpoint(args, tmp: Path) -> Path:
+    """The model's real architecture with random weights, saved by transformers into `tmp`."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hrm.arch import resolve_model
+    from hrm.io import load_json
+
+    arch = resolve_model(args.model)  # the one place that checks the name
+    path = Path(args.model)
+    if not path.exists():
+        path = Path(__file__).resolve().parent.parent / "model_configs" / f"{args.model}.json"
+    elif path.is_dir():
+        path = path / "config.json"
+    config = dict(load_json(path))
+    if args.layers is not None:
+        config["n_layers" if arch.model_type == "dbrx" else "num_hidden_layers"] = args.layers
+    hf_config = AutoConfig.for_model(**config)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16)
+    out = tmp / f"{arch.name}-random"
+    model.save_pretrained(out)
+    return out
+
+
+def _validate(args, checkpoint: Path, hardware) -> int:
+    from executor.api import execute, prepare_run, torch_threads
+    from hrm.cli.run import build_record
+    from hrm.profiling.host_gemm import cpu_gemm_for_run
+    from hrm.progress import progress_bar
+    from hrm.report import load_records, summaries, write_report
+
+    batches, prompts, gens = SWEEPS["quick" if args.quick else "full"]
+    settings = list(itertools.product(DTYPES, batches, prompts, gens))
+    records: dict[str, dict] = {}
+    spreads: dict[str, list[float]] = {}
+    with torch_threads(args.threads):
+        hardware = hardware or _profile_host(checkpoint, args.quiet)
+        bar = progress_bar(total=args.repeats * len(settings), desc="validate", quiet=args.quiet)
+        with bar:
+            for rep in range(args.repeats):  # passes interleaved: drift hits every setting
+                for dtype, batch, (length, ragged), gen in settings:
+                    spec = prepare_run(checkpoint, gen_len=gen, prompt_len=length, batch=batch,
+                                       dtype=dtype, device="cpu")  # fmt: skip
+                    spec = dataclasses.replace(spec, prompts=_prompts(spec, batch, length, ragged))
+
+                    def choose(ckpt, spec=spec):
+                        return cpu_gemm_for_run(spec.arch, spec.dtype, mode="auto",
+                                                hardware=hardware, weights=ckpt.expert_gate_weights,
+                                                warn=lambda m: None)  # fmt: skip
+
+                    result = execute(spec, cpu_gemm=choose, ignore_eos=True, quiet=True)
+                    record = build_record(result, hardware).to_dict()
+                    if args.random_weights:
+                        record["environment"]["weights"] = "random"
+                    name = f"{dtype}-b{batch}-p{length}{'r' if ragged else 'u'}-g{gen}"
+                    records[f"{name}-{rep + 1}"] = record
+                    spreads.setdefault(name, []).append(record["measured"]["throughput_tok_s"])
+                    bar.update()
+    out = Path(args.output)
+    with tempfile.TemporaryDirectory() as staging:
+        runs = Path(staging) / "runs"
+        runs.mkdir()
+        for name, record in records.items():
+            (runs / f"{name}.json").write_text(json.dumps(record, indent=2) + "\n")
+        rows = load_records(sorted(runs.glob("*.json")))
+        title = f"{rows[0].model} on {hardware.name}: predicted against measured"
+        notes = _spread_notes(spreads, hardware)
+        write_report(rows, out, title=title, notes=notes)
+        (out / "runs").mkdir(exist_ok=True)
+        for path in runs.iterdir():
+            path.replace(out / "runs" / path.name)
+        hardware.save(out / "hardware.yaml")
+    overall = list(summaries(rows).values())[-1]["all"]
+    print(
+        f"{overall.runs} runs: MAPE {overall.mape:.1%}, worst {overall.worst.error:+.1%} "
+        f"({overall.worst.name}); wrote {out / 'report.md'}"
+    )
+    if overall.mape > args.max_mape:
+        print(
+            f"hrm validate: MAPE {overall.mape:.1%} exceeds --max-mape {args.max_mape:.0%}",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+def _prompts(spec, batch: int, length: int, ragged: bool) -> tuple[tuple[int, ...], ...]:
+    """`batch` random prompts of `length` tokens, or of lengths spread over [L/2, 3L/2]."""
+    import torch
+
+    g = torch.Generator().manual_seed(batch * 1000 + length)
+    lens = (
+        torch.linspace(max(1, length // 2), length * 3 // 2, batch).round().int().tolist()
+        if ragged and batch > 1
+        else [length] * batch
+    )
+    vocab = spec.arch.vocab_size
+    return tuple(tuple(torch.randint(0, vocab, (n,), generator=g).tolist()) for n in lens)
+
+
+def _profile_host(checkpoint: Path, quiet: bool):
+    """A quick profile of this host at the model's shape, taken right before the sweep."""
+    from hrm.arch import resolve_model
+    from hrm.profiling import PRESETS, measure_profile
+
+    return measure_profile(
+        plan=PRESETS["quick"],
+        device="cpu",
+        arch=resolve_model(checkpoint),
+        name="this-host",
+        command="hrm validate (quick profile before the sweep)",
+        quiet=quiet,
+        warn=lambda message: print(f"hrm validate: warning: {message}", file=sys.stderr),
+    )
+
+
+def _spread_notes(spreads: dict[str, list[float]], hardware) -> list[str]:
+    """Run-to-run spread of measured throughput: (max - min) / median per setting."""
+    import statistics
+
+    values = {
+        name: (max(v) - min(v)) / statistics.median(v) for name, v in spreads.items() if len(v) > 1
+    }
+    notes = [
+        "## Conditions",
+        "",
+        f"Profile: {hardware.name} ({hardware.description}); CPU "
+        f"{hardware.provenance.get('cpu_model', '?')}, matrix features "
+        f"{', '.join(hardware.provenance.get('cpu_matrix_features', [])) or 'unknown'}. "
+        "Schedule: resident (the executor holds the model on one device); the forced-paging "
+        "budget of the offloading executor is not built yet.",
+        "",
+    ]
+    if values:
+        worst = max(values, key=values.get)
+        notes += [
+            f"Run-to-run spread of measured throughput over the interleaved repeats: median "
+            f"{statistics.median(values.values()):.1%}, largest {values[worst]:.1%} ({worst}).",
+            "",
+        ]
+    return notes

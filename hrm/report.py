@@ -1,0 +1,261 @@
+"""Predicted against measured over many runs: the model's error, where it comes from, as figures.
+
+`hrm report RUN.json ...` and `hrm validate` read RunRecords and write, into one directory:
+`scatter.png` (predicted against measured throughput, log-log, y = x and a +-10% band, a colour per
+schedule, a marker per model), `run-N.png` (per run: prefill and decode seconds and each queue's
+busy seconds, predicted beside measured), `runs.csv` (one row per run) and `report.md` linking them,
+with the mean absolute percentage error (MAPE) and the worst run per schedule and overall.
+Records made by different versions of the cost model are reported apart, never averaged together.
+pandas and matplotlib are imported inside.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from hrm.errors import HrmError
+from hrm.io import check_writable_dir
+from hrm.record import RunRecord
+
+QUEUES = ("gpu", "cpu", "h2d", "d2h")
+BAND = 0.10  # the scatter's band around y = x
+
+
+@dataclass(frozen=True, kw_only=True)
+class Row:
+    """One run, flattened for the table, the CSV and the error summary."""
+
+    name: str
+    model: str
+    schedule: str
+    model_version: str
+    setting: str
+    predicted_tok_s: float
+    measured_tok_s: float
+    record: RunRecord
+
+    @property
+    def error(self) -> float:
+        """Signed relative error (predicted - measured) / measured, as RunRecord has it."""
+        return (self.predicted_tok_s - self.measured_tok_s) / self.measured_tok_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class ErrorSummary:
+    runs: int
+    mape: float  # mean of |error|
+    worst: Row  # the run with the largest |error|
+
+
+def load_records(paths: Sequence[str | os.PathLike]) -> list[Row]:
+    """Every record, checked: strict keys, a prediction and a measured throughput in each."""
+    if not paths:
+        raise HrmError("no run records given; pass RUN.json files (hrm run --json > RUN.json)")
+    rows = []
+    for path in paths:
+        record = RunRecord.load(path)
+        if not record.predicted:
+            raise HrmError(
+                f"{path}: the record has no prediction; make it with hrm run --hardware PROFILE"
+            )
+        if not record.measured.throughput_tok_s > 0:
+            raise HrmError(f"{path}: the record measured no throughput (no tokens generated)")
+        rows.append(_row(Path(path).stem, record))
+    return rows
+
+
+def _row(name: str, record: RunRecord) -> Row:
+    env, wl = record.environment, record.workload
+    schedule = record.plan["schedule"] if record.plan else "resident"
+    setting = (
+        f"N={env.get('batch_size', '?')} prompts {wl['prompt_len_mean']:g}"
+        f"{' (p)' if wl.get('padding') else ''}/{wl['prompt_len_max']} gen {wl['gen_len']} "
+        f"{env.get('dtype', '?')} {env.get('device', '?')}"
+    )
+    return Row(
+        name=name,
+        model=record.model,
+        schedule=schedule,
+        model_version=str(env.get("model_version", "unknown")),
+        setting=setting,
+        predicted_tok_s=float(record.predicted["throughput_tok_s"]),
+        measured_tok_s=record.measured.throughput_tok_s,
+        record=record,
+    )
+
+
+def summarize(rows: Sequence[Row]) -> ErrorSummary:
+    worst = max(rows, key=lambda r: abs(r.error))
+    return ErrorSummary(
+        runs=len(rows), mape=sum(abs(r.error) for r in rows) / len(rows), worst=worst
+    )
+
+
+def summaries(rows: Sequence[Row]) -> dict[str, dict[str, ErrorSummary]]:
+    """{model version: {schedule or "all": summary}}: versions are never pooled."""
+    out: dict[str, dict[str, ErrorSummary]] = {}
+    for version in sorted({r.model_version for r in rows}):
+        mine = [r for r in rows if r.model_version == version]
+        groups = {
+            s: [r for r in mine if r.schedule == s] for s in sorted({r.schedule for r in mine})
+        }
+        out[version] = {**{s: summarize(g) for s, g in groups.items()}, "all": summarize(mine)}
+    return out
+
+
+def write_report(
+    rows: Sequence[Row], directory: str | os.PathLike, *, title: str, notes: Sequence[str] = ()
+) -> Path:
+    """All files into `directory`, built in a temporary folder first: nothing partial is left.
+    `notes`: markdown lines for the page (the conditions of the runs)."""
+    out = check_writable_dir(directory)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out if out.is_dir() else out.parent))
+    try:
+        _write_all(rows, tmp, title, notes)
+        out.mkdir(parents=True, exist_ok=True)
+        for item in tmp.iterdir():
+            os.replace(item, out / item.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out / "report.md"
+
+
+def _write_all(rows: Sequence[Row], tmp: Path, title: str, notes: Sequence[str]) -> None:
+    import pandas as pd
+
+    frame = pd.DataFrame(
+        [
+            {
+                "run": r.name,
+                "model": r.model,
+                "schedule": r.schedule,
+                "model_version": r.model_version,
+                "setting": r.setting,
+                "predicted_tok_s": r.predicted_tok_s,
+                "measured_tok_s": r.measured_tok_s,
+                "error": r.error,
+                "predicted_prefill_s": r.record.predicted["prefill_s"],
+                "measured_prefill_s": r.record.measured.prefill_s,
+                "predicted_decode_s": r.record.predicted["decode_s"],
+                "measured_decode_s": r.record.measured.decode_s,
+            }
+            for r in rows
+        ]
+    )
+    frame.to_csv(tmp / "runs.csv", index=False)
+    plot_scatter(rows, tmp / "scatter.png", title)
+    for i, r in enumerate(rows):
+        plot_run(r, tmp / f"run-{i + 1}.png")
+    (tmp / "report.md").write_text(markdown(rows, title, notes))
+
+
+def markdown(rows: Sequence[Row], title: str, notes: Sequence[str] = ()) -> str:
+    lines = [f"# {title}", "", "![predicted against measured](scatter.png)", "", *notes]
+    for version, by_schedule in summaries(rows).items():
+        lines += [
+            f"## Cost model version {version}",
+            "",
+            "| schedule | runs | MAPE | worst | worst run |",
+            "|---|---:|---:|---:|---|",
+        ]
+        for schedule, s in by_schedule.items():
+            lines.append(
+                f"| {schedule} | {s.runs} | {s.mape:.1%} | {s.worst.error:+.1%} | "
+                f"{s.worst.name}: {s.worst.setting} |"
+            )
+        lines.append("")
+    lines += [
+        "## Runs",
+        "",
+        "| run | model | schedule | setting | predicted tok/s | measured tok/s | error | detail |",
+        "|---|---|---|---|---:|---:|---:|---|",
+    ]
+    for i, r in enumerate(rows):
+        lines.append(
+            f"| {r.name} | {r.model} | {r.schedule} | {r.setting} | {r.predicted_tok_s:.1f} | "
+            f"{r.measured_tok_s:.1f} | {r.error:+.1%} | [bars](run-{i + 1}.png) |"
+        )
+    lines += ["", "Error = (predicted - measured) / measured. Data: `runs.csv`.", ""]
+    return "\n".join(lines)
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_scatter(rows: Sequence[Row], path: Path, title: str) -> None:
+    plt = _pyplot()
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(6.5, 5.5), dpi=120)
+    values = [v for r in rows for v in (r.predicted_tok_s, r.measured_tok_s)]
+    lo, hi = min(values) / 1.5, max(values) * 1.5
+    x = np.geomspace(lo, hi, 50)
+    ax.plot(x, x, "k-", lw=1, label="y = x")
+    ax.fill_between(x, x * (1 - BAND), x * (1 + BAND), color="gray", alpha=0.2, label="±10%")
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    markers = "osD^vP*X"
+    schedules = sorted({r.schedule for r in rows})
+    models = sorted({r.model for r in rows})
+    for r in rows:
+        ax.plot(
+            r.measured_tok_s,
+            r.predicted_tok_s,
+            markers[models.index(r.model) % len(markers)],
+            color=colors[schedules.index(r.schedule) % len(colors)],
+            alpha=0.8,
+        )
+    for s in schedules:  # legend entries: colour per schedule, marker per model
+        ax.plot([], [], "o", color=colors[schedules.index(s) % len(colors)], label=s)
+    for m in models:
+        ax.plot([], [], markers[models.index(m) % len(markers)], color="gray", label=m)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(lo, hi)
+    ax.set_xlabel("measured throughput (tok/s)")
+    ax.set_ylabel("predicted throughput (tok/s)")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    plt.close(fig)
+
+
+def plot_run(row: Row, path: Path) -> None:
+    """Prefill and decode seconds, and each queue's busy seconds, predicted beside measured."""
+    plt = _pyplot()
+    record = row.record
+    predicted, measured = record.predicted, record.measured
+    total_predicted = predicted["prefill_s"] + predicted["decode_s"]
+    total_measured = measured.prefill_s + measured.decode_s
+    busy_predicted = predicted.get("busy_s") or (record.plan or {}).get("busy_s") or {}
+    labels = ["prefill", "decode", *(f"{q} busy" for q in QUEUES)]
+    ours = [predicted["prefill_s"], predicted["decode_s"]]
+    theirs = [measured.prefill_s, measured.decode_s]
+    for q in QUEUES:
+        ours.append(busy_predicted.get(q, 0.0) if busy_predicted else float("nan"))
+        fraction = measured.busy_fraction.get(q)
+        theirs.append(fraction * total_measured if fraction is not None else float("nan"))
+    fig, ax = plt.subplots(figsize=(7, 3.5), dpi=110)
+    xs = range(len(labels))
+    ax.bar([x - 0.2 for x in xs], ours, width=0.4, label=f"predicted ({total_predicted:.2f} s)")
+    ax.bar([x + 0.2 for x in xs], theirs, width=0.4, label=f"measured ({total_measured:.2f} s)")
+    ax.set_xticks(list(xs), labels, fontsize=8)
+    ax.set_ylabel("seconds")
+    ax.set_title(f"{row.name}: {row.setting} ({row.error:+.0%})", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    plt.close(fig)

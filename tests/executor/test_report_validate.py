@@ -1,0 +1,126 @@
+"""`hrm report` over RunRecords and `hrm validate` end to end on a tiny checkpoint."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hrm.record import Measurement, RunRecord
+from hrm.report import load_records, summaries
+from tests.conftest import assert_one_line_error
+
+ARGS = ["--prompt-len", "5", "--batch", "3", "--gen-len", "3", "--ignore-eos", "--quiet"]
+
+
+def hand_record(path, predicted: float, measured: float, *, version="v1", schedule=None):
+    """A record whose throughputs are `predicted` and `measured` tok/s (1 s prefill + decode)."""
+    record = RunRecord(
+        model="m",
+        hardware="h",
+        workload={"prompt_len_mean": 4, "prompt_len_max": 4, "gen_len": 2, "padding": False},
+        plan={"schedule": schedule, "busy_s": {}} if schedule else None,
+        predicted={
+            "throughput_tok_s": predicted,
+            "prefill_s": 0.5,
+            "decode_s": 0.5,
+            "generated_tokens": int(predicted),
+        },  # fmt: skip
+        measured=Measurement(prefill_s=0.5, decode_s=0.5, generated_tokens=int(measured)),
+        environment={"model_version": version, "batch_size": 1, "dtype": "float32"},
+    )
+    record.save(path)
+    return path
+
+
+def test_mape_and_worst_case_by_hand(tmp_path):
+    paths = [
+        hand_record(tmp_path / "a.json", 110, 100),  # +10%
+        hand_record(tmp_path / "b.json", 80, 100),  # -20%
+        hand_record(tmp_path / "c.json", 100, 100),  # 0
+        hand_record(tmp_path / "d.json", 150, 100, version="v2"),  # another model: apart
+    ]
+    by_version = summaries(load_records(paths))
+    v1 = by_version["v1"]["all"]
+    assert v1.runs == 3 and v1.mape == pytest.approx(0.1) and v1.worst.name == "b"
+    assert v1.worst.error == pytest.approx(-0.2)
+    assert by_version["v2"]["all"].mape == pytest.approx(0.5)
+    assert set(by_version["v1"]) == {"resident", "all"}
+
+
+def test_report_writes_figures_page_and_csv_from_real_runs(run_cli, checkpoints, tmp_path):
+    paths = []
+    for i, dtype in enumerate(("float32", "bfloat16")):
+        status, out, _ = run_cli(
+            "run", "--checkpoint", checkpoints["dbrx"], *ARGS, "--dtype", dtype,
+            "--hardware", "ci-cpu", "--json",
+        )  # fmt: skip
+        assert status == 0
+        paths.append(tmp_path / f"run{i}.json")
+        paths[-1].write_text(out)
+    out_dir = tmp_path / "report"
+    status, out, err = run_cli("report", *paths, "-o", out_dir)
+    assert status == 0, err
+    names = {p.name for p in out_dir.iterdir()}
+    assert {"report.md", "runs.csv", "scatter.png", "run-1.png", "run-2.png"} <= names
+    assert all((out_dir / n).stat().st_size > 0 for n in names)
+    page = (out_dir / "report.md").read_text()
+    assert "| resident | 2 |" in page and "run0" in page and "MAPE" in page
+    csv = (out_dir / "runs.csv").read_text().splitlines()
+    assert csv[0].startswith("run,model,schedule") and len(csv) == 3
+    assert "MAPE" in out
+
+
+def test_validate_quick_runs_end_to_end_and_fails_past_its_mape(run_cli, checkpoints, tmp_path):
+    out_dir = tmp_path / "val"
+    status, out, err = run_cli(
+        "validate", "--checkpoint", checkpoints["mixtral-single"], "--quick", "--repeats", "1",
+        "--max-mape", "9.9", "--quiet", "-o", out_dir,
+    )  # fmt: skip
+    assert status == 0, err
+    runs = sorted((out_dir / "runs").glob("*.json"))
+    assert len(runs) == 8  # 2 dtypes x 2 batches x 2 prompt shapes x 1 generation length
+    record = json.loads(runs[0].read_text())
+    assert record["predicted"]["throughput_tok_s"] > 0 and record["measured"]["generated_tokens"]
+    assert (out_dir / "hardware.yaml").is_file() and (out_dir / "scatter.png").is_file()
+    assert "Conditions" in (out_dir / "report.md").read_text()
+    # the same sweep against a threshold it misses: status 1, and it says so
+    status, _, err = run_cli(
+        "validate", "--checkpoint", checkpoints["mixtral-single"], "--quick", "--repeats", "1",
+        "--max-mape", "0.0001", "--quiet", "--hardware", out_dir / "hardware.yaml",
+        "-o", tmp_path / "val2",
+    )  # fmt: skip
+    assert status == 1 and "exceeds --max-mape" in err
+
+
+def test_bad_report_inputs_are_one_line_and_write_nothing(run_cli, tmp_path):
+    good = hand_record(tmp_path / "good.json", 110, 100)
+    bad_key = tmp_path / "bad.json"
+    bad_key.write_text(json.dumps({**json.loads(good.read_text()), "color": "red"}))
+    no_prediction = tmp_path / "none.json"
+    no_prediction.write_text(json.dumps({**json.loads(good.read_text()), "predicted": None}))
+    (tmp_path / "file").write_text("x")
+    out = tmp_path / "out"
+    for args, fragment in (
+        ([bad_key], "unknown key 'color'"),
+        ([], "no run records given"),
+        ([no_prediction], "none.json: the record has no prediction"),
+        ([tmp_path / "missing.json"], "missing.json"),
+    ):
+        status, _, err = run_cli("report", *args, "-o", out)
+        assert_one_line_error(status, err, fragment)
+        assert not out.exists()
+    status, _, err = run_cli("report", good, "-o", tmp_path / "file")
+    assert_one_line_error(status, err, "exists and is not a directory")
+    status, _, err = run_cli("report", good, "-o", tmp_path / "no" / "such" / "dir")
+    assert_one_line_error(status, err, "does not exist")
+
+
+def test_validate_refuses_a_profile_of_another_machine(run_cli, checkpoints, tmp_path):
+    status, _, err = run_cli(
+        "validate", "--checkpoint", checkpoints["dbrx"], "--hardware", "l4", "-o", tmp_path / "v"
+    )
+    assert_one_line_error(status, err, "l4 is a datasheet profile", "to profile it first")
+    assert not (tmp_path / "v").exists()
+    status, _, err = run_cli("validate", "--model", "dbrx", "-o", tmp_path / "v")
+    assert_one_line_error(status, err, "give --checkpoint DIR, or --model M --random-weights")
