@@ -111,7 +111,7 @@ def predict(path: Path, hw, cpu_gemm, dtype: str, batch: int, prompt_len: int, g
     from hrm.arch import resolve_model
     from hrm.workload import Workload
     from planner import predict_resident_run
-    from planner.cost import Setting, micro_batch_seconds
+    from planner.cost import Setting, micro_batch_seconds, step_overhead_seconds
 
     arch = resolve_model(path / "config.json")
     workload = Workload.from_prompt_lens([prompt_len] * batch, gen_len)
@@ -125,11 +125,15 @@ def predict(path: Path, hw, cpu_gemm, dtype: str, batch: int, prompt_len: int, g
     )
     mb = micro_batch_seconds(setting, batch)
     layers = arch.num_layers
+    # the measured fixed costs (hrm profile's launch_overhead) are charged apart from the parts
+    # they belong to, so they get a row of their own; the executor's timers hold them in each part
+    step_overhead = step_overhead_seconds(setting)
     parts = {
         "dense": layers * mb.cpu_dense,
         "attention": layers * mb.cpu_attention,
         "expert ffn": layers * mb.cpu_ffn,
-        "lm head": mb.head_cpu,
+        "lm head": mb.head_cpu - step_overhead,
+        "overhead": layers * mb.cpu_launch + step_overhead,
     }
     result = {
         "prefill": {p: float(v[0]) for p, v in parts.items()},
@@ -167,8 +171,8 @@ def main() -> None:
         predicted = predict(path, profile, cpu_gemm, args.dtype, batch, prompt_len, gen_len)
     rows = []
     for ph in ("prefill", "decode"):
-        for part in PARTS:
-            m = measured[ph][part]
+        for part in (*PARTS, "overhead"):
+            m = measured[ph].get(part, 0.0)  # the executor cannot time its overhead apart
             p = predicted[ph].get(part, 0.0)
             rows.append(
                 {

@@ -68,6 +68,16 @@ WIDENED_KEYS = {dtype: f"{dtype}_widened" for dtype in HALF_DTYPES}
 
 
 @dataclass(frozen=True, kw_only=True)
+class LaunchOverhead:
+    """The executor's fixed cost on this device beyond FLOPs and bytes (measured, seconds):
+    per layer and micro-batch, per expert that micro-batch touches, and per decode step."""
+
+    per_layer_s: float
+    per_expert_s: float
+    per_step_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
 class DeviceSpec:
     """One kind of processor with its local memory. For a GPU the figures are per GPU."""
 
@@ -80,6 +90,7 @@ class DeviceSpec:
     matmul_curves: Mapping[str, Curve] = field(default_factory=dict)
     # Free memory when a measured profile was taken (MemAvailable, cudaMemGetInfo); None if unknown.
     available_memory_bytes: float | None = None
+    launch_overhead: LaunchOverhead | None = None  # measured by hrm profile (CPU); None: not known
 
     def flops_per_s(self, dtype: str) -> float:
         """Peak FLOP/s of all `count` devices for `dtype`; falls back to float32 when absent.
@@ -353,7 +364,7 @@ def resolve_hardware(name_or_path: str) -> HardwareProfile:
 # -- (de)serialisation helpers ------------------------------------------------------------------
 
 _DEVICE_KEYS = {"name", "memory", "memory_bandwidth", "flops"}
-_DEVICE_OPTIONAL = {"count", "cores", "matmul_curves", "available_memory"}
+_DEVICE_OPTIONAL = {"count", "cores", "matmul_curves", "available_memory", "launch_overhead"}
 
 
 def _device_from_dict(data: Any, where: str, is_cpu: bool = False) -> DeviceSpec:
@@ -372,7 +383,13 @@ def _device_from_dict(data: Any, where: str, is_cpu: bool = False) -> DeviceSpec
         raise HrmError(f"{where}: count must be 1 for the cpu (give the total cores and memory)")
     cores = data.get("cores")
     available = data.get("available_memory")
+    overhead = data.get("launch_overhead")
+    if overhead is not None:
+        if not is_cpu:
+            raise HrmError(f"{where}: launch_overhead is measured for the cpu only")
+        overhead = _overhead_from_dict(overhead, f"{where}: launch_overhead")
     return DeviceSpec(
+        launch_overhead=overhead,
         name=str(data["name"]),
         count=count,
         cores=positive_int(cores, where=f"{where}: cores") if cores is not None else None,
@@ -407,7 +424,19 @@ def _device_to_dict(device: DeviceSpec) -> dict[str, Any]:
     out["flops"] = {d: units.format_flops(r, None) for d, r in device.peak_flops_per_s.items()}
     if device.matmul_curves:
         out["matmul_curves"] = {d: _curve_to_list(c) for d, c in device.matmul_curves.items()}
+    if device.launch_overhead is not None:
+        out["launch_overhead"] = dataclasses.asdict(device.launch_overhead)
     return out
+
+
+def _overhead_from_dict(data: Any, where: str) -> LaunchOverhead:
+    fields = {f.name for f in dataclasses.fields(LaunchOverhead)}
+    data = check_keys(data, where=where, required=fields)
+    for name in fields:
+        value = data[name]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise HrmError(f"{where}: {name} must be a non-negative number of seconds")
+    return LaunchOverhead(**{name: float(data[name]) for name in fields})
 
 
 def _link_from_dict(data: Any, where: str) -> LinkSpec:

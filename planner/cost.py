@@ -164,6 +164,7 @@ class MicroBatchSeconds:
     kv_to_gpu: np.ndarray  # decode with GPU attention: the CPU part of the cache, prefetched
     kv_to_cpu: np.ndarray  # prefill: the prompt's K, V; decode: the new token's
     gpu_all_reduce: np.ndarray  # tensor parallelism: after attention and after the experts
+    cpu_launch: np.ndarray  # the executor's fixed cost of one layer on the CPU (measured)
     head_gpu: np.ndarray  # final norm + LM head, once per step (not per layer)
     head_cpu: np.ndarray
     embed_to_gpu: np.ndarray  # next tokens' embeddings, gathered on the CPU
@@ -338,10 +339,36 @@ def micro_batch_seconds(setting: Setting, b: float) -> MicroBatchSeconds:
                 all_reduce_seconds(hw, b * arch.hidden_size * adt) * np.ones(steps - 1),
             ]
         ),
+        cpu_launch=_launch_seconds(setting, chunk, b),
         head_gpu=gpu["head"],
-        head_cpu=cpu["head"],
+        head_cpu=cpu["head"] + step_overhead_seconds(setting),
         embed_to_gpu=h2d(b * arch.hidden_size * adt) * np.ones(steps),
     )
+
+
+def _launch_seconds(setting: Setting, prefill_tokens: float, b: float) -> np.ndarray:
+    """T_launch = per_layer + E_touched(tokens) * per_expert: the fixed cost of a layer's ops on
+    the CPU beyond their FLOPs and bytes, as `hrm profile` measured the executor's own forward
+    (executor/overhead.py); 0 where the profile has no such measurement."""
+    overhead = setting.hardware.cpu.launch_overhead
+    steps = setting.steps
+    if overhead is None:
+        return np.zeros(steps)
+    arch = setting.arch
+
+    def per_layer(tokens: float) -> float:
+        return (
+            overhead.per_layer_s + expected_distinct_experts(arch, tokens) * overhead.per_expert_s
+        )
+
+    return np.concatenate([[per_layer(prefill_tokens)], per_layer(b) * np.ones(steps - 1)])
+
+
+def step_overhead_seconds(setting: Setting) -> float:
+    """The executor's fixed cost of a step outside the layers (embedding, rotary tables,
+    sampling), once per micro-batch on the CPU; 0 where not measured."""
+    overhead = setting.hardware.cpu.launch_overhead
+    return overhead.per_step_s if overhead is not None else 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -387,6 +414,7 @@ def queue_terms(setting: Setting, mb: MicroBatchSeconds) -> QueueTerms:
             "dense": _per_mb(on_cpu, mb.cpu_dense),
             "expert ffn": _per_mb(on_cpu, mb.cpu_ffn),
             "attention": _per_mb(att_cpu, mb.cpu_attention),
+            "launch overhead": _per_mb(on_cpu, mb.cpu_launch),
         },
         "h2d": {
             # (F_g - r_w) * W_l / B_h2d(page): scaled by the weight stream time of the layer
@@ -406,7 +434,7 @@ def queue_terms(setting: Setting, mb: MicroBatchSeconds) -> QueueTerms:
     # fill/drain = chain - home: the first micro-batch's stages before its work on the device
     # that runs the layers (GPU if F_g, else CPU), and the last one's after it
     home = sum(c.scaled for c in components["gpu"].values()) + (
-        _per_mb(on_cpu, mb.cpu_dense + mb.cpu_ffn + mb.cpu_attention).scaled
+        _per_mb(on_cpu, mb.cpu_dense + mb.cpu_ffn + mb.cpu_attention + mb.cpu_launch).scaled
     )
     fill = Expr(_zero(steps), per_mb - home, np.zeros(5))
     head = {

@@ -157,3 +157,22 @@ def test_interconnect_shared_links_and_price_round_trip_and_are_checked(tmp_path
     cpu_only = {k: v for k, v in data.items() if k not in ("gpu", "link")}
     with pytest.raises(HrmError, match="'interconnect' section but no 'gpu'"):
         HardwareProfile.from_dict(cpu_only)
+
+
+def test_launch_overhead_belongs_to_the_cpu_and_round_trips(tmp_path):
+    data = resolve_hardware("l4").to_dict()
+    data["cpu"]["launch_overhead"] = {
+        "per_layer_s": 4e-4,
+        "per_expert_s": 1.5e-4,
+        "per_step_s": 3e-4,
+    }
+    profile = HardwareProfile.from_dict(copy.deepcopy(data))
+    assert profile.cpu.launch_overhead.per_expert_s == 1.5e-4
+    assert HardwareProfile.load(profile.save(tmp_path / "p.yaml")) == profile
+    bad = copy.deepcopy(data)
+    bad["cpu"]["launch_overhead"]["per_step_s"] = -1
+    with pytest.raises(HrmError, match="per_step_s must be a non-negative number"):
+        HardwareProfile.from_dict(bad)
+    data["gpu"]["launch_overhead"] = data["cpu"]["launch_overhead"]
+    with pytest.raises(HrmError, match="launch_overhead is measured for the cpu only"):
+        HardwareProfile.from_dict(data)

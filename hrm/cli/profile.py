@@ -73,11 +73,23 @@ def run(args: argparse.Namespace) -> int:
         quiet=args.quiet,
         warn=lambda message: print(f"hrm profile: warning: {message}", file=sys.stderr),
     )
+    profile = with_launch_overhead(profile, arch)
     profile.save(output)
     print(format_summary(profile, output))
     if reference is not None:
         print(format_comparison(profile, reference))
     return 0
+
+
+def with_launch_overhead(profile: HardwareProfile, arch) -> HardwareProfile:
+    """The profile with the executor's fixed cost per layer, expert and step on this CPU
+    (executor/overhead.py: the real forward on a miniature of the model, in float32)."""
+    import dataclasses
+
+    from executor.overhead import measure_launch_overhead
+
+    cpu = dataclasses.replace(profile.cpu, launch_overhead=measure_launch_overhead(arch))
+    return dataclasses.replace(profile, cpu=cpu)
 
 
 def _command_line(args: argparse.Namespace) -> str:
@@ -107,6 +119,13 @@ def format_summary(profile: HardwareProfile, path: Path) -> str:
             f"  {label}: memory {memory}, bandwidth "
             f"{units.format_bandwidth(device.memory_bandwidth_bytes_per_s)}; peak {flops}"
         )
+        if device.launch_overhead is not None:
+            o = device.launch_overhead
+            lines.append(
+                f"  {label}: executor overhead {1e6 * o.per_layer_s:.0f} us per layer + "
+                f"{1e6 * o.per_expert_s:.0f} us per expert touched, {1e6 * o.per_step_s:.0f} us "
+                "per step"
+            )
     if profile.link is not None:
         both = profile.link.bidirectional_bytes_per_s
         lines.append(

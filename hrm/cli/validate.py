@@ -190,17 +190,20 @@ def _prompts(spec, batch: int, length: int, ragged: bool) -> tuple[tuple[int, ..
 def _profile_host(checkpoint: Path, quiet: bool):
     """A quick profile of this host at the model's shape, taken right before the sweep."""
     from hrm.arch import resolve_model
+    from hrm.cli.profile import with_launch_overhead
     from hrm.profiling import PRESETS, measure_profile
 
-    return measure_profile(
+    arch = resolve_model(checkpoint)
+    profile = measure_profile(
         plan=PRESETS["quick"],
         device="cpu",
-        arch=resolve_model(checkpoint),
+        arch=arch,
         name="this-host",
         command="hrm validate (quick profile before the sweep)",
         quiet=quiet,
         warn=lambda message: print(f"hrm validate: warning: {message}", file=sys.stderr),
     )
+    return with_launch_overhead(profile, arch)
 
 
 def _spread_notes(spreads: dict[str, list[float]], hardware) -> list[str]:

@@ -187,3 +187,17 @@ def test_bad_cpu_options_are_one_line(run_cli, checkpoints, tmp_path, extra, fra
     )
     assert_one_line_error(status, err, fragment)
     assert not out.exists()
+
+
+def test_the_executors_fixed_costs_are_measured_on_its_own_forward():
+    from executor.overhead import measure_launch_overhead, miniature
+    from tests.planner.tiny_setup import tiny_arch
+
+    arch = tiny_arch()
+    mini = miniature(arch, 3)
+    assert (mini.num_layers, mini.hidden_size, mini.num_experts) == (3, 64, arch.num_experts)
+    overhead = measure_launch_overhead(arch, repeats=2)
+    values = (overhead.per_layer_s, overhead.per_expert_s, overhead.per_step_s)
+    assert all(0 <= v < 0.1 for v in values)
+    # a layer of a real forward costs something beyond its arithmetic
+    assert overhead.per_layer_s + arch.experts_per_token * overhead.per_expert_s > 0

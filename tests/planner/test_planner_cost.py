@@ -245,3 +245,30 @@ def test_a_measured_widened_curve_prices_the_cpus_16_bit_math(arch, make_cpu_pro
         predict(arch, measured, workload, p).predicted.total_s
         == predict(arch, same_as_native, workload, p).predicted.total_s
     )
+
+
+def test_the_measured_launch_overhead_is_charged_per_layer_expert_and_step(arch, workload):
+    """T_launch = per_layer + E_touched(tokens) * per_expert per layer and micro-batch on the CPU,
+    and per_step once per step: pinned to hand values on the tiny model (4 experts, top-2)."""
+    from tiny_setup import cpu_only_profile
+
+    from hrm.hardware import LaunchOverhead
+    from hrm.ops import expected_distinct_experts
+    from planner.cost import Setting, micro_batch_seconds
+
+    plain = cpu_only_profile()
+    overhead = LaunchOverhead(per_layer_s=1e-3, per_expert_s=1e-4, per_step_s=2e-3)
+    hw = dataclasses.replace(plain, cpu=dataclasses.replace(plain.cpu, launch_overhead=overhead))
+    with_oh = micro_batch_seconds(Setting(arch=arch, hardware=hw, workload=workload), 3)
+    without = micro_batch_seconds(Setting(arch=arch, hardware=plain, workload=workload), 3)
+    decode = 1e-3 + expected_distinct_experts(arch, 3) * 1e-4  # 3 tokens: 3.25 of 4 experts
+    assert with_oh.cpu_launch[1:] == pytest.approx(np.full(workload.gen_len - 1, decode))
+    assert with_oh.cpu_launch[0] == pytest.approx(1e-3 + expected_distinct_experts(arch, 48) * 1e-4)
+    assert with_oh.head_cpu == pytest.approx(without.head_cpu + 2e-3)
+    assert not without.cpu_launch.any()
+    # the prediction of an all-CPU run grows by layers * T_launch + per_step each decode step, for
+    # each micro-batch: here one of 3 sequences
+    p = policy(batch_size=3, micro_batch_size=3)
+    slower = predict(arch, hw, workload, p).predicted.decode_s
+    faster = predict(arch, plain, workload, p).predicted.decode_s
+    assert slower - faster == pytest.approx((workload.gen_len - 1) * (2 * decode + 2e-3))
