@@ -75,3 +75,68 @@ class Policy:
         required, optional = dataclass_keys(cls)
         data = check_keys(data, where=where, required=required, optional=optional)
         return cls(**data)
+
+
+POLICY_TEXT_KEYS = {
+    "N": "batch size",
+    "mu": "micro-batch size",
+    "attn": "cpu|gpu",
+    "ffn": "cpu|gpu",
+    "w": "weights on the GPU, 0..1",
+    "kv": "KV cache on the GPU, 0..1",
+}
+
+
+def parse_policy_text(text: str, *, weight_dtype: str, kv_dtype: str) -> Policy:
+    """`--policy "N=504,mu=36,attn=cpu,ffn=gpu,w=0,kv=0"`: a policy named by hand (N and mu
+    required; attention on the CPU, layers on the GPU, nothing resident by default)."""
+    where = "--policy"
+    values: dict[str, str] = {}
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep:
+            raise HrmError(f"{where}: expected KEY=VALUE, got {item!r}")
+        if key not in POLICY_TEXT_KEYS:
+            allowed = ", ".join(f"{k} ({v})" for k, v in POLICY_TEXT_KEYS.items())
+            raise HrmError(f"{where}: unknown key {key!r} (allowed: {allowed})")
+        values[key] = value.strip()
+    for key in ("N", "mu"):
+        if key not in values:
+            raise HrmError(f"{where}: give {key} ({POLICY_TEXT_KEYS[key]}), e.g. N=504,mu=36")
+
+    def count(key: str) -> int:
+        if not values[key].isdigit() or int(values[key]) < 1:
+            raise HrmError(f"{where}: {key} must be a positive integer, got {values[key]!r}")
+        return int(values[key])
+
+    def device(key: str, default: str) -> bool:
+        value = values.get(key, default).lower()
+        if value not in ("cpu", "gpu"):
+            raise HrmError(f"{where}: {key} must be cpu or gpu, got {value!r}")
+        return value == "gpu"
+
+    def share(key: str) -> float:
+        try:
+            value = float(values.get(key, "0"))
+        except ValueError:
+            raise HrmError(f"{where}: {key} must be a fraction 0..1, got {values[key]!r}") from None
+        if not 0.0 <= value <= 1.0:
+            raise HrmError(f"{where}: {key} must be a fraction between 0 and 1, got {value:g}")
+        return value
+
+    n, mu = count("N"), count("mu")
+    if mu > n:
+        raise HrmError(f"{where}: mu={mu} is larger than N={n}; a micro-batch is part of the batch")
+    return Policy(
+        batch_size=n,
+        micro_batch_size=mu,
+        attention_on_gpu=device("attn", "cpu"),
+        ffn_on_gpu=device("ffn", "gpu"),
+        weights_gpu_fraction=share("w"),
+        kv_gpu_fraction=share("kv"),
+        weight_dtype=weight_dtype,
+        kv_dtype=kv_dtype,
+    )

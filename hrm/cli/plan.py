@@ -59,6 +59,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--kv-dtype", choices=sorted(DTYPE_BYTES), help="KV cache (default: --dtype)")
     p.add_argument("--schedule", default="cgopipe", choices=SCHEDULES, help="(cgopipe)")
     p.add_argument("--top", type=int, default=5, help="how many plans to list (5)")
+    p.add_argument(
+        "--policy",
+        help='what-if: predict this policy beside the best, e.g. "N=504,mu=36,attn=cpu,ffn=gpu,'
+        'w=0,kv=0" (w and kv fractions of the weights and KV cache on the GPU)',
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("-o", "--output", help="write the best plan here (for hrm run --plan)")
     p.add_argument("--sweep", choices=SWEEPS, help="best throughput as this resource changes")
@@ -135,22 +140,78 @@ def run(args: argparse.Namespace) -> int:
     options = {"schedule": args.schedule, "weight_dtype": dtype, "kv_dtype": args.kv_dtype or dtype}
     if args.sweep:
         return _run_sweep(args, arch, hardware, workload, options)
+    from planner import predict
     from planner.baselines import baselines
     from planner.cost import Setting
     from planner.search import search
 
+    named = None
+    if args.policy is not None:
+        from hrm.policy import parse_policy_text
+
+        policy = parse_policy_text(
+            args.policy, weight_dtype=options["weight_dtype"], kv_dtype=options["kv_dtype"]
+        )
+        named = predict(arch, hardware, workload, policy, args.schedule)
     result = search(arch, hardware, workload, top_k=args.top, **options)
     setting = Setting(arch=arch, hardware=hardware, workload=workload, **options)
     base = baselines(setting)
     if args.output:
         result.best.save(args.output)
     if args.json:
-        print(json.dumps(plan_json(result, base, args.output), indent=2))
+        data = plan_json(result, base, args.output)
+        if named is not None:
+            data["named_policy"] = {**named.to_dict(), "shortfall": shortfall(named)}
+        print(json.dumps(data, indent=2))
     else:
         print(format_plan(result, base))
+        if named is not None:
+            print(format_named(named, result.best))
         if args.output:
             print(f"wrote {args.output}")
     return 0
+
+
+def shortfall(plan) -> dict[str, float]:
+    """Bytes by which each memory the plan overflows is short (empty when it fits)."""
+    mem = plan.memory
+    short = {
+        "gpu": mem.gpu_bytes - mem.gpu_capacity_bytes if mem.gpu_bytes else 0.0,
+        "cpu": mem.cpu_bytes - mem.cpu_capacity_bytes,
+    }
+    return {device: b for device, b in short.items() if b > 0}
+
+
+def format_named(plan, best) -> str:
+    """The named policy with the same breakdown as the best, marked when it does not fit."""
+    ratio = plan.predicted.throughput_tok_s / best.predicted.throughput_tok_s
+    short = shortfall(plan)
+    fits = (
+        "fits"
+        if not short
+        else "DOES NOT FIT: "
+        + ", ".join(f"{d.upper()} memory {format_bytes(b, 3)} short" for d, b in short.items())
+    )
+    return "\n".join(
+        ["", f"named policy ({fits}): {ratio:.2f}x the best's throughput", *_breakdown(plan)]
+    )
+
+
+def _breakdown(plan) -> list[str]:
+    """Policy, prediction, busy queues, memory per device and what binds, one line each."""
+    pred, mem = plan.predicted, plan.memory
+    lines = [
+        f"  policy      {_placement(plan.policy)}",
+        f"  predicted   {pred.throughput_tok_s:.1f} tok/s: prefill {pred.prefill_s:.1f} s + decode "
+        f"{pred.decode_s:.1f} s for {pred.generated_tokens} tokens",
+        "  busy        "
+        + "  ".join(f"{r.upper()} {_percent(f)}" for r, f in plan.busy_fraction.items()),
+    ]
+    if mem.gpu_capacity_bytes > 0:
+        lines.append(_memory_line("GPU", mem.gpu_bytes, mem.gpu_capacity_bytes, mem.gpu))
+    lines.append(_memory_line("CPU", mem.cpu_bytes, mem.cpu_capacity_bytes, mem.cpu))
+    lines.append(f"  binds       {plan.bottleneck}; memory: {plan.binding_memory}")
+    return lines
 
 
 def plan_json(result, base, output: str | None) -> dict:
@@ -194,23 +255,14 @@ def _memory_line(device: str, used: float, usable: float, parts: dict[str, float
 def format_plan(result, base) -> str:
     best = result.best
     wl, pol, pred = best.workload, best.policy, best.predicted
-    mem = best.memory
     padded = ", padded" if wl.padding else ""
     lines = [
         f"{best.model} on {best.hardware}: prompts {wl.prompt_len_mean:g} (max {wl.prompt_len_max}"
         f"{padded}), {wl.gen_len} new tokens, {best.schedule}, {pol.weight_dtype} weights, "
         f"{pol.kv_dtype} KV",
-        f"  policy      {_placement(pol)}",
-        f"  predicted   {pred.throughput_tok_s:.1f} tok/s: prefill {pred.prefill_s:.1f} s + decode "
-        f"{pred.decode_s:.1f} s for {pred.generated_tokens} tokens",
-        "  busy        "
-        + "  ".join(f"{r.upper()} {_percent(f)}" for r, f in best.busy_fraction.items()),
+        *_breakdown(best),
+        "",
     ]
-    if mem.gpu_capacity_bytes > 0:
-        lines.append(_memory_line("GPU", mem.gpu_bytes, mem.gpu_capacity_bytes, mem.gpu))
-    lines.append(_memory_line("CPU", mem.cpu_bytes, mem.cpu_capacity_bytes, mem.cpu))
-    lines.append(f"  binds       {best.bottleneck}; memory: {best.binding_memory}")
-    lines.append("")
     lines.append(
         f"  {'':<16}{'N':>6} {'mu':>5} {'attn':>5} {'ffn':>4} {'w-GPU':>6} {'KV-GPU':>7} "
         f"{'tok/s':>9} {'vs best':>8}"

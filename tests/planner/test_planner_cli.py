@@ -163,3 +163,61 @@ def test_sweep_on_a_cpu_only_machine_is_refused(run_cli, tmp_path):
     )
     one_line_error(status, err, "no GPU")
     assert not (tmp_path / "x.png").exists()
+
+
+def test_a_named_policy_is_predicted_beside_the_best(run_cli):
+    args = ["plan", "--model", "mixtral-8x7b", "--hardware", "l4", "--prompt-len", "77",
+            "--max-prompt-len", "418", "--gen-len", "128"]  # fmt: skip
+    status, out, _ = run_cli(*args, "--policy", "N=504,mu=36,attn=cpu,ffn=gpu,w=0,kv=0")
+    assert status == 0
+    named = out.split("named policy (fits)")[1]
+    assert "N=504 mu=36 attention CPU FFN GPU weights-on-GPU 0%" in named
+    assert "x the best's throughput" in out and "binds" in named
+    status, out, _ = run_cli(*args, "--policy", "N=504,mu=36", "--json")
+    data = json.loads(out)
+    from hrm.arch import resolve_model
+    from hrm.hardware import resolve_hardware
+    from hrm.policy import Policy
+    from hrm.workload import Workload
+    from planner import predict
+
+    expected = predict(
+        resolve_model("mixtral-8x7b"),
+        resolve_hardware("l4"),
+        Workload(prompt_len_mean=77, prompt_len_max=418, gen_len=128),
+        Policy(
+            batch_size=504,
+            micro_batch_size=36,
+            attention_on_gpu=False,
+            ffn_on_gpu=True,
+            weights_gpu_fraction=0.0,
+            kv_gpu_fraction=0.0,
+        ),  # fmt: skip
+    )
+    assert data["named_policy"]["predicted"] == expected.predicted.to_dict()
+    assert data["named_policy"]["shortfall"] == {}
+    # a what-if that does not fit is not an error: it says which memory is short, and by how much
+    status, out, _ = run_cli(*args, "--policy", "N=8192,mu=64,attn=gpu,ffn=gpu,w=1,kv=1")
+    assert status == 0
+    assert "named policy (DOES NOT FIT: GPU memory" in out and "short" in out
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ("N=10,mu=2,speed=3", "unknown key 'speed'"),
+        ("N=10,mu=2,w=1.5", "w must be a fraction between 0 and 1"),
+        ("N=10,mu=20", "mu=20 is larger than N=10"),
+        ("mu=2", "give N"),
+        ("N=10,mu=2,attn=tpu", "attn must be cpu or gpu"),
+        ("N=ten,mu=2", "N must be a positive integer"),
+        ("N=10,mu=2,attn=gpu,ffn=cpu", "attention on the GPU needs the layers"),
+    ],
+)
+def test_a_malformed_policy_is_one_line(run_cli, text, fragment):
+    status, out, err = run_cli(
+        "plan", "--model", "mixtral-8x7b", "--hardware", "l4", "--prompt-len", "77",
+        "--gen-len", "128", "--policy", text,
+    )  # fmt: skip
+    one_line_error(status, err, fragment)
+    assert out == ""
