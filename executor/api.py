@@ -7,7 +7,6 @@ is touched.  `execute` loads the weights, generates and measures.
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import resource
@@ -33,6 +32,7 @@ from executor.model import MoEModel
 from hrm.arch import ModelArch
 from hrm.cpu_gemm import CpuGemmChoice
 from hrm.errors import HrmError
+from hrm.io import read_prompts_file
 from hrm.profiling import BUSY_WARNING_SHARE
 from hrm.profiling.cpu import cpu_times, measured_others_share
 from hrm.progress import progress_bar
@@ -91,7 +91,7 @@ def prepare_run(
     _check_device(device)
     tokenizer = load_tokenizer(directory)
     if prompts_path is not None:
-        prompts, needs_text = _read_prompts(Path(prompts_path))
+        prompts, needs_text = read_prompts_file(Path(prompts_path))
         if needs_text and tokenizer is None:
             raise HrmError(
                 f"{prompts_path}: has text prompts but {directory} has no tokenizer; "
@@ -123,46 +123,6 @@ def _check_device(device: str) -> None:
             raise HrmError(f"--device {device}: no CUDA device is available here; use --device cpu")
         return
     raise HrmError(f"--device: unknown device {device!r}; use cpu or cuda")
-
-
-def _read_prompts(path: Path) -> tuple[list[list[int] | str], bool]:
-    """JSONL of {"prompt_token_ids": [...]} or {"prompt": "text"}; returns prompts, any text."""
-    if not path.is_file():
-        raise HrmError(f"{path}: no such prompts file; check the path")
-    prompts: list[list[int] | str] = []
-    needs_text = False
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                raise HrmError(f"{path}:{n}: not a JSON object; one prompt per line") from None
-            if (
-                not isinstance(record, dict)
-                or len(record.keys() & {"prompt_token_ids", "prompt"}) != 1
-            ):
-                raise HrmError(f"{path}:{n}: give exactly one of 'prompt_token_ids' or 'prompt'")
-            if "prompt" in record:
-                if not isinstance(record["prompt"], str) or not record["prompt"]:
-                    raise HrmError(f"{path}:{n}: 'prompt' must be a non-empty string")
-                prompts.append(record["prompt"])
-                needs_text = True
-            else:
-                ids = record["prompt_token_ids"]
-                if (
-                    not isinstance(ids, list)
-                    or not ids
-                    or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
-                ):
-                    raise HrmError(
-                        f"{path}:{n}: 'prompt_token_ids' must be a non-empty list of ints"
-                    )
-                prompts.append(ids)
-    if not prompts:
-        raise HrmError(f"{path}: no prompts in the file")
-    return prompts, needs_text
 
 
 def _check_ids(prompts: list[list[int]], vocab_size: int, where) -> None:

@@ -117,3 +117,44 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
 
 def atomic_write_yaml(path: str | os.PathLike, obj: Any) -> Path:
     return atomic_write_text(path, yaml.safe_dump(obj, sort_keys=False))
+
+
+def read_prompts_file(path: Path) -> tuple[list[list[int] | str], bool]:
+    """JSONL of {"prompt_token_ids": [...]} or {"prompt": "text"}, checked line by line; returns
+    the prompts and whether any is text (then the run needs a tokenizer)."""
+    if not path.is_file():
+        raise HrmError(f"{path}: no such prompts file; check the path")
+    prompts: list[list[int] | str] = []
+    needs_text = False
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                raise HrmError(f"{path}:{n}: not a JSON object; one prompt per line") from None
+            if (
+                not isinstance(record, dict)
+                or len(record.keys() & {"prompt_token_ids", "prompt"}) != 1
+            ):
+                raise HrmError(f"{path}:{n}: give exactly one of 'prompt_token_ids' or 'prompt'")
+            if "prompt" in record:
+                if not isinstance(record["prompt"], str) or not record["prompt"]:
+                    raise HrmError(f"{path}:{n}: 'prompt' must be a non-empty string")
+                prompts.append(record["prompt"])
+                needs_text = True
+            else:
+                ids = record["prompt_token_ids"]
+                if (
+                    not isinstance(ids, list)
+                    or not ids
+                    or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
+                ):
+                    raise HrmError(
+                        f"{path}:{n}: 'prompt_token_ids' must be a non-empty list of ints"
+                    )
+                prompts.append(ids)
+    if not prompts:
+        raise HrmError(f"{path}: no prompts in the file")
+    return prompts, needs_text

@@ -344,23 +344,10 @@ def _dataset_tokens(args) -> float | None:
         return None
     from pathlib import Path
 
-    path = Path(args.prompts)
-    if not path.is_file():
-        raise HrmError(f"{path}: no such prompts file; check the path")
-    count = 0
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                raise HrmError(f"{path}:{n}: not a JSON object; one prompt per line") from None
-            if not isinstance(record, dict) or not record.keys() & {"prompt", "prompt_token_ids"}:
-                raise HrmError(f"{path}:{n}: give 'prompt_token_ids' or 'prompt'")
-            count += 1
-    if not count:
-        raise HrmError(f"{path}: no prompts in the file")
+    from hrm.io import read_prompts_file
+
+    prompts, _ = read_prompts_file(Path(args.prompts))
+    count = len(prompts)
     return float(count * args.gen_len)
 
 
