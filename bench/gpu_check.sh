@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # GPU checks for a session lent a CUDA machine: the GPU tests (profiling clocks, the executor on
 # CUDA against transformers, hrm run --device cuda), then a profile of the machine compared with
-# its datasheet profile. Installs nothing heavy (torch with CUDA must
-# already be there); results go under $OUT (default reports/gpu_check).
+# its datasheet profile. Installs nothing (the machine has no network): torch with CUDA and the
+# project's requirements must already be there, and the script stops at once when one is missing.
+# Results go under $OUT (default reports/gpu_check).
 #   bench/gpu_check.sh [PROFILE_NAME [DATASHEET]]     e.g. bench/gpu_check.sh h200-measured h200-sxm
 #   QUICK=1 bench/gpu_check.sh                        the --quick sweep (about a minute)
 # The full sweep is bounded by its CPU matmul budget (110 s per dtype) plus about a minute of GPU
@@ -16,8 +17,10 @@ python=${PYTHON:-python3}
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
-"$python" -c "import yaml, tqdm, pytest, transformers, safetensors, pulp" 2>/dev/null ||
-    "$python" -m pip install -q pyyaml tqdm pytest transformers safetensors pulp
+"$python" -c "import yaml, tqdm, pytest, transformers, safetensors, pulp" || {
+    echo "gpu_check: a requirement is missing; install the project first (no network here)" >&2
+    exit 2
+}
 "$python" - <<'PY'
 import torch
 assert torch.cuda.is_available(), "no CUDA device visible to torch"

@@ -103,6 +103,7 @@ def generate(
                 step_logits.append(logits)
             tokens[:, step] = sample(logits, sampling, generator)
             if step == 0:
+                _sync(device)  # a GPU's work is queued: the clock waits for it
                 t1 = time.perf_counter()  # the first token is prefill's output
             if on_step is not None:
                 on_step("decode" if step else "prefill")
@@ -111,6 +112,7 @@ def generate(
                 if bool(finished.all()):
                     stop_step = step + 1
                     break
+    _sync(device)
     t2 = time.perf_counter()
     return Generation(
         output_token_ids=_trim(tokens[:, :stop_step].tolist(), stop_token_ids),
@@ -118,6 +120,11 @@ def generate(
         decode_s=t2 - t1,
         step_logits=step_logits,
     )
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _trim(rows: list[list[int]], stop_token_ids: Sequence[int]) -> list[list[int]]:

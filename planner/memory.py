@@ -26,7 +26,8 @@ from hrm.workload import Workload
 USABLE_MEMORY_FRACTION = 0.9
 
 # Prefill runs each micro-batch through the layer in chunks of at most this many tokens, so the
-# workspace of one chunk, not of a whole micro-batch, must fit (the executor chunks the same way).
+# workspace of one chunk, not of a whole micro-batch, must fit. The offloading executor is to chunk
+# the same way; the resident executor of today runs a batch's whole prefill at once.
 PREFILL_CHUNK_TOKENS = 8192
 
 ONE, ATT, FFN, RW, RC = range(5)
