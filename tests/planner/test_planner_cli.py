@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from hrm.plan import Plan
+from tests.conftest import assert_one_line_error
 
 MTBENCH = [
     "--model",
@@ -21,14 +22,6 @@ MTBENCH = [
     "--gen-len",
     "32",
 ]
-
-
-def one_line_error(status: int, err: str, *fragments: str) -> None:
-    assert status == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in err, err
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
 
 
 def write_cpu_only_profile(tmp_path, flops: dict):
@@ -140,7 +133,7 @@ def test_bad_input_is_one_line_and_leaves_no_file(run_cli, tmp_path, args, fragm
         base[flag] = value
     argv = [x for kv in base.items() for x in kv]
     status, _, err = run_cli("plan", *argv, "-o", out_path)
-    one_line_error(status, err, *fragments)
+    assert_one_line_error(status, err, *fragments)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -161,7 +154,7 @@ def test_sweep_on_a_cpu_only_machine_is_refused(run_cli, tmp_path):
         "--plot",
         tmp_path / "x.png",
     )
-    one_line_error(status, err, "no GPU")
+    assert_one_line_error(status, err, "no GPU")
     assert not (tmp_path / "x.png").exists()
 
 
@@ -219,5 +212,33 @@ def test_a_malformed_policy_is_one_line(run_cli, text, fragment):
         "plan", "--model", "mixtral-8x7b", "--hardware", "l4", "--prompt-len", "77",
         "--gen-len", "128", "--policy", text,
     )  # fmt: skip
-    one_line_error(status, err, fragment)
+    assert_one_line_error(status, err, fragment)
+    assert out == ""
+
+
+@pytest.mark.parametrize(
+    ("points", "fragment"),
+    [
+        ([[16, "10 GFLOP/s"], [4, "5 GFLOP/s"]], "strictly increasing sizes"),
+        ([[1, "10 GFLOP/s"], [4, "0 GFLOP/s"]], "FLOP rate must be positive"),
+        ([[0, "10 GFLOP/s"], [4, "5 GFLOP/s"]], "size must be positive"),
+    ],
+)
+def test_a_curve_out_of_order_or_not_positive_is_one_line(run_cli, tmp_path, points, fragment):
+    path = write_cpu_only_profile(tmp_path, {"float32": "100 GFLOP/s"})
+    data = yaml.safe_load(path.read_text())
+    data["cpu"]["matmul_curves"] = {"float32": points}
+    path.write_text(yaml.safe_dump(data))
+    status, out, err = run_cli(
+        "plan",
+        "--model",
+        "mixtral-8x7b",
+        "--hardware",
+        path,
+        "--prompt-len",
+        "77",
+        "--gen-len",
+        "8",
+    )
+    assert_one_line_error(status, err, "matmul_curves: float32", fragment)
     assert out == ""
