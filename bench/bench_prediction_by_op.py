@@ -122,6 +122,7 @@ def predict(path: Path, hw, cpu_gemm, dtype: str, batch: int, prompt_len: int, g
         weight_dtype=dtype,
         kv_dtype=dtype,
         cpu_gemm=cpu_gemm,
+        padded_kv_cache=True,  # as predict_resident_run: the executor's cache is left-padded
     )
     mb = micro_batch_seconds(setting, batch)
     layers = arch.num_layers

@@ -58,6 +58,9 @@ class Setting:
     kv_dtype: str = "bfloat16"
     # the CPU's GEMM path by token count (hrm.cpu_gemm); None: chosen from the profile's CPU
     cpu_gemm: CpuGemmChoice | None = None
+    # the KV cache is left-padded to the longest prompt (the resident executor's), so decode
+    # attends over the padded slots even when prefill packs the prompts
+    padded_kv_cache: bool = False
 
     def __post_init__(self) -> None:
         check_tensor_parallel(self.arch, self.hardware)
@@ -83,10 +86,10 @@ class Setting:
 
     @property
     def decode_contexts(self) -> np.ndarray:
-        """Keys a decode step attends over: S + t for t = 1..G-1 (S the mean, or the max padded)."""
-        start = (
-            self.workload.prompt_len_max if self.workload.padding else self.workload.prompt_len_mean
-        )
+        """Keys a decode step attends over: S + t for t = 1..G-1 (S the mean, or the max when the
+        prompts or the cache are padded)."""
+        padded = self.workload.padding or self.padded_kv_cache
+        start = self.workload.prompt_len_max if padded else self.workload.prompt_len_mean
         return start + np.arange(1, self.steps, dtype=float)
 
     @property

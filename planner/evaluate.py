@@ -229,11 +229,13 @@ def predict(
     schedule: str = "cgopipe",
     *,
     cpu_gemm: CpuGemmChoice | None = None,
+    padded_kv_cache: bool = False,
 ) -> Plan:
     """The model's prediction for one given policy, no search (e.g. for `hrm run --hardware`).
 
     The Plan's memory shows whether the policy fits; predict does not refuse one that does not.
-    cpu_gemm: the CPU GEMM path a run took (default: the one chosen from the profile).
+    cpu_gemm: the CPU GEMM path a run took (default: the one chosen from the profile);
+    padded_kv_cache: decode attends over a cache left-padded to the longest prompt.
     """
     check_policy(policy, hardware, schedule)
     setting = Setting(
@@ -244,6 +246,7 @@ def predict(
         weight_dtype=policy.weight_dtype,
         kv_dtype=policy.kv_dtype,
         cpu_gemm=cpu_gemm,
+        padded_kv_cache=padded_kv_cache,
     )
     return build_plan(batch_model(setting, policy.batch_size, policy.micro_batch_size), policy)
 
@@ -259,7 +262,8 @@ def predict_resident_run(
     cpu_gemm: CpuGemmChoice | None = None,
 ) -> Plan:
     """The prediction for a run held wholly by one device in `dtype` (`hrm run --hardware`): the
-    weights and KV cache in that device's memory, the whole batch as one micro-batch."""
+    weights and KV cache in that device's memory, the whole batch as one micro-batch, prefill
+    packed, decode over the executor's left-padded cache."""
     policy = Policy(
         batch_size=batch_size,
         micro_batch_size=batch_size,
@@ -270,4 +274,4 @@ def predict_resident_run(
         weight_dtype=dtype,
         kv_dtype=dtype,
     )
-    return predict(arch, hardware, workload, policy, cpu_gemm=cpu_gemm)
+    return predict(arch, hardware, workload, policy, cpu_gemm=cpu_gemm, padded_kv_cache=True)

@@ -272,3 +272,23 @@ def test_the_measured_launch_overhead_is_charged_per_layer_expert_and_step(arch,
     slower = predict(arch, hw, workload, p).predicted.decode_s
     faster = predict(arch, plain, workload, p).predicted.decode_s
     assert slower - faster == pytest.approx((workload.gen_len - 1) * (2 * decode + 2e-3))
+
+
+def test_a_resident_run_attends_over_its_left_padded_cache(arch, make_cpu_profile):
+    """Prefill packs ragged prompts, but the resident executor's KV cache is left-padded to the
+    longest: decode step t attends over S_max + t keys, not S_mean + t."""
+    from planner import predict_resident_run
+
+    ragged = Workload(prompt_len_mean=10, prompt_len_max=30, gen_len=4)
+    hw = make_cpu_profile()
+    plain = Setting(arch=arch, hardware=hw, workload=ragged)
+    padded = dataclasses.replace(plain, padded_kv_cache=True)
+    assert list(plain.decode_contexts) == [11, 12, 13]
+    assert list(padded.decode_contexts) == [31, 32, 33]
+    resident = predict_resident_run(arch, hw, ragged, batch_size=2, dtype="float32")
+    p = policy(batch_size=2, micro_batch_size=2)
+    assert resident.predicted.decode_s == pytest.approx(
+        predict(arch, hw, ragged, p, padded_kv_cache=True).predicted.decode_s
+    )
+    assert resident.predicted.decode_s > predict(arch, hw, ragged, p).predicted.decode_s
+    assert resident.predicted.prefill_s == predict(arch, hw, ragged, p).predicted.prefill_s
