@@ -15,6 +15,7 @@ evaluated with our model, so that the comparison is of policies and schedules, n
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hrm.ops import layer_ops
+from hrm.placement import place_weights
 from hrm.plan import Plan
 from hrm.policy import Policy, dtype_bytes
 from planner.cost import Setting, link_seconds
@@ -154,9 +156,11 @@ def _policy(setting: Setting, n: int, mu: int, *, weights: float, kv: float) -> 
 
 
 def _fits(setting: Setting, policy: Policy) -> bool:
+    """The policy fits with its weights placed as whole tensors (rounded down, hrm.placement)."""
     hw = setting.hardware
     mem = setting.memory(policy.batch_size, policy.micro_batch_size)
-    v = policy_vector(policy)
+    placed = place_weights(setting.arch, policy.weights_gpu_fraction, policy.weight_dtype)
+    v = policy_vector(dataclasses.replace(policy, weights_gpu_fraction=placed.fraction))
     return bool(
         np.all(mem.gpu_total() @ v <= usable_bytes(hw.gpu.total_memory_bytes))
         and np.all(mem.cpu_total() @ v <= usable_bytes(hw.cpu.memory_bytes))

@@ -7,6 +7,7 @@ coefficients.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -16,6 +17,7 @@ from hrm.arch import ModelArch
 from hrm.cpu_gemm import CpuGemmChoice
 from hrm.errors import HrmError
 from hrm.hardware import HardwareProfile
+from hrm.placement import place_weights
 from hrm.plan import MemoryFootprint, Plan, Prediction, check_schedule
 from hrm.policy import Policy
 from hrm.workload import Workload
@@ -30,7 +32,7 @@ from planner.cost import (
     weight_stream_seconds,
     with_last_micro_batch,
 )
-from planner.memory import MemoryTerms, placement_vector, usable_bytes
+from planner.memory import RC, MemoryTerms, placement_vector, usable_bytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,9 +116,15 @@ def policy_vector(policy: Policy) -> np.ndarray:
     )
 
 
-def build_plan(model: BatchModel, policy: Policy) -> Plan:
-    """The Plan of `policy` at this (N, mu): prediction, busy time per queue, memory, bottleneck."""
+def build_plan(model: BatchModel, policy: Policy, *, whole_tensors: bool = True) -> Plan:
+    """The Plan of `policy` at this (N, mu): prediction, busy time per queue, memory, bottleneck.
+
+    whole_tensors: r_w becomes the fraction the executor places (hrm.placement), so the plan
+    predicts and counts exactly what a run holds; False keeps the continuous r_w (the search's
+    relaxation, whose brackets the tests check)."""
     setting = model.setting
+    if whole_tensors:
+        policy = placed_policy(model, policy)
     v = policy_vector(policy)
     layers = setting.arch.num_layers
     m, ws = model.full_micro_batches, model.weight_stream_s
@@ -148,6 +156,33 @@ def build_plan(model: BatchModel, policy: Policy) -> Plan:
     )
 
 
+def placed_policy(model: BatchModel, policy: Policy) -> Policy:
+    """`policy` with r_w at whole tensors as hrm.placement places them: rounded down, or up by one
+    expert when rounding down overflows the CPU memory and rounding up still fits the GPU."""
+    if not policy.ffn_on_gpu:
+        return policy
+    arch, dtype = model.setting.arch, policy.weight_dtype
+    down = place_weights(arch, policy.weights_gpu_fraction, dtype)
+    candidates = [down.fraction]
+    if down.streamed_bytes > 0:
+        up = min(1.0, (down.resident_bytes + down.expert_bytes) / down.layer_bytes)
+        if not down.dense_resident:
+            up = down.dense_bytes / down.layer_bytes
+        candidates.append(up)
+    hardware = model.setting.hardware
+    for rw in candidates:
+        placed = dataclasses.replace(policy, weights_gpu_fraction=rw)
+        if fits(footprint(model.memory, hardware, policy_vector(placed))):
+            return placed
+    return dataclasses.replace(policy, weights_gpu_fraction=down.fraction)
+
+
+def fits(memory: MemoryFootprint) -> bool:
+    return memory.gpu_bytes <= memory.gpu_capacity_bytes * (
+        1 + 1e-9
+    ) and memory.cpu_bytes <= memory.cpu_capacity_bytes * (1 + 1e-9)
+
+
 def component_seconds(model: BatchModel, policy: Policy) -> dict[str, dict[str, float]]:
     """Busy seconds of each queue's components over the whole run (every layer and step), e.g.
     the GPU's "all-reduce" share of its time."""
@@ -177,9 +212,14 @@ def _bottleneck(model: BatchModel, layer_values: dict[str, np.ndarray], v: np.nd
 
 
 def footprint(memory: MemoryTerms, hardware: HardwareProfile, v: np.ndarray) -> MemoryFootprint:
+    """Bytes per buffer at placement v; the KV prefetch buffer is not allocated when the whole
+    cache lives on the GPU (the affine terms count it for any r_c, planner/memory.py)."""
     gpu_total = hardware.gpu.total_memory_bytes if hardware.gpu else 0.0
+    gpu = {name: float(c @ v) for name, c in memory.gpu.items()}
+    if v[RC] >= 1.0:
+        gpu["kv prefetch"] = 0.0
     return MemoryFootprint(
-        gpu={name: float(c @ v) for name, c in memory.gpu.items()},
+        gpu=gpu,
         cpu={name: float(c @ v) for name, c in memory.cpu.items()},
         gpu_capacity_bytes=usable_bytes(gpu_total),
         cpu_capacity_bytes=usable_bytes(hardware.cpu.memory_bytes),

@@ -117,6 +117,9 @@ def memory_terms(
     workspace = workspace_bytes(arch, workload, micro_batch_size)
     # D1 (QKV to the CPU) and D2 (attention output back), double-buffered per micro-batch
     staging = 2 * mu * (2 * arch.q_size + 2 * arch.kv_size) * adt
+    prefetch = (
+        2 * mu * workload.max_context_len * arch.kv_bytes_per_token(kv_dtype) / arch.num_layers
+    )
     # CPU decode attention scores of one micro-batch at the longest context, fp32
     cpu_attention_scores = mu * arch.num_attention_heads * workload.max_context_len * 4.0
     v = placement_vector
@@ -128,6 +131,10 @@ def memory_terms(
         "lm head": v(ffn=w.head) * np.ones_like(n),
         # r_c * KV
         "kv cache": v(rc=1.0) * kv,
+        # A_g * 2 * mu * C * 2 * nkv * d * dt: under GPU attention, two (layer, micro-batch)
+        # slices of the host part of the cache being copied in. Needed whenever r_c < 1, so the
+        # affine form counts it always; a plan at r_c = 1 reports 0 (planner/evaluate.footprint)
+        "kv prefetch": v(att=prefetch) * np.ones_like(n),
         "activations": v(ffn=gpu_count) * activations,
         "workspace": v(ffn=workspace) * np.ones_like(n),
     }

@@ -31,7 +31,7 @@ from hrm.policy import Policy
 from hrm.units import format_bytes
 from hrm.workload import Workload
 from planner.cost import Setting, micro_batch_seconds, queue_terms, schedule_terms
-from planner.evaluate import batch_model, build_plan, run_seconds
+from planner.evaluate import batch_model, build_plan, fits, run_seconds
 from planner.memory import (
     ATT,
     FFN,
@@ -396,8 +396,13 @@ def _solve_best(setting: Setting, points, top_k: int) -> tuple[list[Plan], int]:
     return top, solved
 
 
-def solve_point(setting: Setting, batch_size: int, micro_batch_size: int, allowed) -> Plan | None:
-    """The MILP's placement at one (N, mu), as a Plan; None if nothing fits there."""
+def solve_point(
+    setting: Setting, batch_size: int, micro_batch_size: int, allowed, *, whole_tensors=True
+) -> Plan | None:
+    """The MILP's placement at one (N, mu), as a Plan; None if nothing fits there.
+
+    The MILP's r_w is continuous; with whole_tensors it is then placed as whole experts (down, or
+    up by one when down overflows the CPU), and a point that no longer fits is None."""
     model = batch_model(setting, batch_size, micro_batch_size)
     result = solve_placement(model, allowed)
     if not result.optimal:
@@ -412,7 +417,8 @@ def solve_point(setting: Setting, batch_size: int, micro_batch_size: int, allowe
         weight_dtype=setting.weight_dtype,
         kv_dtype=setting.kv_dtype,
     )
-    return build_plan(model, policy)
+    plan = build_plan(model, policy, whole_tensors=whole_tensors)
+    return plan if fits(plan.memory) else None
 
 
 def infeasibility_message(setting: Setting, combos) -> str:

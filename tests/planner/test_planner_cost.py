@@ -14,6 +14,7 @@ import pytest
 
 from hrm.errors import HrmError
 from hrm.hardware import Curve
+from hrm.placement import place_weights
 from hrm.policy import Policy
 from hrm.workload import Workload
 from planner import predict
@@ -88,14 +89,17 @@ def test_memory_by_hand(arch, make_gpu_profile):
     wl = Workload(prompt_len_mean=8, prompt_len_max=8, gen_len=3)  # context up to 11
     plan = predict(arch, hw, wl, policy(ffn_on_gpu=True, weights_gpu_fraction=0.5))
     gpu, cpu = plan.memory.gpu, plan.memory.cpu
-    assert gpu["resident weights"] == pytest.approx(0.5 * 2 * W_LAYER)  # r_w * L * W_l
-    assert gpu["paged buffer"] == pytest.approx(2 * 0.5 * W_LAYER)  # 2 * (1 - r_w) * W_l
+    # r_w = 0.5 placed as whole tensors: the dense weights and the experts that fit beside them
+    rw = place_weights(arch, 0.5, "float32").fraction
+    assert plan.policy.weights_gpu_fraction == rw <= 0.5
+    assert gpu["resident weights"] == pytest.approx(rw * 2 * W_LAYER)  # r_w * L * W_l
+    assert gpu["paged buffer"] == pytest.approx(2 * (1 - rw) * W_LAYER)  # 2 * (1 - r_w) * W_l
     assert gpu["lm head"] == (6400 + 64) * 4  # LM head + final norm
     assert gpu["kv cache"] == 0.0
     assert gpu["activations"] == 2 * 64 * 2 + 2 * 1 * 8 * 64 * 2  # N*h + 2 prefill pages of mu*S*h
     # one prefill chunk of 8 tokens: max(QKV+out 192, k*h + 2*i = 384) * 2 B; fp32 logits 1*100*4
     assert gpu["workspace"] == 8 * 384 * 2 + 100 * 4
-    assert cpu["layer weights"] == pytest.approx(0.5 * 2 * W_LAYER)
+    assert cpu["layer weights"] == pytest.approx((1 - rw) * 2 * W_LAYER)
     assert cpu["embedding and head"] == 100 * 64 * 4
     # K and V: 2 sequences * 11 tokens * 2 layers * 2 * 32 * 4 B
     assert cpu["kv cache"] == 2 * 11 * 2 * 2 * 32 * 4

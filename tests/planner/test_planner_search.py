@@ -78,7 +78,7 @@ def test_closed_forms_bracket_the_milp(arch, make_gpu_profile, workload):
     exact = bracket_row(setting, mu, m, (1, 1), terms, threshold=-np.inf)
     allowed = fixed_binaries(hw, "gpu-attention")
     for i, k in enumerate(m):
-        plan = solve_point(setting, int(k * mu), mu, allowed)
+        plan = solve_point(setting, int(k * mu), mu, allowed, whole_tensors=False)
         milp = plan.predicted.throughput_tok_s if plan else -np.inf
         assert low.feasible[i] <= milp * (1 + REL) and milp <= low.bound[i] * (1 + REL)
         assert exact.feasible[i] == pytest.approx(milp, rel=REL)

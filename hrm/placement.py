@@ -1,0 +1,106 @@
+"""Which weights live on the GPU: one function that the planner's memory model and the executor's
+weight store both call, so that a plan counts exactly the tensors a run places.
+
+A policy's `weights_gpu_fraction` r_w becomes whole tensors, the same in every layer (the cost
+model streams (1 - r_w) * W_l per layer, reference, section 2):
+
+1. the layer's dense weights first (norms, Q, K, V, O, router): every token of every micro-batch
+   needs them, whichever experts it routes to;
+2. then whole experts in index order (w1, w3, w2 together), as many as fit in r_w * W_l.
+
+What is left of each layer is streamed: its dense weights (when not resident) then its experts,
+cut into pages at tensor boundaries. Rounding down to whole tensors never places more than the
+policy allows; the planner reports the placed fraction, not the requested one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from hrm.arch import ModelArch
+from hrm.policy import dtype_bytes
+
+DENSE_TENSORS = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "router")
+EXPERT_TENSORS = ("w1", "w3", "w2")
+# requested fractions within this of a placement boundary reach it (float noise from the MILP)
+_TOLERANCE = 1e-9
+
+
+def dense_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
+    """Shapes of one layer's dense tensors, in the linear layout [out, in]."""
+    h = arch.hidden_size
+    return {
+        "attn_norm": (h,),
+        "wq": (arch.q_size, h),
+        "wk": (arch.kv_size, h),
+        "wv": (arch.kv_size, h),
+        "wo": (h, arch.q_size),
+        "ffn_norm": (h,),
+        "router": (arch.num_experts, h),
+    }
+
+
+def expert_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
+    h, i = arch.hidden_size, arch.intermediate_size
+    return {"w1": (i, h), "w3": (i, h), "w2": (h, i)}
+
+
+def _elements(shapes: dict[str, tuple[int, ...]]) -> int:
+    return sum(math.prod(s) for s in shapes.values())
+
+
+@dataclass(frozen=True, kw_only=True)
+class WeightPlacement:
+    """Per layer: whether the dense weights are resident, and how many leading experts are."""
+
+    dense_resident: bool
+    resident_experts: int
+    num_experts: int
+    dense_bytes: float  # one layer's dense tensors
+    expert_bytes: float  # one expert
+
+    @property
+    def layer_bytes(self) -> float:
+        return self.dense_bytes + self.num_experts * self.expert_bytes
+
+    @property
+    def resident_bytes(self) -> float:
+        """Per layer, on the GPU for the whole run."""
+        return self.dense_resident * self.dense_bytes + self.resident_experts * self.expert_bytes
+
+    @property
+    def streamed_bytes(self) -> float:
+        """Per layer, copied to the GPU on every pass of the layer."""
+        return self.layer_bytes - self.resident_bytes
+
+    @property
+    def fraction(self) -> float:
+        """The placed r_w: resident bytes over the layer's bytes."""
+        return self.resident_bytes / self.layer_bytes
+
+    @property
+    def streamed_experts(self) -> range:
+        return range(self.resident_experts, self.num_experts)
+
+
+def place_weights(
+    arch: ModelArch, weights_gpu_fraction: float, weight_dtype: str
+) -> WeightPlacement:
+    """The tensors of r_w = weights_gpu_fraction, in the order of the module docstring."""
+    wdt = dtype_bytes(weight_dtype)
+    dense = _elements(dense_shapes(arch)) * wdt
+    expert = _elements(expert_shapes(arch)) * wdt
+    layer = dense + arch.num_experts * expert
+    budget = weights_gpu_fraction * layer * (1 + _TOLERANCE)
+    dense_resident = budget >= dense
+    experts = 0
+    if dense_resident:
+        experts = min(arch.num_experts, math.floor((budget - dense) / expert))
+    return WeightPlacement(
+        dense_resident=dense_resident,
+        resident_experts=experts,
+        num_experts=arch.num_experts,
+        dense_bytes=dense,
+        expert_bytes=expert,
+    )
