@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from executor.model import MoEModel
+from executor.runtime import Runtime
 from hrm.errors import HrmError
 
 
@@ -59,8 +60,13 @@ def sample(
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def resident_runtime(model: MoEModel) -> Runtime:
+    """Everything where the model's weights are, the batch as one micro-batch, run inline."""
+    return Runtime(model, schedule="serial", micro_batch_size=None, attention_on_gpu=True)
+
+
 def generate(
-    model: MoEModel,
+    model: MoEModel | Runtime,
     prompts: Sequence[Sequence[int]],
     gen_len: int,
     *,
@@ -71,20 +77,14 @@ def generate(
 ) -> Generation:
     """Generate up to `gen_len` tokens for every prompt; a sequence stops after a stop token.
 
-    on_step(phase) after each step: "prefill" once (the first token), then "decode" per step."""
+    `model` is a resident MoEModel or a placed Runtime (executor/runtime.py): the one loop below
+    drives both. on_step(phase) after each step: "prefill" once (the first token), then "decode"
+    per step."""
     if gen_len < 1 or not prompts or not all(prompts):
         raise HrmError("generation needs at least one non-empty prompt and gen_len >= 1")
-    device = model.device
-    lens = torch.tensor([len(p) for p in prompts], device=device)  # [B]
-    B, L = len(prompts), int(lens.max())
-    cache = model.new_cache(B, L + gen_len)
-    cache.start(lens, L)
-    # Packed layout: token t of the batch is (sequence batch_idx[t], slot slot_idx[t]).
-    token_ids = torch.tensor([t for p in prompts for t in p], device=device)  # [T]
-    batch_idx = torch.repeat_interleave(torch.arange(B, device=device), lens)  # [T]
-    starts = torch.cumsum(lens, 0) - lens  # [B] first packed index of each prompt
-    positions = torch.arange(token_ids.shape[0], device=device) - starts[batch_idx]  # [T]
-    slot_idx = positions + (L - lens)[batch_idx]  # [T]
+    runtime = model if isinstance(model, Runtime) else resident_runtime(model)
+    device = runtime.device
+    B = len(prompts)
     generator = torch.Generator(device=device).manual_seed(sampling.seed)
     stops = torch.tensor(list(stop_token_ids), dtype=torch.long, device=device)
 
@@ -94,26 +94,30 @@ def generate(
     stop_step = gen_len
 
     t0 = time.perf_counter()
-    with torch.inference_mode():
-        logits = model.prefill(token_ids, positions, cache, batch_idx, slot_idx, starts + lens - 1)
-        for step in range(gen_len):
-            if step:
-                logits = model.decode(tokens[:, step - 1], lens + step - 1, cache)
-            if keep_logits:
-                step_logits.append(logits)
-            tokens[:, step] = sample(logits, sampling, generator)
-            if step == 0:
-                _sync(device)  # a GPU's work is queued: the clock waits for it
-                t1 = time.perf_counter()  # the first token is prefill's output
-            if on_step is not None:
-                on_step("decode" if step else "prefill")
-            if stops.numel():
-                finished |= torch.isin(tokens[:, step], stops)
-                if bool(finished.all()):
-                    stop_step = step + 1
-                    break
-    _sync(device)
-    t2 = time.perf_counter()
+    try:
+        with torch.inference_mode():
+            runtime.start_batch([list(p) for p in prompts], gen_len)
+            for step in range(gen_len):
+                previous = tokens[:, step - 1] if step else None
+                logits = runtime.step(step, previous, last=step == gen_len - 1)
+                if keep_logits:
+                    step_logits.append(logits)
+                tokens[:, step] = sample(logits, sampling, generator)
+                if step == 0:
+                    _sync(device)  # a GPU's work is queued: the clock waits for it
+                    t1 = time.perf_counter()  # the first token is prefill's output
+                if on_step is not None:
+                    on_step("decode" if step else "prefill")
+                if stops.numel():
+                    finished |= torch.isin(tokens[:, step], stops)
+                    if bool(finished.all()):
+                        stop_step = step + 1
+                        break
+        _sync(device)
+        t2 = time.perf_counter()
+    finally:
+        if runtime is not model:
+            runtime.close()
     return Generation(
         output_token_ids=_trim(tokens[:, :stop_step].tolist(), stop_token_ids),
         prefill_s=t1 - t0,

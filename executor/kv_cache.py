@@ -25,13 +25,18 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        layer_devices: list[torch.device] | None = None,
     ):
+        """layer_devices: where each layer's K and V live (default: all on `device`, which also
+        holds the padding mask); an offloaded run keeps some layers on the GPU."""
         shape = (batch_size, kv_heads, max_len, head_dim)
+        devices = layer_devices or [torch.device(device)] * num_layers
         # Zeros, not empty: padding slots are masked out of attention, but a NaN left in
         # uninitialised memory would still poison the weighted sum (0 * NaN = NaN).
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k = [torch.zeros(shape, dtype=dtype, device=d) for d in devices]
+        self.v = [torch.zeros(shape, dtype=dtype, device=d) for d in devices]
         self.key_valid = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)  # [B, S]
+        self._valid_on: dict[torch.device, torch.Tensor] = {}
         self.has_padding = False
         self.length = 0  # slots filled, the same for every sequence
 
@@ -46,6 +51,7 @@ class KVCache:
         self.key_valid[:, padded_len:] = True
         self.has_padding = bool((prompt_lens != padded_len).any())
         self.length = padded_len
+        self._valid_on.clear()
 
     def write_prompts(
         self,
@@ -68,8 +74,26 @@ class KVCache:
         """K and V of slots [0, end) as [B, nkv, end, D] views (no copy)."""
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
-    def mask(self, end: int) -> torch.Tensor | None:
-        """[B, 1, 1, end] keys a query may see, or None when no sequence is padded."""
+    def valid_on(self, device: torch.device) -> torch.Tensor:
+        """The padding mask [B, S] on `device` (copied once per batch; it is fixed after start)."""
+        if device == self.key_valid.device:
+            return self.key_valid
+        if device not in self._valid_on:
+            self._valid_on[device] = self.key_valid.to(device)
+        return self._valid_on[device]
+
+    def mask(self, end: int, device: torch.device | None = None) -> torch.Tensor | None:
+        """[B, 1, 1, end] keys a query may see (on `device`, default the mask's own), or None
+        when no sequence is padded."""
         if not self.has_padding:
             return None
-        return self.key_valid[:, None, None, :end]
+        valid = self.key_valid if device is None else self.valid_on(device)
+        return valid[:, None, None, :end]
+
+    @property
+    def nbytes(self) -> dict[str, float]:
+        """Bytes of K and V by device type ("cpu", "cuda")."""
+        out: dict[str, float] = {}
+        for t in (*self.k, *self.v):
+            out[t.device.type] = out.get(t.device.type, 0.0) + t.numel() * t.element_size()
+        return out

@@ -18,6 +18,7 @@ from collections import Counter
 import torch
 import torch.nn.functional as F
 
+from executor.attention import decode_attention
 from executor.checkpoint import Checkpoint, LayerWeights
 from executor.kv_cache import KVCache
 from hrm.cpu_gemm import CpuGemmChoice
@@ -110,9 +111,9 @@ class MoEModel:
 
     # -- PreAttn -------------------------------------------------------------------------------
 
-    def pre_attention(self, layer: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def pre_attention(self, w: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Norm, QKV projection, clip, rotary: h [T, H] -> q [T, nq, D], k and v [T, nkv, D]."""
-        a, w = self.arch, self.weights.layers[layer]
+        a = self.arch
         x = self._norm(h, w.attn_norm, a.norm_eps)  # [T, H]
         q = self.linear(x, w.wq)  # [T, nq*D]
         k, v = self.linear(x, w.wk), self.linear(x, w.wv)  # [T, nkv*D]
@@ -150,20 +151,20 @@ class MoEModel:
         q_pad = q_pad.permute(0, 2, 3, 1, 4).reshape(B, nkv, G * L, D)  # [B, nkv, G*L, D]
         keys, values = cache.view(layer, L)  # [B, nkv, L, D]
         out = F.scaled_dot_product_attention(
-            q_pad, keys, values, attn_mask=self._prefill_mask(cache, G)
+            q_pad, keys, values, attn_mask=self._prefill_mask(cache, G, keys.device)
         )  # [B, nkv, G*L, D]
         out = out.view(B, nkv, G, L, D).permute(0, 3, 1, 2, 4)  # [B, L, nkv, G, D]
         return out[batch_idx, slot_idx].reshape(q.shape[0], -1)  # [T, nq*D]
 
     @staticmethod
-    def _prefill_mask(cache: KVCache, groups: int) -> torch.Tensor:
+    def _prefill_mask(cache: KVCache, groups: int, device: torch.device) -> torch.Tensor:
         """[B or 1, 1, G*L, L]: causal, padding keys hidden; padding queries see themselves."""
         L = cache.length
-        slots = torch.arange(L, device=cache.key_valid.device)
+        slots = torch.arange(L, device=device)
         causal = slots[None, :] <= slots[:, None]  # [L, L]
         if cache.has_padding:
             diagonal = slots[None, :] == slots[:, None]
-            allowed = causal & (cache.key_valid[:, None, :L] | diagonal)  # [B, L, L]
+            allowed = causal & (cache.valid_on(device)[:, None, :L] | diagonal)  # [B, L, L]
         else:
             allowed = causal[None]  # [1, L, L]
         return allowed[:, None].expand(-1, groups, L, L).reshape(allowed.shape[0], 1, groups * L, L)
@@ -174,18 +175,13 @@ class MoEModel:
         """Append one token per sequence, attend to every cached slot: [B, nq, D] -> [B, nq*D]."""
         cache.write_step(layer, k, v)
         end = cache.length + 1
-        B, nkv, D = q.shape[0], self.arch.num_key_value_heads, self.arch.head_dim
         keys, values = cache.view(layer, end)  # [B, nkv, S, D]
-        out = F.scaled_dot_product_attention(
-            q.view(B, nkv, -1, D), keys, values, attn_mask=cache.mask(end)
-        )  # [B, nkv, G, D]
-        return out.reshape(B, -1)
+        return decode_attention(q, keys, values, cache.mask(end, keys.device))
 
     # -- PostAttn ------------------------------------------------------------------------------
 
-    def post_attention(self, layer: int, attn: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    def post_attention(self, w: LayerWeights, attn: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """O projection, residual, norm, router and experts: [T, nq*D], [T, H] -> [T, H]."""
-        w = self.weights.layers[layer]
         h = h + self.linear(attn, w.wo)  # [T, H]
         x = self._norm(h, w.ffn_norm, self.arch.norm_eps)  # [T, H]
         return h + self.experts(w, x)
@@ -226,40 +222,10 @@ class MoEModel:
 
     # -- output --------------------------------------------------------------------------------
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Final norm and LM head on the positions that sample: [B, H] -> [B, V] in fp32."""
-        x = self._norm(h, self.weights.final_norm, self.arch.norm_eps)
-        return self.linear(x, self.weights.lm_head).float()
-
-    # -- whole steps ---------------------------------------------------------------------------
-
-    def prefill(
-        self,
-        token_ids: torch.Tensor,
-        positions: torch.Tensor,
-        cache: KVCache,
-        batch_idx: torch.Tensor,
-        slot_idx: torch.Tensor,
-        last: torch.Tensor,
-    ) -> torch.Tensor:
-        """Packed prompt tokens [T] -> logits [B, V] at each prompt's last token (index `last`)."""
-        h = self.embed(token_ids)  # [T, H]
-        cos, sin = self.rotary(positions)
-        for layer in range(self.arch.num_layers):
-            q, k, v = self.pre_attention(layer, h, cos, sin)
-            attn = self.prefill_attention(layer, q, k, v, cache, batch_idx, slot_idx)
-            h = self.post_attention(layer, attn, h)
-        return self.logits(h[last])
-
-    def decode(
-        self, token_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache
-    ) -> torch.Tensor:
-        """One token per sequence [B] -> logits [B, V]; the cache grows by one slot."""
-        h = self.embed(token_ids)  # [B, H]
-        cos, sin = self.rotary(positions)
-        for layer in range(self.arch.num_layers):
-            q, k, v = self.pre_attention(layer, h, cos, sin)
-            attn = self.decode_attention(layer, q, k, v, cache)
-            h = self.post_attention(layer, attn, h)
-        cache.length += 1
-        return self.logits(h)
+    def logits(self, h: torch.Tensor, final_norm=None, lm_head=None) -> torch.Tensor:
+        """Final norm and LM head on the positions that sample: [B, H] -> [B, V] in fp32
+        (with the device's own copies of the two weights when given)."""
+        final_norm = self.weights.final_norm if final_norm is None else final_norm
+        lm_head = self.weights.lm_head if lm_head is None else lm_head
+        x = self._norm(h, final_norm, self.arch.norm_eps)
+        return self.linear(x, lm_head).float()

@@ -21,6 +21,11 @@ from dataclasses import dataclass
 from hrm.arch import ModelArch
 from hrm.policy import dtype_bytes
 
+# Prefill runs each micro-batch's token-wise work (projections, router, experts) in chunks of at
+# most this many tokens, so the workspace of one chunk, not of a whole micro-batch, must fit
+# (planner/memory.py counts it; executor/runtime.py chunks by it).
+PREFILL_CHUNK_TOKENS = 8192
+
 DENSE_TENSORS = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "router")
 EXPERT_TENSORS = ("w1", "w3", "w2")
 # requested fractions within this of a placement boundary reach it (float noise from the MILP)

@@ -18,6 +18,7 @@ import numpy as np
 
 from hrm.arch import ModelArch
 from hrm.ops import ACTIVATION_DTYPE
+from hrm.placement import PREFILL_CHUNK_TOKENS
 from hrm.policy import dtype_bytes
 from hrm.workload import Workload
 
@@ -25,10 +26,6 @@ from hrm.workload import Workload
 # the CUDA context, allocator fragmentation and the operating system.
 USABLE_MEMORY_FRACTION = 0.9
 
-# Prefill runs each micro-batch through the layer in chunks of at most this many tokens, so the
-# workspace of one chunk, not of a whole micro-batch, must fit. The offloading executor is to chunk
-# the same way; the resident executor of today runs a batch's whole prefill at once.
-PREFILL_CHUNK_TOKENS = 8192
 
 ONE, ATT, FFN, RW, RC = range(5)
 

@@ -1,0 +1,194 @@
+"""Where every weight lives during an offloaded run: resident on the device, or streamed in pages.
+
+hrm.placement decides which tensors are resident (the same function the planner counts). The
+rest of each layer is packed, in placement order, into one host arena per layer of exactly its
+size: PyTorch's pinned caching allocator rounds a request up to a power of two, so on CUDA the
+arena is ordinary memory registered with the CUDA runtime (cudaHostRegister), which pins exactly
+those bytes. Packing copies each tensor, so DBRX's transposed w2 views become contiguous there.
+
+On the device, two slots each hold one layer's streamed tensors (the current layer and the next);
+a slot is cut into pages at tensor boundaries, and a page is the unit of one copy. The page table
+maps (layer, expert) to the slot that holds it for the current pass of the layer; the expert FFN
+reads its weights through it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import torch
+
+from executor.checkpoint import ExpertWeights, LayerWeights, ModelWeights
+from hrm.arch import ModelArch
+from hrm.placement import (
+    DENSE_TENSORS,
+    EXPERT_TENSORS,
+    WeightPlacement,
+    dense_shapes,
+    expert_shapes,
+)
+
+SLOTS = 2
+
+
+class WeightStore:
+    """Resident weights, host arenas, the device's page slots and the page table."""
+
+    def __init__(
+        self,
+        weights: ModelWeights,
+        arch: ModelArch,
+        placement: WeightPlacement,
+        device: torch.device,
+        *,
+        pages: int,
+    ):
+        self.arch, self.placement, self.device = arch, placement, device
+        dtype = weights.embed.dtype
+        # the streamed tensors of a layer, in order: (key, shape, offset in elements)
+        names: list[tuple[tuple, tuple[int, ...]]] = []
+        if not placement.dense_resident:
+            names += [((n,), dense_shapes(arch)[n]) for n in DENSE_TENSORS]
+        for e in placement.streamed_experts:
+            names += [((e, n), expert_shapes(arch)[n]) for n in EXPERT_TENSORS]
+        self.layout: list[tuple[tuple, tuple[int, ...], int]] = []
+        offset = 0
+        for key, shape in names:
+            self.layout.append((key, shape, offset))
+            offset += math.prod(shape)
+        self.streamed_elements = offset
+        self.pages = _cut_pages(self.layout, offset, pages) if offset else []
+        self.pinned = False
+        self.arenas = [self._fill_arena(w, dtype) for w in weights.layers] if offset else []
+        self.resident = [self._resident(w) for w in weights.layers]
+        self.slots = [
+            torch.empty(offset, dtype=dtype, device=device) for _ in range(SLOTS if offset else 0)
+        ]
+        self.slot_views = [self._views(slot) for slot in self.slots]
+        self.page_table: dict[tuple[int, int], int] = {}  # (layer, expert) -> slot
+        self.mapped: Counter[tuple[int, int]] = Counter()  # (layer, expert) -> passes mapped
+        self.h2d_bytes = 0
+        self.lm_head = _copy_to(weights.lm_head, device)
+        self.final_norm = _copy_to(weights.final_norm, device)
+
+    # -- building ------------------------------------------------------------------------------
+
+    def _fill_arena(self, w: LayerWeights, dtype: torch.dtype) -> torch.Tensor:
+        arena = torch.empty(self.streamed_elements, dtype=dtype)
+        for key, shape, offset in self.layout:
+            arena[offset : offset + math.prod(shape)].view(shape).copy_(_tensor(w, key))
+        if self.device.type == "cuda":
+            self.pinned = _register_pinned(arena)
+        return arena
+
+    def _resident(self, w: LayerWeights) -> dict[tuple, torch.Tensor]:
+        """The layer's resident tensors, copied to the device (a copy even when the device is the
+        CPU standing in for a GPU, so that the host and the "device" hold their own bytes)."""
+        p = self.placement
+        keys = [(n,) for n in DENSE_TENSORS] if p.dense_resident else []
+        keys += [(e, n) for e in range(p.resident_experts) for n in EXPERT_TENSORS]
+        return {k: _copy_to(_tensor(w, k), self.device) for k in keys}
+
+    def _views(self, flat: torch.Tensor) -> dict[tuple, torch.Tensor]:
+        return {
+            key: flat[offset : offset + math.prod(shape)].view(shape)
+            for key, shape, offset in self.layout
+        }
+
+    # -- running -------------------------------------------------------------------------------
+
+    @property
+    def streams(self) -> bool:
+        return self.streamed_elements > 0
+
+    def page_bytes(self, page: int) -> int:
+        start, end = self.pages[page]
+        return (end - start) * self.slots[0].element_size()
+
+    def copy_page(self, layer: int, page: int, slot: int) -> None:
+        """Page `page` of `layer` (all pages when page < 0) into `slot`; maps its experts."""
+        start, end = (0, self.streamed_elements) if page < 0 else self.pages[page]
+        src = self.arenas[layer][start:end]
+        self.slots[slot][start:end].copy_(src, non_blocking=self.pinned)
+        self.h2d_bytes += (end - start) * src.element_size()
+        for key, _, offset in self.layout:
+            if len(key) == 2 and key[1] == EXPERT_TENSORS[0] and start <= offset < end:
+                self.page_table[(layer, key[0])] = slot
+                self.mapped[(layer, key[0])] += 1
+
+    def layer(self, layer: int, slot: int) -> LayerWeights:
+        """The layer's weights as the model reads them: resident tensors, else the slot's views;
+        experts through the page table."""
+        resident = self.resident[layer]
+
+        def dense(name: str) -> torch.Tensor:
+            return resident.get((name,)) if (name,) in resident else self.slot_views[slot][(name,)]
+
+        experts = tuple(self._expert(layer, e) for e in range(self.arch.num_experts))
+        return LayerWeights(**{n: dense(n) for n in DENSE_TENSORS}, experts=experts)
+
+    def _expert(self, layer: int, e: int) -> ExpertWeights:
+        resident = self.resident[layer]
+        if (e, "w1") in resident:
+            return ExpertWeights(**{n: resident[(e, n)] for n in EXPERT_TENSORS})
+        views = self.slot_views[self.page_table[(layer, e)]]
+        return ExpertWeights(**{n: views[(e, n)] for n in EXPERT_TENSORS})
+
+    def close(self) -> None:
+        """Unpin the arenas before their memory is freed."""
+        if self.pinned:
+            for arena in self.arenas:
+                _unregister_pinned(arena)
+            self.pinned = False
+
+    def allocated_bytes(self) -> dict[str, dict[str, float]]:
+        """Bytes per buffer, by the planner's names (planner/memory.py)."""
+
+        def size(tensors) -> float:
+            return float(sum(t.numel() * t.element_size() for t in tensors))
+
+        return {
+            "gpu": {
+                "resident weights": size(t for r in self.resident for t in r.values()),
+                "paged buffer": size(self.slots),
+                "lm head": size([self.lm_head, self.final_norm]),
+            },
+            "cpu": {"layer weights": size(self.arenas)},
+        }
+
+
+def _copy_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A contiguous copy on `device`, made in one pass (a transposed view included)."""
+    return torch.empty(t.shape, dtype=t.dtype, device=device).copy_(t)
+
+
+def _tensor(w: LayerWeights, key: tuple) -> torch.Tensor:
+    if len(key) == 1:
+        return getattr(w, key[0])
+    return getattr(w.experts[key[0]], key[1])
+
+
+def _cut_pages(layout, total: int, pages: int) -> list[tuple[int, int]]:
+    """Element ranges of `pages` pages of near-equal size, cut at tensor boundaries."""
+    bounds = [offset for _, _, offset in layout] + [total]
+    cuts = [0]
+    for p in range(1, max(1, pages)):
+        target = total * p / pages
+        best = min(bounds, key=lambda b: abs(b - target))
+        if cuts[-1] < best < total:
+            cuts.append(best)
+    cuts.append(total)
+    return list(zip(cuts[:-1], cuts[1:], strict=True))
+
+
+def _unregister_pinned(arena: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(arena.data_ptr())
+
+
+def _register_pinned(arena: torch.Tensor) -> bool:
+    """Pin exactly the arena's bytes (cudaHostRegister); False when the host refuses (the copies
+    then run from pageable memory, slower, and the run records it)."""
+    cudart = torch.cuda.cudart()
+    nbytes = arena.numel() * arena.element_size()
+    return int(cudart.cudaHostRegister(arena.data_ptr(), nbytes, 0)) == 0
