@@ -24,6 +24,7 @@ from executor.checkpoint import (
     Checkpoint,
     load_tokenizer,
     open_checkpoint,
+    random_checkpoint,
     read_arch,
     stored_dtype,
 )
@@ -43,7 +44,7 @@ from hrm.record import Measurement
 class RunSpec:
     """Everything a run does, fixed before it starts: model, prompts, lengths, dtype, device."""
 
-    checkpoint: Path
+    checkpoint: Path | None  # None: random weights made in memory for `arch`
     arch: ModelArch
     prompts: tuple[tuple[int, ...], ...]
     gen_len: int
@@ -70,8 +71,9 @@ class RunResult:
 
 
 def prepare_run(
-    checkpoint: str | os.PathLike,
+    checkpoint: str | os.PathLike | None,
     *,
+    random_arch: ModelArch | None = None,
     gen_len: int,
     prompts_path: str | os.PathLike | None = None,
     prompt_len: int | None = None,
@@ -80,21 +82,24 @@ def prepare_run(
     dtype: str | None = None,
     device: str = "cpu",
 ) -> RunSpec:
-    """Resolve a run's arguments into a RunSpec; every user error is an HrmError."""
-    directory = Path(checkpoint)
-    arch = read_arch(directory)
+    """Resolve a run's arguments into a RunSpec; every user error is an HrmError.
+
+    random_arch (with checkpoint None): random weights of that architecture, made in memory."""
+    directory = Path(checkpoint) if checkpoint is not None else None
+    arch = read_arch(directory) if directory is not None else random_arch
     if dtype is not None and dtype not in DTYPES:
         raise HrmError(f"--dtype: unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
-    dtype = dtype or stored_dtype(directory, arch)
+    dtype = dtype or (stored_dtype(directory, arch) if directory is not None else "bfloat16")
     if gen_len < 1:
         raise HrmError(f"--gen-len must be a positive integer, got {gen_len}")
     _check_device(device)
-    tokenizer = load_tokenizer(directory)
+    tokenizer = load_tokenizer(directory) if directory is not None else None
+    where = directory if directory is not None else f"random {arch.name} weights"
     if prompts_path is not None:
         prompts, needs_text = read_prompts_file(Path(prompts_path))
         if needs_text and tokenizer is None:
             raise HrmError(
-                f"{prompts_path}: has text prompts but {directory} has no tokenizer; "
+                f"{prompts_path}: has text prompts but {where} has no tokenizer; "
                 "give prompt_token_ids instead"
             )
         ids = [p if isinstance(p, list) else tokenizer(p)["input_ids"] for p in prompts]
@@ -162,7 +167,7 @@ def execute(
     cpu_gemm: the CPU GEMM path (MoEModel), or a function of the opened checkpoint that chooses
     it (so a broken checkpoint fails before a probe, which times its weights). `warn` hears when
     other processes took enough of the CPU that the measurement is not comparable."""
-    checkpoint = open_checkpoint(spec.checkpoint, spec.dtype, device=spec.device)
+    checkpoint = load_weights(spec, spec.device)
     model = MoEModel(checkpoint, cpu_gemm(checkpoint) if callable(cpu_gemm) else cpu_gemm)
     bar = progress_bar(total=1, desc="prefill", quiet=quiet)
 
@@ -220,6 +225,13 @@ def execute(
     )
 
 
+def load_weights(spec: RunSpec, device: str = "cpu") -> Checkpoint:
+    """The run's weights: its checkpoint mapped (in its dtype, on `device`), or random ones."""
+    if spec.checkpoint is None:
+        return random_checkpoint(spec.arch, spec.dtype, device=device)
+    return open_checkpoint(spec.checkpoint, spec.dtype, device=device)
+
+
 def _decode(tokenizer, ids: list[int]) -> str | None:
     return None if tokenizer is None else tokenizer.decode(ids, skip_special_tokens=True)
 
@@ -247,7 +259,7 @@ def _peak_memory_bytes(device: str) -> dict[str, float]:
 
 def _environment(spec: RunSpec) -> dict[str, Any]:
     return {
-        "checkpoint": str(spec.checkpoint),
+        "checkpoint": str(spec.checkpoint) if spec.checkpoint else "random weights (in memory)",
         "batch_size": spec.batch_size,
         "dtype": spec.dtype,
         "device": spec.device,

@@ -180,7 +180,7 @@ _LAYER_READERS: dict[str, Callable[[_Tensors, ModelArch, int], LayerWeights]] = 
 
 @dataclass(frozen=True, kw_only=True)
 class Checkpoint:
-    directory: Path
+    directory: Path | None  # None: random weights made in memory (random_checkpoint)
     arch: ModelArch
     weights: ModelWeights
     dtype: torch.dtype
@@ -258,3 +258,46 @@ def open_checkpoint(
         lm_head=embed if arch.tie_word_embeddings else t.get("lm_head.weight", (V, H)),
     )
     return Checkpoint(directory=directory, arch=arch, weights=weights, dtype=t.dtype)
+
+
+def random_checkpoint(
+    arch: ModelArch, dtype: str, seed: int = 0, device: str = "cpu"
+) -> Checkpoint:
+    """The architecture with random weights made in memory (`hrm run --random-weights`): what
+    speed is measured on where real weights cannot be downloaded. Linear weights ~ N(0, 0.02^2)
+    as transformers initialises them, norms 1; every tensor its own allocation, as if loaded."""
+    if dtype not in DTYPES:
+        raise HrmError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+    from hrm.placement import dense_shapes, expert_shapes
+
+    torch_dtype = DTYPES[dtype]
+    g = torch.Generator().manual_seed(seed)
+
+    def weight(*shape: int) -> torch.Tensor:
+        return (torch.randn(shape, generator=g) * 0.02).to(torch_dtype).to(device)
+
+    def ones(n: int) -> torch.Tensor:
+        return torch.ones(n, dtype=torch_dtype, device=device)
+
+    dense, expert = dense_shapes(arch), expert_shapes(arch)
+    H = arch.hidden_size
+    layers = tuple(
+        LayerWeights(
+            attn_norm=ones(H),
+            ffn_norm=ones(H),
+            **{n: weight(*dense[n]) for n in ("wq", "wk", "wv", "wo", "router")},
+            experts=tuple(
+                ExpertWeights(**{n: weight(*expert[n]) for n in ("w1", "w3", "w2")})
+                for _ in range(arch.num_experts)
+            ),
+        )
+        for _ in range(arch.num_layers)
+    )
+    embed = weight(arch.vocab_size, H)
+    weights = ModelWeights(
+        embed=embed,
+        layers=layers,
+        final_norm=ones(H),
+        lm_head=embed if arch.tie_word_embeddings else weight(arch.vocab_size, H),
+    )
+    return Checkpoint(directory=None, arch=arch, weights=weights, dtype=torch_dtype)

@@ -74,12 +74,13 @@ def generate(
     stop_token_ids: Sequence[int] = (),
     keep_logits: bool = False,
     on_step: Callable[[str], None] | None = None,
+    micro_batch_sizes: Sequence[int] | None = None,
 ) -> Generation:
     """Generate up to `gen_len` tokens for every prompt; a sequence stops after a stop token.
 
     `model` is a resident MoEModel or a placed Runtime (executor/runtime.py): the one loop below
     drives both. on_step(phase) after each step: "prefill" once (the first token), then "decode"
-    per step."""
+    per step. micro_batch_sizes: how a Runtime cuts the batch (default mu each)."""
     if gen_len < 1 or not prompts or not all(prompts):
         raise HrmError("generation needs at least one non-empty prompt and gen_len >= 1")
     runtime = model if isinstance(model, Runtime) else resident_runtime(model)
@@ -96,7 +97,7 @@ def generate(
     t0 = time.perf_counter()
     try:
         with torch.inference_mode():
-            runtime.start_batch([list(p) for p in prompts], gen_len)
+            runtime.start_batch([list(p) for p in prompts], gen_len, micro_batch_sizes)
             for step in range(gen_len):
                 previous = tokens[:, step - 1] if step else None
                 logits = runtime.step(step, previous, last=step == gen_len - 1)

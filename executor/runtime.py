@@ -13,6 +13,7 @@ to its own longest prompt, so each sequence's numerics equal the same prompt run
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -145,9 +146,18 @@ class Runtime:
 
     # -- a batch -------------------------------------------------------------------------------
 
-    def start_batch(self, prompts, gen_len: int) -> None:
-        """Cut the batch into micro-batches with their KV caches and buffers."""
+    def start_batch(self, prompts, gen_len: int, sizes: Sequence[int] | None = None) -> None:
+        """Cut the batch into micro-batches (of `sizes`, default mu each) with their KV caches
+        and buffers."""
         mu = self.micro_batch_size or len(prompts)
+        sizes = (
+            list(sizes)
+            if sizes
+            else [min(mu, len(prompts) - s) for s in range(0, len(prompts), mu)]
+        )
+        if sum(sizes) != len(prompts) or max(sizes) > mu:
+            raise ValueError(f"micro-batch sizes {sizes} do not cut {len(prompts)} prompts by {mu}")
+        starts = [sum(sizes[:j]) for j in range(len(sizes))]
         home = self.device
         kv_home = HOST if self.offloaded else home
         layer_devices = [
@@ -155,8 +165,8 @@ class Runtime:
             for layer in range(self.arch.num_layers)
         ]
         self.micro_batches = []
-        for j, start in enumerate(range(0, len(prompts), mu)):
-            group = prompts[start : start + mu]
+        for j, (start, size) in enumerate(zip(starts, sizes, strict=True)):
+            group = prompts[start : start + size]
             lens = torch.tensor([len(p) for p in group], device=home)
             padded = int(lens.max())
             cache = self.model_cache(len(group), padded + gen_len, kv_home, layer_devices)
@@ -472,6 +482,25 @@ class Runtime:
         return Task(run, reads=(("h", mb.index),), writes=(("logits", mb.index),))
 
     # -- what the run reports ------------------------------------------------------------------
+
+    def allocated_bytes(self) -> dict[str, dict[str, float]]:
+        """Bytes of the buffers this batch holds, by device ("gpu": the device running the
+        layers, "cpu": host memory) under the planner's buffer names (planner/memory.py)."""
+        out = self.store.allocated_bytes() if self.store is not None else {"gpu": {}, "cpu": {}}
+
+        def size(tensors) -> float:
+            return float(sum(t.numel() * t.element_size() for t in tensors))
+
+        kv = {"cpu": 0.0, "gpu": 0.0}
+        for mb in self.micro_batches:
+            for layer in range(self.arch.num_layers):
+                on_gpu = self.ffn_on_gpu and not self._kv_on_host(layer)
+                kv["gpu" if on_gpu else "cpu"] += size([mb.cache.k[layer], mb.cache.v[layer]])
+        out["gpu"]["kv cache"] = kv["gpu"]
+        out["cpu"]["kv cache"] = kv["cpu"]
+        out["gpu"]["kv prefetch"] = size(t for b in self.prefetch for t in b.values())
+        out["cpu"]["pinned staging"] = size(t for s in self.staging for t in s.values())
+        return out
 
     def close(self) -> None:
         self.engine.close()

@@ -46,6 +46,7 @@ class ModelArch:
     attention_bias: bool = False  # qwen2_moe has biases on q, k, v
     qk_norm: bool = False  # olmoe normalises q and k
     eos_token_ids: tuple[int, ...] = ()  # generation stops at any of these; () never stops early
+    max_position_embeddings: int | None = None  # longest context the model was made for
 
     def __post_init__(self) -> None:
         for name in (
@@ -153,6 +154,24 @@ class ModelArch:
             (self.num_experts - self.experts_per_token) * self.expert_params
         )
 
+    GEOMETRY = (
+        "model_type",
+        "num_layers",
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "num_experts",
+        "experts_per_token",
+        "vocab_size",
+        "tie_word_embeddings",
+    )
+
+    def geometry(self) -> dict[str, Any]:
+        """What a plan depends on: two models with the same geometry take the same plans."""
+        return {name: getattr(self, name) for name in self.GEOMETRY}
+
     def weight_bytes(self, dtype: str) -> float:
         return self.total_params * dtype_bytes(dtype)
 
@@ -206,6 +225,7 @@ def _mixtral(c: Mapping[str, Any]) -> dict[str, Any]:
         norm="rmsnorm",
         norm_eps=float(c.get("rms_norm_eps", 1e-5)),
         rope_theta=float(_rope_theta(c, 1e6)),
+        max_position_embeddings=c.get("max_position_embeddings"),
     )
 
 
@@ -229,6 +249,7 @@ def _dbrx(c: Mapping[str, Any]) -> dict[str, Any]:
         clip_qkv=attn.get("clip_qkv"),
         router_norm_p=ffn.get("moe_normalize_expert_weights", 1.0),
         renormalize_top_k=False,
+        max_position_embeddings=c.get("max_seq_len"),
     )
 
 

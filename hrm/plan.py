@@ -123,6 +123,7 @@ class Plan:
     memory: MemoryFootprint
     bottleneck: str  # the binding roof or queue, e.g. "h2d" or "cpu attention"
     binding_memory: str  # the memory constraint closest to its capacity, e.g. "gpu"
+    geometry: Mapping[str, Any] = field(default_factory=dict)  # ModelArch.geometry() planned for
 
     def __post_init__(self) -> None:
         check_schedule(self.schedule)
@@ -144,6 +145,7 @@ class Plan:
             "memory": self.memory.to_dict(),
             "bottleneck": self.bottleneck,
             "binding_memory": self.binding_memory,
+            "geometry": dict(self.geometry),
         }
 
     @classmethod
@@ -161,6 +163,7 @@ class Plan:
             memory=MemoryFootprint.from_dict(data["memory"], f"{where}: memory"),
             bottleneck=str(data["bottleneck"]),
             binding_memory=str(data["binding_memory"]),
+            geometry=dict(data.get("geometry") or {}),
         )
 
     def save(self, path: str | os.PathLike) -> Path:

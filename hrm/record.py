@@ -19,6 +19,9 @@ class Measurement:
     generated_tokens: int
     busy_fraction: Mapping[str, float] = field(default_factory=dict)  # per resource
     peak_memory_bytes: Mapping[str, float] = field(default_factory=dict)  # per device
+    link_bytes: Mapping[str, float] = field(default_factory=dict)  # "h2d", "d2h": bytes moved
+    # device -> buffer -> bytes allocated, by the planner's buffer names (an offloaded run)
+    buffer_bytes: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
 
     @property
     def throughput_tok_s(self) -> float:
@@ -34,6 +37,8 @@ class Measurement:
             "throughput_tok_s": self.throughput_tok_s,
             "busy_fraction": dict(self.busy_fraction),
             "peak_memory_bytes": dict(self.peak_memory_bytes),
+            "link_bytes": dict(self.link_bytes),
+            "buffer_bytes": {d: dict(b) for d, b in self.buffer_bytes.items()},
         }
 
     @classmethod

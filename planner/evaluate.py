@@ -153,6 +153,7 @@ def build_plan(model: BatchModel, policy: Policy, *, whole_tensors: bool = True)
         memory=memory,
         bottleneck=_bottleneck(model, layer_values, v),
         binding_memory=binding_memory(memory),
+        geometry=setting.arch.geometry(),
     )
 
 

@@ -308,10 +308,14 @@ def search(
     weight_dtype: str = "bfloat16",
     kv_dtype: str = "bfloat16",
     top_k: int = 5,
+    max_batch_size: int | None = None,
 ) -> SearchResult:
-    """The top_k (N, mu) points with their optimal placements, best first."""
+    """The top_k (N, mu) points with their optimal placements, best first; N at most
+    max_batch_size (a small dataset, or outputs sooner)."""
     if top_k < 1:
         raise HrmError(f"--top must be at least 1, got {top_k}")
+    if max_batch_size is not None and max_batch_size < 1:
+        raise HrmError(f"--max-batch-size must be at least 1, got {max_batch_size}")
     setting = Setting(
         arch=arch,
         hardware=hardware,
@@ -322,6 +326,8 @@ def search(
     )
     combos = placements(hardware, schedule)
     n_hi = largest_batch(setting)
+    if max_batch_size is not None:
+        n_hi = min(n_hi, max_batch_size)
     rows = []
     for mu in (mu for mu in MU_GRID if mu <= n_hi):
         mb = micro_batch_seconds(setting, mu)

@@ -60,6 +60,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--schedule", default="cgopipe", choices=SCHEDULES, help="(cgopipe)")
     p.add_argument("--top", type=int, default=5, help="how many plans to list (5)")
     p.add_argument(
+        "--max-batch-size",
+        type=int,
+        help="largest N to consider: for a small dataset, or for outputs sooner",
+    )
+    p.add_argument(
         "--policy",
         help='what-if: predict this policy beside the best, e.g. "N=504,mu=36,attn=cpu,ffn=gpu,'
         'w=0,kv=0" (w and kv fractions of the weights and KV cache on the GPU)',
@@ -153,7 +158,9 @@ def run(args: argparse.Namespace) -> int:
             args.policy, weight_dtype=options["weight_dtype"], kv_dtype=options["kv_dtype"]
         )
         named = predict(arch, hardware, workload, policy, args.schedule)
-    result = search(arch, hardware, workload, top_k=args.top, **options)
+    result = search(
+        arch, hardware, workload, top_k=args.top, max_batch_size=args.max_batch_size, **options
+    )
     setting = Setting(arch=arch, hardware=hardware, workload=workload, **options)
     base = baselines(setting)
     if args.output:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from hrm.plan import SCHEDULES
+
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
@@ -18,7 +20,31 @@ def add_parser(subparsers) -> None:
         description="Run batched generation on a local checkpoint directory (config.json + "
         "safetensors) and report measured prefill and decode time and throughput.",
     )
-    p.add_argument("--checkpoint", required=True, help="checkpoint directory")
+    weights = p.add_mutually_exclusive_group(required=True)
+    weights.add_argument("--checkpoint", help="checkpoint directory")
+    weights.add_argument(
+        "--model",
+        help="bundled model name or config.json: with --random-weights, its real architecture",
+    )
+    p.add_argument(
+        "--random-weights",
+        action="store_true",
+        help="random weights made in memory for --model (speed runs; nothing is downloaded)",
+    )
+    p.add_argument("--layers", type=int, help="with --random-weights: keep this many layers")
+    p.add_argument("--plan", help="run this plan (hrm plan -o plan.json): placement and schedule")
+    p.add_argument(
+        "--schedule",
+        choices=SCHEDULES,
+        help="with --hardware: plan for this schedule, then run the best plan (cgopipe)",
+    )
+    p.add_argument("--gpu-mem", help="with --hardware: GPU memory to plan for, e.g. '16 GB'")
+    p.add_argument("--cpu-mem", help="with --hardware: CPU memory to plan for, e.g. '64 GB'")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from OUTPUT.partial, skipping the batches already done (needs --output)",
+    )
     prompts = p.add_mutually_exclusive_group(required=True)
     prompts.add_argument(
         "--prompts", help='JSONL: {"prompt_token_ids": [...]} or {"prompt": "text"} per line'
@@ -40,7 +66,8 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument(
         "--hardware",
-        help="profile (bundled name or YAML): add the planner's prediction of this very run",
+        help="profile (bundled name or YAML): with a GPU (or --gpu-mem, --schedule) plan for it "
+        "and run the best plan; a CPU-only profile adds the prediction of this resident run",
     )
     p.add_argument(
         "--cpu-gemm",
@@ -81,17 +108,37 @@ def run(args: argparse.Namespace) -> int:
         raise HrmError(f"--cpu-gemm: unknown path {args.cpu_gemm!r}; use one of {', '.join(MODES)}")
     if args.threads is not None and args.threads < 1:
         raise HrmError(f"--threads must be at least 1, got {args.threads}")
+    random_arch = _random_arch(args)
+    if args.resume and not args.output:
+        raise HrmError("--resume continues OUTPUT.partial: give --output OUTPUT")
+    planner_args = [f for f in ("gpu_mem", "cpu_mem", "schedule") if getattr(args, f)]
+    if planner_args and (args.plan or not args.hardware):
+        flag = "--" + planner_args[0].replace("_", "-")
+        raise HrmError(
+            f"{flag} is for planning with --hardware; "
+            + ("a --plan has fixed it already: leave it out" if args.plan else "add --hardware")
+        )
     output = check_writable(args.output) if args.output else None
     hardware = resolve_hardware(args.hardware) if args.hardware else None
     on_gpu = args.device.startswith("cuda")
+    planned = args.plan is not None or (
+        hardware is not None and (hardware.has_gpu or bool(planner_args))
+    )
+    sampling = Sampling(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    if planned:
+        from hrm.cli.run_plan import run_planned
+
+        return run_planned(args, hardware, random_arch, sampling, output, warn)
+    if args.resume:
+        raise HrmError("--resume continues a planned run (--plan, or --hardware with a GPU)")
     if hardware is not None and on_gpu and not hardware.has_gpu:
         raise HrmError(
             f"--hardware {args.hardware} has no GPU, so it cannot predict a --device "
             f"{args.device} run; give a profile with a GPU or run on the cpu"
         )
-    sampling = Sampling(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     spec = prepare_run(
         args.checkpoint,
+        random_arch=random_arch,
         gen_len=args.gen_len,
         prompts_path=args.prompts,
         prompt_len=args.prompt_len,
@@ -135,6 +182,31 @@ def run(args: argparse.Namespace) -> int:
         print(lines, end="")
     print(format_summary(record), file=sys.stderr)
     return 0
+
+
+def _random_arch(args):
+    """The architecture of --model --random-weights (with --layers), or None for --checkpoint."""
+    import dataclasses
+
+    from hrm.arch import resolve_model
+    from hrm.errors import HrmError
+
+    if args.random_weights != (args.model is not None):
+        raise HrmError(
+            "--random-weights goes with --model (an architecture); a --checkpoint has weights"
+            if args.random_weights
+            else "--model runs random weights: add --random-weights, or give --checkpoint"
+        )
+    if args.layers is not None and not args.random_weights:
+        raise HrmError("--layers goes with --random-weights (a checkpoint has its own layers)")
+    if args.model is None:
+        return None
+    arch = resolve_model(args.model)
+    if args.layers is not None:
+        if args.layers < 1:
+            raise HrmError(f"--layers must be at least 1, got {args.layers}")
+        arch = dataclasses.replace(arch, num_layers=args.layers)
+    return arch
 
 
 def build_record(result, hardware=None):

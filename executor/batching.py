@@ -1,0 +1,125 @@
+"""Request batching and resumable output: a prompts file of any size runs in batches of a plan's N.
+
+Batches (reference, section 3, Algorithm 2): prompts sorted longest first are cut into batches of
+N; inside a batch each prompt goes to the micro-batch with the fewest tokens that has room
+(mu sequences), which evens out the micro-batches' work. The reference moves a request that would
+overflow the KV budget to the next batch; here no request can: each micro-batch's cache is sized
+for its own longest prompt, and no prompt is longer than the plan's maximum (checked before any
+weight is loaded), so every batch fits the N x (longest prompt + generation) the plan counted.
+
+Output: each finished batch's lines are appended (with their input index) to OUT.jsonl.partial,
+whose first line names the run (a digest of the prompts, plan and generation settings); at the
+end the lines are written in input order to OUT.jsonl and the partial file is removed. `--resume`
+reads a partial file of the same run and skips its batches: a killed run loses at most one batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hrm.errors import HrmError
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Input indices of one batch, ordered micro-batch by micro-batch (mu at most in each)."""
+
+    indices: tuple[int, ...]
+    micro_batch_sizes: tuple[int, ...]
+
+
+def plan_batches(prompt_lens: Sequence[int], batch_size: int, micro_batch_size: int) -> list[Batch]:
+    order = sorted(range(len(prompt_lens)), key=lambda i: (-prompt_lens[i], i))
+    batches = []
+    for start in range(0, len(order), batch_size):
+        members = order[start : start + batch_size]
+        count = -(-len(members) // micro_batch_size)
+        groups: list[list[int]] = [[] for _ in range(count)]
+        tokens = [0] * count
+        for i in members:  # longest first, into the open micro-batch with the fewest tokens
+            open_ = [g for g in range(count) if len(groups[g]) < micro_batch_size]
+            g = min(open_, key=lambda g: (tokens[g], g))
+            groups[g].append(i)
+            tokens[g] += prompt_lens[i]
+        batches.append(
+            Batch(
+                indices=tuple(i for g in groups for i in g),
+                micro_batch_sizes=tuple(len(g) for g in groups),
+            )
+        )
+    return batches
+
+
+def run_digest(prompts: Sequence[Sequence[int]], settings: dict[str, Any]) -> str:
+    """What makes two runs the same run: the prompts (token ids) and the settings."""
+    h = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
+    for p in prompts:
+        h.update(json.dumps(list(p)).encode())
+    return h.hexdigest()[:16]
+
+
+class PartialOutput:
+    """OUT.jsonl.partial: a header naming the run, then one line per finished prompt."""
+
+    def __init__(self, output: Path, digest: str, *, resume: bool):
+        self.output = output
+        self.path = output.with_name(output.name + ".partial")
+        self.digest = digest
+        self.done: dict[int, dict[str, Any]] = {}
+        if resume:
+            self._read()
+        elif self.path.exists():
+            self.path.unlink()
+
+    def _read(self) -> None:
+        if not self.path.exists():
+            raise HrmError(f"--resume: {self.path} does not exist; run without --resume")
+        with open(self.path) as f:
+            lines = f.read().splitlines()
+        try:
+            header = json.loads(lines[0])["hrm_partial"] if lines else None
+        except (ValueError, KeyError, TypeError):
+            header = None
+        if header is None:
+            raise HrmError(f"--resume: {self.path} is not a partial output of hrm run")
+        if header.get("run") != self.digest:
+            raise HrmError(
+                f"--resume: {self.path} is from a different run (its prompts, plan or settings "
+                "differ); remove it or run with the same arguments"
+            )
+        for line in lines[1:]:
+            try:
+                row = json.loads(line)
+                self.done[int(row.pop("index"))] = row
+            except (ValueError, KeyError, TypeError):
+                break  # a line cut by the kill: that batch runs again
+
+    def pending(self, batches: list[Batch]) -> list[Batch]:
+        return [b for b in batches if not all(i in self.done for i in b.indices)]
+
+    def append(self, indices: Sequence[int], rows: Sequence[dict[str, Any]]) -> None:
+        new = not self.path.exists() or not self.done and self.path.stat().st_size == 0
+        with open(self.path, "a") as f:
+            if new:
+                f.write(json.dumps({"hrm_partial": {"run": self.digest}}) + "\n")
+            for i, row in zip(indices, rows, strict=True):
+                f.write(json.dumps({"index": i, **row}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self.done.update(zip(indices, rows, strict=True))
+
+    def lines(self, count: int) -> str:
+        return "".join(json.dumps(self.done[i]) + "\n" for i in range(count))
+
+    def finish(self, count: int) -> None:
+        """All prompts done: OUT.jsonl in input order, the partial file removed."""
+        from hrm.io import atomic_write_text
+
+        atomic_write_text(self.output, self.lines(count))
+        self.path.unlink()

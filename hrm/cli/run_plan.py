@@ -1,0 +1,233 @@
+"""`hrm run --plan` (or `--hardware` with a GPU, which plans first): run the prompts under a plan.
+
+Everything a user can get wrong is checked before any weight is loaded (executor/plan_run.py);
+the outputs go to OUTPUT.partial batch by batch, so `--resume` picks up a killed run; the record
+holds the plan, its prediction for the batches that ran, and each queue's measured busy time.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def run_planned(args, hardware, random_arch, sampling, output: Path | None, warn) -> int:
+    import torch
+
+    from executor.api import load_weights, prepare_run, torch_threads
+    from executor.batching import PartialOutput, run_digest
+    from executor.plan_run import check_plan, execute_plan, host_memory_bytes
+    from hrm.errors import HrmError
+    from hrm.plan import Plan
+    from hrm.profiling.host_gemm import cpu_gemm_for_run
+    from hrm.units import parse_bytes
+
+    plan = Plan.load(args.plan) if args.plan else None
+    dtype = args.dtype or (plan.policy.weight_dtype if plan is not None else None)
+    if plan is not None and args.dtype and args.dtype != plan.policy.weight_dtype:
+        raise HrmError(
+            f"--dtype {args.dtype} differs from the plan's {plan.policy.weight_dtype}; "
+            "leave --dtype out or plan with it"
+        )
+    spec = prepare_run(
+        args.checkpoint,
+        random_arch=random_arch,
+        gen_len=args.gen_len,
+        prompts_path=args.prompts,
+        prompt_len=args.prompt_len,
+        batch=args.batch,
+        seed=args.seed,
+        dtype=dtype,
+        device=args.device,
+    )
+    if plan is None:
+        plan = _plan_for(args, spec, hardware)
+        where = f"the best plan on {hardware.name}"
+    else:
+        where = args.plan
+    device = torch.device(spec.device)
+    gpu_bytes = parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None
+    if device.type == "cuda" and gpu_bytes is None:
+        gpu_bytes = float(torch.cuda.get_device_properties(device).total_memory)
+    host = parse_bytes(args.cpu_mem, "--cpu-mem") if args.cpu_mem else host_memory_bytes()
+    check_plan(
+        plan,
+        spec.arch,
+        spec.prompt_lens,
+        spec.gen_len,
+        where=where,
+        gpu_bytes=gpu_bytes,
+        host_bytes=host,
+        stand_in=device.type == "cpu",
+    )
+    settings = {
+        "plan": {"policy": plan.policy.to_dict(), "schedule": plan.schedule},
+        "geometry": spec.arch.geometry(),
+        "gen_len": spec.gen_len,
+        "dtype": spec.dtype,
+        "sampling": [sampling.temperature, sampling.top_p, sampling.seed],
+        "ignore_eos": args.ignore_eos,
+    }
+    partial = None
+    if output is not None:
+        partial = PartialOutput(output, run_digest(spec.prompts, settings), resume=args.resume)
+    with torch_threads(args.threads):
+        checkpoint = load_weights(spec, "cpu")
+        runs_cpu_gemms = device.type == "cpu"
+        choice = (
+            cpu_gemm_for_run(
+                spec.arch,
+                spec.dtype,
+                mode=args.cpu_gemm,
+                hardware=hardware if hardware is not None and not hardware.has_gpu else None,
+                weights=checkpoint.expert_gate_weights,
+                warn=warn,
+            )
+            if runs_cpu_gemms
+            else None
+        )
+        result = execute_plan(
+            checkpoint,
+            plan,
+            spec.prompts,
+            spec.gen_len,
+            device=device,
+            partial=partial,
+            decode_text=lambda ids: (
+                None
+                if spec.tokenizer is None
+                else spec.tokenizer.decode(ids, skip_special_tokens=True)
+            ),
+            cpu_gemm=choice,
+            sampling=sampling,
+            stop_token_ids=() if args.ignore_eos else spec.arch.eos_token_ids,
+            quiet=args.quiet,
+        )
+    if partial is not None:
+        partial.finish(len(spec.prompts))
+    record = plan_record(spec, plan, result, hardware, choice, warn)
+    if args.json:
+        print(json.dumps(record.to_dict(), indent=2))
+        return 0
+    if output is None:
+        print(
+            "".join(json.dumps(result.outputs[i]) + "\n" for i in range(len(spec.prompts))), end=""
+        )
+    print(format_plan_summary(record), file=sys.stderr)
+    return 0
+
+
+def _plan_for(args, spec, hardware):
+    """The best plan for these prompts on `hardware` (with --gpu-mem / --cpu-mem), N at most the
+    number of prompts."""
+    from hrm.units import parse_bytes
+    from hrm.workload import Workload
+    from planner.search import search
+
+    hardware = hardware.with_resources(
+        cpu_memory_bytes=parse_bytes(args.cpu_mem, "--cpu-mem") if args.cpu_mem else None,
+        gpu_memory_bytes=parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None,
+    )
+    workload = Workload.from_prompt_lens(spec.prompt_lens, spec.gen_len)
+    result = search(
+        spec.arch,
+        hardware,
+        workload,
+        schedule=args.schedule or "cgopipe",
+        weight_dtype=spec.dtype,
+        kv_dtype=spec.dtype,
+        top_k=1,
+        max_batch_size=len(spec.prompts),
+    )
+    return result.best
+
+
+def plan_record(spec, plan, result, hardware, cpu_gemm, warn):
+    """The RunRecord: the plan, the prediction for the batches that ran (the plan's policy at
+    each batch's own prompts, on the machine it was made for), and the measurement."""
+    import dataclasses
+
+    from hrm.errors import HrmError
+    from hrm.hardware import resolve_hardware
+    from hrm.record import RunRecord
+    from hrm.workload import Workload
+    from planner import MODEL_VERSION, predict
+
+    profile = hardware
+    if profile is None:
+        try:
+            profile = resolve_hardware(plan.hardware)
+        except HrmError:
+            warn(f"note: cannot open the plan's machine {plan.hardware!r}: no prediction")
+    predicted = None
+    if profile is not None and result.batches:
+        totals = {"prefill_s": 0.0, "decode_s": 0.0, "generated_tokens": 0}
+        busy: dict[str, float] = {}
+        for lens in result.batches:
+            n = len(lens)
+            policy = dataclasses.replace(
+                plan.policy, batch_size=n, micro_batch_size=min(n, plan.policy.micro_batch_size)
+            )
+            workload = Workload.from_prompt_lens(lens, spec.gen_len)
+            batch_plan = predict(
+                spec.arch,
+                profile,
+                workload,
+                policy,
+                plan.schedule,
+                cpu_gemm=cpu_gemm,
+                padded_kv_cache=True,
+            )
+            for key in ("prefill_s", "decode_s", "generated_tokens"):
+                totals[key] += getattr(batch_plan.predicted, key)
+            for q, s in batch_plan.busy_s.items():
+                busy[q] = busy.get(q, 0.0) + s
+        total_s = totals["prefill_s"] + totals["decode_s"]
+        predicted = {
+            **totals,
+            "throughput_tok_s": totals["generated_tokens"] / total_s if total_s else 0.0,
+            "busy_s": busy,
+        }
+    environment = {
+        **result.environment,
+        "checkpoint": str(spec.checkpoint) if spec.checkpoint else "random weights (in memory)",
+        "batch_size": plan.policy.batch_size,
+        "prompts": len(spec.prompts),
+        "dtype": spec.dtype,
+        "model_version": MODEL_VERSION,
+        "planned_memory": plan.memory.to_dict(),
+    }
+    return RunRecord(
+        model=spec.arch.name,
+        hardware=profile.name if profile is not None else plan.hardware,
+        workload=Workload.from_prompt_lens(spec.prompt_lens, spec.gen_len).to_dict(),
+        plan=plan.to_dict(),
+        predicted=predicted,
+        measured=result.measured,
+        environment=environment,
+    )
+
+
+def format_plan_summary(record) -> str:
+    m, env, p = record.measured, record.environment, record.plan["policy"]
+    where = f"{env['device']} standing in for the GPU" if env["stand_in"] else env["device"]
+    lines = [
+        f"{record.model}: {env['prompts']} prompts in {env['batches_run']} batches "
+        f"(N={p['batch_size']}, mu={p['micro_batch_size']}, {env['schedule']}, on {where}); "
+        f"{m.generated_tokens} tokens, prefill {m.prefill_s:.3f} s, decode {m.decode_s:.3f} s, "
+        f"{m.throughput_tok_s:.1f} tok/s",
+        "busy: "
+        + ", ".join(f"{q} {f:.0%}" for q, f in m.busy_fraction.items())
+        + f"; link h2d {m.link_bytes['h2d'] / 1e6:.1f} MB, d2h {m.link_bytes['d2h'] / 1e6:.1f} MB",
+    ]
+    if env.get("batches_resumed"):
+        lines.append(f"resumed: {env['batches_resumed']} batches were already done")
+    if record.predicted is not None:
+        q = record.predicted
+        lines.append(
+            f"predicted on {record.hardware}: prefill {q['prefill_s']:.3f} s, decode "
+            f"{q['decode_s']:.3f} s, {q['throughput_tok_s']:.1f} tok/s "
+            f"({100 * record.prediction_error:+.0f}% against measured)"
+        )
+    return "\n".join(lines)
