@@ -1,0 +1,178 @@
+"""The offloading runtime on the CPU standing in for a GPU: every schedule, paged weights, several
+micro-batches and batches; tokens against the resident run and transformers; the bytes each step
+streams against the plan; the page table; the buffers against the planner's memory model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from executor.checkpoint import open_checkpoint
+from executor.generate import generate
+from executor.model import MoEModel
+from executor.plan_run import execute_plan
+from executor.runtime import placed_runtime
+from hrm.arch import ModelArch
+from hrm.hardware import resolve_hardware
+from hrm.placement import place_weights
+from hrm.policy import Policy
+from hrm.workload import Workload
+from planner import predict
+from tests.executor.conftest import ragged_prompts, reference_model
+from tests.executor.test_matches_transformers import reference_generate, relative_error
+
+LENGTHS = (5, 9, 3, 7, 6, 2, 8)
+STEPS = 6
+CPU = torch.device("cpu")
+# (schedule, attention on the GPU, kv fraction on the GPU)
+SCHEDULES = [
+    ("serial", False, 0.0),
+    ("overlap", False, 0.0),
+    ("cgopipe", False, 0.0),
+    ("gpu-attention", True, 0.0),
+    ("gpu-attention", True, 0.5),
+]
+
+
+def policy(n=7, mu=3, *, attn=False, rw=0.0, rc=0.0, dtype="float32") -> Policy:
+    return Policy(
+        batch_size=n,
+        micro_batch_size=mu,
+        attention_on_gpu=attn,
+        ffn_on_gpu=True,
+        weights_gpu_fraction=rw,
+        kv_gpu_fraction=rc,
+        weight_dtype=dtype,
+        kv_dtype=dtype,
+    )
+
+
+def between(arch: ModelArch, dtype="float32") -> float:
+    """A resident fraction strictly between 0 and 1: the dense weights and one expert."""
+    p = place_weights(arch, 0.0, dtype)
+    return (p.dense_bytes + 1.01 * p.expert_bytes) / p.layer_bytes
+
+
+@pytest.fixture(scope="module")
+def resident_tokens(checkpoints):
+    cache = {}
+
+    def tokens(name: str):
+        if name not in cache:
+            model = MoEModel(open_checkpoint(checkpoints[name], "float32"))
+            cache[name] = generate(model, ragged_prompts(LENGTHS, seed=3), STEPS).output_token_ids
+        return cache[name]
+
+    return tokens
+
+
+@pytest.mark.parametrize("name", ["mixtral-single", "mixtral-fused", "dbrx"])
+@pytest.mark.parametrize(("schedule", "attn", "rc"), SCHEDULES)
+@pytest.mark.parametrize("resident", ["none", "between"])
+def test_every_schedule_matches_the_resident_run(
+    checkpoints, resident_tokens, name, schedule, attn, rc, resident
+):
+    checkpoint = open_checkpoint(checkpoints[name], "float32")
+    rw = 0.0 if resident == "none" else between(checkpoint.arch)
+    runtime = placed_runtime(checkpoint, policy(attn=attn, rw=rw, rc=rc), schedule, CPU)
+    try:
+        out = generate(runtime, ragged_prompts(LENGTHS, seed=3), STEPS)
+        store = runtime.store
+        placed = place_weights(checkpoint.arch, rw, "float32")
+        # the page table mapped every streamed expert of every layer once per pass of the layer
+        expected = {
+            (layer, e): STEPS
+            for layer in range(checkpoint.arch.num_layers)
+            for e in placed.streamed_experts
+        }
+        assert dict(store.mapped) == expected
+        # weights streamed per step: (1 - r_w) of every layer, as the plan counts them
+        assert store.h2d_bytes == STEPS * checkpoint.arch.num_layers * placed.streamed_bytes
+    finally:
+        runtime.close()
+    assert out.output_token_ids == resident_tokens(name)
+    assert len(runtime.micro_batches) == 3
+
+
+def test_matches_transformers_directly(checkpoints):
+    path = checkpoints["dbrx"]
+    prompts = ragged_prompts(LENGTHS, seed=4)
+    theirs, _ = reference_generate(reference_model(path), prompts, STEPS)
+    runtime = placed_runtime(open_checkpoint(path, "float32"), policy(), "cgopipe", CPU)
+    try:
+        assert generate(runtime, prompts, STEPS).output_token_ids == theirs
+    finally:
+        runtime.close()
+
+
+@pytest.mark.parametrize("schedule", ["cgopipe", "gpu-attention"])
+def test_bf16_logits_within_the_resident_tolerance(checkpoints, schedule):
+    path = checkpoints["mixtral-single"]
+    prompts = ragged_prompts(LENGTHS, seed=5)
+    ours_policy = policy(attn=schedule == "gpu-attention", dtype="bfloat16")
+    runtime = placed_runtime(open_checkpoint(path, "bfloat16"), ours_policy, schedule, CPU)
+    try:
+        ours = generate(runtime, prompts, STEPS, keep_logits=True)
+    finally:
+        runtime.close()
+    theirs_tokens, theirs = reference_generate(reference_model(path, torch.bfloat16), prompts, 6)
+    for step in range(STEPS):
+        assert relative_error(ours.step_logits[step], theirs[step]) <= 3e-2
+        if [t[: step + 1] for t in ours.output_token_ids] != [t[: step + 1] for t in theirs_tokens]:
+            break
+
+
+def test_prompts_in_batches_equal_separate_runs(checkpoints, resident_tokens):
+    """3N+1 prompts in batches of N give, in input order, what each batch gives alone."""
+    path = checkpoints["mixtral-single"]
+    prompts = tuple(tuple(p) for p in ragged_prompts((5, 9, 3, 7, 6, 2, 8, 4, 9, 1), seed=6))
+    plan = predict(
+        open_checkpoint(path).arch,
+        resolve_hardware("l4"),
+        Workload(prompt_len_mean=5, prompt_len_max=9, gen_len=STEPS),
+        policy(n=3, mu=2, rw=0.0),
+    )
+    run = execute_plan(
+        open_checkpoint(path, "float32"),
+        plan,
+        prompts,
+        STEPS,
+        device=CPU,
+        partial=None,
+        decode_text=lambda ids: None,
+    )
+    assert len(run.batches) == 4 and sorted(len(b) for b in run.batches) == [1, 3, 3, 3]
+    model = MoEModel(open_checkpoint(path, "float32"))
+    alone = [generate(model, [p], STEPS).output_token_ids[0] for p in prompts]
+    assert [run.outputs[i]["output_token_ids"] for i in range(len(prompts))] == alone
+    assert run.measured.link_bytes["h2d"] > 0 and run.measured.busy_fraction["h2d"] > 0
+
+
+def test_buffers_agree_with_the_plan(checkpoints):
+    """Each buffer the runtime allocates against the planner's count of it (equal-length prompts:
+    the planner's rectangular KV cache is then exact), within 5%."""
+    path = checkpoints["mixtral-single"]
+    arch = open_checkpoint(path).arch
+    prompts = tuple(tuple(p) for p in ragged_prompts((6,) * 6, seed=7))
+    for attn, schedule in ((False, "cgopipe"), (True, "gpu-attention")):
+        p = policy(n=6, mu=3, attn=attn, rw=between(arch, "bfloat16"), dtype="bfloat16")
+        plan = predict(
+            arch,
+            resolve_hardware("l4"),
+            Workload(prompt_len_mean=6, prompt_len_max=6, gen_len=STEPS),
+            p,
+            schedule,
+        )
+        run = execute_plan(
+            open_checkpoint(path, "bfloat16"),
+            plan,
+            prompts,
+            STEPS,
+            device=CPU,
+            partial=None,
+            decode_text=lambda ids: None,
+        )
+        for side in ("gpu", "cpu"):
+            planned = getattr(plan.memory, side)
+            for name, allocated in run.measured.buffer_bytes[side].items():
+                assert allocated == pytest.approx(planned[name], rel=0.05), (side, name)

@@ -1,0 +1,197 @@
+"""`hrm run --plan` as a user runs it: outputs in input order, resume, the record, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import executor.plan_run
+from executor.checkpoint import read_arch
+from hrm.hardware import resolve_hardware
+from hrm.policy import Policy
+from hrm.workload import Workload
+from planner import predict
+from tests.conftest import assert_one_line_error
+from tests.executor.conftest import ragged_prompts
+
+LENGTHS = (5, 9, 3, 7, 6, 2, 8, 4, 9, 1)
+
+
+@pytest.fixture
+def files(checkpoints, tmp_path):
+    """A prompts file and a paging plan (CPU attention, nothing resident, N=3, mu=2)."""
+    path = checkpoints["mixtral-single"]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        "".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in ragged_prompts(LENGTHS, 8))
+    )
+    policy = Policy(
+        batch_size=3,
+        micro_batch_size=2,
+        attention_on_gpu=False,
+        ffn_on_gpu=True,
+        weights_gpu_fraction=0.0,
+        kv_gpu_fraction=0.0,
+        weight_dtype="float32",
+        kv_dtype="float32",
+    )
+    workload = Workload(prompt_len_mean=5.4, prompt_len_max=9, gen_len=4)
+    plan = predict(read_arch(path), resolve_hardware("l4"), workload, policy, "cgopipe")
+    plan_path = plan.save(tmp_path / "plan.json")
+    return path, prompts, plan_path
+
+
+def run_args(path, prompts, plan, *extra):
+    return [
+        "run",
+        "--checkpoint",
+        path,
+        "--plan",
+        plan,
+        "--prompts",
+        prompts,
+        "--gen-len",
+        "4",
+        "--quiet",
+        *extra,
+    ]
+
+
+def test_plan_run_matches_the_resident_run(run_cli, files):
+    path, prompts, plan = files
+    status, out, err = run_cli(*run_args(path, prompts, plan))
+    assert status == 0, err
+    status, resident, _ = run_cli(
+        "run", "--checkpoint", path, "--prompts", prompts, "--gen-len", "4", "--quiet"
+    )
+    assert status == 0 and out == resident
+    assert "standing in for the GPU" in err and "4 batches" in err
+
+
+def test_record_holds_plan_prediction_queues_and_buffers(run_cli, files):
+    path, prompts, plan = files
+    status, out, err = run_cli(*run_args(path, prompts, plan, "--json"))
+    assert status == 0, err
+    record = json.loads(out)
+    assert record["plan"]["policy"]["micro_batch_size"] == 2
+    assert record["predicted"]["generated_tokens"] == 4 * len(LENGTHS)
+    assert set(record["predicted"]["busy_s"]) == {"gpu", "cpu", "h2d", "d2h"}
+    m = record["measured"]
+    assert set(m["busy_fraction"]) == {"gpu", "cpu", "h2d", "d2h"}
+    assert m["link_bytes"]["h2d"] > m["link_bytes"]["d2h"] > 0
+    assert m["buffer_bytes"]["cpu"]["layer weights"] > 0
+    assert record["environment"]["stand_in"] is True
+
+
+def test_resume_after_a_kill_equals_an_uninterrupted_run(run_cli, files, tmp_path, monkeypatch):
+    path, prompts, plan = files
+    whole = tmp_path / "whole.jsonl"
+    assert run_cli(*run_args(path, prompts, plan, "--output", whole))[0] == 0
+    out = tmp_path / "out.jsonl"
+    real, calls = executor.plan_run.generate, []
+
+    def killed_after_one_batch(*args, **kwargs):
+        if calls:
+            raise KeyboardInterrupt
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(executor.plan_run, "generate", killed_after_one_batch)
+    status, _, err = run_cli(*run_args(path, prompts, plan, "--output", out))
+    assert status == 130 and "interrupted" in err
+    partial = tmp_path / "out.jsonl.partial"
+    assert not out.exists() and len(partial.read_text().splitlines()) == 1 + 3
+    monkeypatch.setattr(executor.plan_run, "generate", real)
+    status, _, err = run_cli(*run_args(path, prompts, plan, "--output", out, "--resume"))
+    assert status == 0, err
+    assert "resumed: 1 batches" in err
+    assert out.read_text() == whole.read_text() and not partial.exists()
+
+
+def test_resume_refuses_another_runs_partial(run_cli, files, tmp_path):
+    path, prompts, plan = files
+    out = tmp_path / "out.jsonl"
+    partial = tmp_path / "out.jsonl.partial"
+    partial.write_text(json.dumps({"hrm_partial": {"run": "0123456789abcdef"}}) + "\n")
+    status, _, err = run_cli(*run_args(path, prompts, plan, "--output", out, "--resume"))
+    assert_one_line_error(status, err, "different run")
+    assert not out.exists()
+
+
+def edit_plan(plan_path, tmp_path, change):
+    data = json.loads(plan_path.read_text())
+    change(data)
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(data))
+    return edited
+
+
+@pytest.mark.parametrize(
+    ("change", "fragment"),
+    [
+        (lambda d: d["geometry"].update(hidden_size=128), "another model"),
+        (lambda d: d.update(surprise=1), "surprise"),
+        (lambda d: d["workload"].update(prompt_len_max=4, prompt_len_mean=4), "longer than"),
+        (lambda d: d["memory"]["cpu"].update({"kv cache": 1e15}), "CPU"),
+        (lambda d: d["policy"].update(micro_batch_size=9), "micro_batch_size"),
+    ],
+)
+def test_bad_plans_fail_before_loading(run_cli, files, tmp_path, change, fragment):
+    path, prompts, plan = files
+    out = tmp_path / "out.jsonl"
+    edited = edit_plan(plan, tmp_path, change)
+    status, _, err = run_cli(*run_args(path, prompts, edited, "--output", out))
+    assert_one_line_error(status, err, fragment)
+    assert not out.exists() and not (tmp_path / "out.jsonl.partial").exists()
+
+
+def test_malformed_plan_file(run_cli, files, tmp_path):
+    path, prompts, _ = files
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    status, _, err = run_cli(*run_args(path, prompts, bad))
+    assert_one_line_error(status, err, "bad.json")
+
+
+@pytest.mark.parametrize(
+    ("extra", "fragment"),
+    [
+        (("--resume",), "--output"),
+        (("--gpu-mem", "1GB"), "--gpu-mem"),
+        (("--gen-len", "9"), "--gen-len 9"),
+    ],
+)
+def test_bad_plan_arguments(run_cli, files, extra, fragment):
+    path, prompts, plan = files
+    args = run_args(path, prompts, plan)
+    if extra[0] == "--gen-len":
+        args[args.index("--gen-len") + 1] = extra[1]
+        extra = ()
+    status, _, err = run_cli(*args, *extra)
+    assert_one_line_error(status, err, fragment)
+
+
+def test_random_weights_run_a_plan_and_say_so(run_cli, tmp_path):
+    status, out, err = run_cli(
+        "run", "--model", "mixtral-8x7b", "--random-weights", "--layers", "1", "--hardware",
+        "ci-cpu-amx", "--prompt-len", "4", "--batch", "2", "--gen-len", "2", "--json", "--quiet",
+    )  # fmt: skip
+    assert status == 0, err
+    record = json.loads(out)
+    assert record["environment"]["checkpoint"] == "random weights (in memory)"
+    assert record["workload"]["gen_len"] == 2 and record["predicted"] is not None
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (("--model", "mixtral-8x7b"), "--random-weights"),
+        (("--model", "mixtral-8x7b", "--random-weights", "--layers", "0"), "--layers"),
+    ],
+)
+def test_random_weight_arguments(run_cli, args, fragment):
+    status, _, err = run_cli(
+        "run", *args, "--prompt-len", "4", "--batch", "2", "--gen-len", "2", "--quiet"
+    )
+    assert_one_line_error(status, err, fragment)
