@@ -88,12 +88,10 @@ def check_plan(
 
 
 def host_memory_bytes() -> float:
-    """MemTotal of /proc/meminfo (the machine's memory)."""
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                return float(line.split()[1]) * 1024
-    raise HrmError("cannot read this host's memory size from /proc/meminfo")
+    """This machine's memory (MemTotal)."""
+    from hrm.profiling.cpu import host_facts
+
+    return host_facts().memory_bytes
 
 
 @dataclass(frozen=True, kw_only=True)
