@@ -30,13 +30,23 @@ from hrm.units import parse_bytes  # noqa: E402
 from hrm.workload import Workload  # noqa: E402
 
 
-def plan_all(arch, hardware, workload, budgets, max_batch, dtype):
+def plan_all(arch, hardware, workload, budgets, max_batch, dtype, policy_text=None):
+    """The best plan per (budget, schedule), or with policy_text that policy's prediction (its
+    attention on the GPU under gpu-attention, on the CPU otherwise)."""
+    from hrm.policy import parse_policy_text
+    from planner import predict
     from planner.search import NoPolicyFits, search
 
     plans = {}
     for budget in budgets:
         hw = hardware.with_resources(gpu_memory_bytes=budget)
         for schedule in SCHEDULES:
+            if policy_text is not None:
+                attn = "gpu" if schedule == "gpu-attention" else "cpu"
+                text = f"{policy_text},attn={attn},ffn=gpu"
+                policy = parse_policy_text(text, weight_dtype=dtype, kv_dtype=dtype)
+                plans[(budget, schedule)] = predict(arch, hw, workload, policy, schedule)
+                continue
             try:
                 plans[(budget, schedule)] = search(
                     arch,
@@ -64,6 +74,11 @@ def main() -> int:
     p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--dry-run", action="store_true", help="plan and check, load nothing")
+    p.add_argument(
+        "--policy",
+        help="run this policy under every schedule instead of the planner's, e.g. \"N=16,mu=4,"
+        'w=0" (attention on the GPU under gpu-attention only)',
+    )
     p.add_argument("-o", "--output", default="reports/bench_schedules.json")
     args = p.parse_args()
     try:
@@ -86,7 +101,7 @@ def run(args) -> int:
     workload = Workload(
         prompt_len_mean=args.prompt_len, prompt_len_max=args.prompt_len, gen_len=args.gen_len
     )
-    plans = plan_all(arch, hardware, workload, budgets, args.max_batch, args.dtype)
+    plans = plan_all(arch, hardware, workload, budgets, args.max_batch, args.dtype, args.policy)
     device = torch.device(args.device)
     g = torch.Generator().manual_seed(0)
     checkpoint = None if args.dry_run else random_checkpoint(arch, args.dtype)

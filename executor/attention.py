@@ -30,9 +30,10 @@ def matmul_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mas
 
 
 DECODE_KERNELS = {"sdpa": sdpa_decode, "matmul": matmul_decode}
-# Kept: SDPA. bench/bench_cpu_attention.py on the 2-core Sapphire Rapids host (2026-12-01,
-# Mixtral's 32/8 heads, bf16): see reports/bench_cpu_attention.json; SDPA was as fast or faster
-# at every batch and context measured, and it is the resident executor's numerics.
+# Kept: SDPA. bench/bench_cpu_attention.py on the 2-core Sapphire Rapids VM (2026-12-01,
+# Mixtral's 32/8 heads, batch 1-32, context 128-2048, bf16 and fp32): SDPA faster in 16 of 18
+# cases (up to 3.3x at batch 1, 1.34x at fp32 32x2048); the batched GEMMs won twice by 3-4%,
+# within the VM's noise. reports/bench_cpu_attention.json has the table.
 DECODE_KERNEL = "sdpa"
 
 
