@@ -34,7 +34,7 @@ import numpy as np
 from hrm.arch import ModelArch
 from hrm.cpu_gemm import CpuGemmChoice, choose_cpu_gemm, gemm_flops_per_s
 from hrm.errors import HrmError
-from hrm.hardware import Curve, DeviceSpec, HardwareProfile
+from hrm.hardware import Curve, DeviceSpec, HardwareProfile, LinkSpec
 from hrm.ops import ACTIVATION_DTYPE, Op, expected_distinct_experts, layer_ops, lm_head_op
 from hrm.policy import dtype_bytes
 from hrm.workload import Workload
@@ -122,6 +122,9 @@ class Expr:
         return Expr(
             self.scaled + other.scaled, self.unscaled + other.unscaled, self.weights + other.weights
         )
+
+    def times(self, factor: float) -> Expr:
+        return Expr(self.scaled * factor, self.unscaled * factor, self.weights * factor)
 
     def coefficients(self, m: float, weight_stream_s: float) -> np.ndarray:
         """[steps, 5] coefficients at one (N, mu): what the MILP constrains."""
@@ -476,7 +479,9 @@ class ScheduleTerms:
     head: Expr  # LM head and embeddings, once per step
 
 
-def schedule_terms(schedule: str, q: QueueTerms) -> ScheduleTerms:
+def schedule_terms(schedule: str, q: QueueTerms, link: LinkSpec | None = None) -> ScheduleTerms:
+    """The schedule's lower bounds on T_layer; with a link that measured both directions at once
+    (`link.bidirectional`), the overlapping copies also share that rate (see below)."""
     gpu, cpu, h2d, d2h = (q.queue(name) for name in QUEUES)
     head = sum(q.head.values(), _empty(q.chain))
     empty = _empty(q.chain)
@@ -485,6 +490,15 @@ def schedule_terms(schedule: str, q: QueueTerms) -> ScheduleTerms:
         layer = {"h2d": q.components["h2d"]["weights"], "latency": q.chain_sum}
         return ScheduleTerms(layer=layer, fill=empty, head=head)
     layer = {"gpu": gpu, "cpu": cpu, "h2d": h2d, "d2h": d2h, "latency": q.chain}
+    if link is not None and link.bidirectional_bytes_per_s:
+        # H2D and D2H overlap here, and together move at most the measured both-ways rate B_bi
+        # (hrm profile times both at once): bytes_h2d + bytes_d2h <= B_bi * T_layer, with each
+        # queue's bytes = its seconds at its own peak rate:
+        #   T_layer >= (B_h2d * Q_h2d + B_d2h * Q_d2h) / B_bi
+        both = link.bidirectional_bytes_per_s
+        layer["link"] = h2d.times(link.h2d_bytes_per_s / both) + d2h.times(
+            link.d2h_bytes_per_s / both
+        )
     if schedule == "overlap":
         # S2: no paging: the whole-layer copy holds the h2d queue, so at least one micro-batch's
         # D2 and GPU work come after it:  T_layer >= Q_h2d + T_gpu(one micro-batch)

@@ -296,3 +296,42 @@ def test_a_resident_run_attends_over_its_left_padded_cache(arch, make_cpu_profil
     )
     assert resident.predicted.decode_s > predict(arch, hw, ragged, p).predicted.decode_s
     assert resident.predicted.prefill_s == predict(arch, hw, ragged, p).predicted.prefill_s
+
+
+def test_bidirectional_link_caps_overlapping_copies(arch, make_gpu_profile, workload):
+    """T_layer >= (B_h2d * Q_h2d + B_d2h * Q_d2h) / B_bi, by hand: with B_bi = B_h2d = B_d2h the
+    bound is Q_h2d + Q_d2h; without a measured B_bi there is no such bound."""
+    hw = make_gpu_profile()
+    capped = dataclasses.replace(
+        hw, link=dataclasses.replace(hw.link, bidirectional_bytes_per_s=1e8)
+    )
+    p = policy(batch_size=4, micro_batch_size=2, ffn_on_gpu=True)
+    v = np.array([1.0, 0.0, 1.0, 0.0, 0.0])
+    for profile, expect in ((hw, False), (capped, True)):
+        setting = Setting(arch=arch, hardware=profile, workload=workload)
+        model = batch_model(setting, p.batch_size, p.micro_batch_size)
+        rows = model.layer_coefficients()
+        assert ("link" in rows) == expect
+        if expect:
+            q = model.queues
+            m, ws = model.full_micro_batches, model.weight_stream_s
+            both = (q.queue("h2d").coefficients(m, ws) + q.queue("d2h").coefficients(m, ws)) @ v
+            assert rows["link"] @ v == pytest.approx(both)
+    slower = predict(arch, capped, workload, p)
+    assert slower.predicted.total_s >= predict(arch, hw, workload, p).predicted.total_s
+
+
+def test_kv_prefetch_buffer_by_hand(arch, make_gpu_profile):
+    """GPU attention over host KV: 2 buffers x mu x C x 2 (K, V) x nkv*d x 4 B; 0 at r_c = 1."""
+    wl = Workload(prompt_len_mean=8, prompt_len_max=8, gen_len=3)  # C = 11
+    p = policy(attention_on_gpu=True, ffn_on_gpu=True, weights_gpu_fraction=1.0)
+    plan = predict(arch, make_gpu_profile(), wl, p, "gpu-attention")
+    assert plan.memory.gpu["kv prefetch"] == 2 * 1 * 11 * 2 * 32 * 4
+    full = predict(
+        arch,
+        make_gpu_profile(),
+        wl,
+        policy(attention_on_gpu=True, ffn_on_gpu=True, weights_gpu_fraction=1.0, kv_gpu_fraction=1),
+        "gpu-attention",
+    )
+    assert full.memory.gpu["kv prefetch"] == 0.0

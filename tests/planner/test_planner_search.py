@@ -72,7 +72,8 @@ def test_closed_forms_bracket_the_milp(arch, make_gpu_profile, workload):
     hw = make_gpu_profile(gpu_memory_bytes=2.5e6)
     setting = Setting(arch=arch, hardware=hw, workload=workload, schedule="gpu-attention")
     mu = 2
-    terms = schedule_terms(setting.schedule, queue_terms(setting, micro_batch_seconds(setting, mu)))
+    mb = micro_batch_seconds(setting, mu)
+    terms = schedule_terms(setting.schedule, queue_terms(setting, mb), hw.link)
     m = np.arange(1, 8)
     low = bracket_row(setting, mu, m, (1, 1), terms, threshold=np.inf)  # no frontier search
     exact = bracket_row(setting, mu, m, (1, 1), terms, threshold=-np.inf)
