@@ -118,7 +118,8 @@ def execute_plan(
 ) -> PlanRun:
     """Run every pending batch of `prompts` under `plan` on `device`."""
     policy = plan.policy
-    runtime = placed_runtime(checkpoint, policy, plan.schedule, device, cpu_gemm)
+    staged = plan.memory.cpu.get("weight staging", 0.0) > 0
+    runtime = placed_runtime(checkpoint, policy, plan.schedule, device, cpu_gemm, staged=staged)
     batches = plan_batches([len(p) for p in prompts], policy.batch_size, policy.micro_batch_size)
     pending = partial.pending(batches) if partial is not None else batches
     done: dict[int, dict[str, Any]] = {}
@@ -170,6 +171,7 @@ def execute_plan(
         "device": str(device),
         "stand_in": device.type == "cpu" and policy.ffn_on_gpu,
         "pinned_weights": bool(runtime.store is not None and runtime.store.pinned),
+        "staged_weights": bool(runtime.store is not None and runtime.store.staged),
         "batches_run": len(pending),
         "batches_resumed": len(batches) - len(pending),
         "wall_s": wall,

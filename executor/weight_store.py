@@ -25,8 +25,8 @@ from hrm.placement import (
     DENSE_TENSORS,
     EXPERT_TENSORS,
     WeightPlacement,
-    dense_shapes,
-    expert_shapes,
+    cut_pages,
+    streamed_tensors,
 )
 
 SLOTS = 2
@@ -43,24 +43,40 @@ class WeightStore:
         device: torch.device,
         *,
         pages: int,
+        staged: bool = False,
     ):
+        """staged: keep the arenas pageable and copy each page through a ring of two pinned
+        staging pages (the plan's "weight staging"); also taken when the host refuses to pin."""
         self.arch, self.placement, self.device = arch, placement, device
         dtype = weights.embed.dtype
-        # the streamed tensors of a layer, in order: (key, shape, offset in elements)
-        names: list[tuple[tuple, tuple[int, ...]]] = []
-        if not placement.dense_resident:
-            names += [((n,), dense_shapes(arch)[n]) for n in DENSE_TENSORS]
-        for e in placement.streamed_experts:
-            names += [((e, n), expert_shapes(arch)[n]) for n in EXPERT_TENSORS]
         self.layout: list[tuple[tuple, tuple[int, ...], int]] = []
         offset = 0
-        for key, shape in names:
+        for key, shape in streamed_tensors(arch, placement):
             self.layout.append((key, shape, offset))
             offset += math.prod(shape)
         self.streamed_elements = offset
-        self.pages = _cut_pages(self.layout, offset, pages) if offset else []
+        self.pages = cut_pages([math.prod(shape) for _, shape, _ in self.layout], pages)
         self.pinned = False
+        self.staged = staged
         self.arenas = [self._fill_arena(w, dtype) for w in weights.layers] if offset else []
+        if self.arenas and device.type == "cuda" and not staged:
+            registered = []
+            for arena in self.arenas:
+                if not _register_pinned(arena):
+                    break
+                registered.append(arena)
+            self.pinned = len(registered) == len(self.arenas)
+            if not self.pinned:  # the host refused: unpin what was pinned, stage every page
+                for arena in registered:
+                    _unregister_pinned(arena)
+                self.staged = True
+        page = max((end - start for start, end in self.pages), default=0)
+        self.ring = [
+            torch.empty(page, dtype=dtype, pin_memory=device.type == "cuda")
+            for _ in range(SLOTS if self.staged else 0)
+        ]
+        self._ring_turn = 0
+        self._ring_done: list = [None] * len(self.ring)  # CUDA events: DMA out of each ring page
         self.resident = [self._resident(w) for w in weights.layers]
         self.slots = [
             torch.empty(offset, dtype=dtype, device=device) for _ in range(SLOTS if offset else 0)
@@ -78,8 +94,6 @@ class WeightStore:
         arena = torch.empty(self.streamed_elements, dtype=dtype)
         for key, shape, offset in self.layout:
             arena[offset : offset + math.prod(shape)].view(shape).copy_(_tensor(w, key))
-        if self.device.type == "cuda":
-            self.pinned = _register_pinned(arena)
         return arena
 
     def _resident(self, w: LayerWeights) -> dict[tuple, torch.Tensor]:
@@ -108,14 +122,33 @@ class WeightStore:
 
     def copy_page(self, layer: int, page: int, slot: int) -> None:
         """Page `page` of `layer` (all pages when page < 0) into `slot`; maps its experts."""
+        for first, last in self.pages if page < 0 else [self.pages[page]]:
+            src, dst = self.arenas[layer][first:last], self.slots[slot][first:last]
+            if self.staged:
+                self._copy_staged(src, dst)
+            else:
+                dst.copy_(src, non_blocking=self.pinned)
+            self.h2d_bytes += (last - first) * src.element_size()
         start, end = (0, self.streamed_elements) if page < 0 else self.pages[page]
-        src = self.arenas[layer][start:end]
-        self.slots[slot][start:end].copy_(src, non_blocking=self.pinned)
-        self.h2d_bytes += (end - start) * src.element_size()
         for key, _, offset in self.layout:
             if len(key) == 2 and key[1] == EXPERT_TENSORS[0] and start <= offset < end:
                 self.page_table[(layer, key[0])] = slot
                 self.mapped[(layer, key[0])] += 1
+
+    def _copy_staged(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Pageable arena -> pinned ring page (a host memcpy) -> device (asynchronous): the next
+        page's memcpy overlaps this page's DMA, and a ring page is reused only after its DMA."""
+        turn = self._ring_turn
+        self._ring_turn = (turn + 1) % len(self.ring)
+        if self._ring_done[turn] is not None:
+            self._ring_done[turn].synchronize()
+        ring = self.ring[turn][: src.numel()]
+        ring.copy_(src)
+        dst.copy_(ring, non_blocking=dst.is_cuda)
+        if dst.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+            self._ring_done[turn] = event
 
     def layer(self, layer: int, slot: int) -> LayerWeights:
         """The layer's weights as the model reads them: resident tensors, else the slot's views;
@@ -154,7 +187,8 @@ class WeightStore:
                 "paged buffer": size(self.slots),
                 "lm head": size([self.lm_head, self.final_norm]),
             },
-            "cpu": {"layer weights": size(self.arenas)},
+            "cpu": {"layer weights": size(self.arenas)}
+            | ({"weight staging": size(self.ring)} if self.staged else {}),
         }
 
 
@@ -167,19 +201,6 @@ def _tensor(w: LayerWeights, key: tuple) -> torch.Tensor:
     if len(key) == 1:
         return getattr(w, key[0])
     return getattr(w.experts[key[0]], key[1])
-
-
-def _cut_pages(layout, total: int, pages: int) -> list[tuple[int, int]]:
-    """Element ranges of `pages` pages of near-equal size, cut at tensor boundaries."""
-    bounds = [offset for _, _, offset in layout] + [total]
-    cuts = [0]
-    for p in range(1, max(1, pages)):
-        target = total * p / pages
-        best = min(bounds, key=lambda b: abs(b - target))
-        if cuts[-1] < best < total:
-            cuts.append(best)
-    cuts.append(total)
-    return list(zip(cuts[:-1], cuts[1:], strict=True))
 
 
 def _unregister_pinned(arena: torch.Tensor) -> None:

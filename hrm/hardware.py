@@ -127,6 +127,9 @@ class LinkSpec:
     # The GPUs' links share one host root complex (a PCIe switch): together they move no more
     # than one link's bandwidth. Default False: each GPU on a root port of its own.
     shared: bool = False
+    # Host memory the driver lets a process pin (container or OS limit); None: enough for the
+    # weights. Weights beyond it stay pageable behind a pinned staging ring (planner/cost.py).
+    pinnable_bytes: float | None = None
 
 
 INTERCONNECTS = ("pcie", "nvlink")
@@ -444,7 +447,7 @@ def _link_from_dict(data: Any, where: str) -> LinkSpec:
         data,
         where=where,
         required={"h2d", "d2h"},
-        optional={"h2d_curve", "d2h_curve", "bidirectional", "shared"},
+        optional={"h2d_curve", "d2h_curve", "bidirectional", "shared", "pinnable"},
     )
     shared = data.get("shared", False)
     if not isinstance(shared, bool):
@@ -464,6 +467,9 @@ def _link_from_dict(data: Any, where: str) -> LinkSpec:
         )
         if data.get("bidirectional") is not None
         else None,
+        pinnable_bytes=units.parse_bytes(data["pinnable"], f"{where}: pinnable")
+        if data.get("pinnable") is not None
+        else None,
     )
 
 
@@ -480,6 +486,8 @@ def _link_to_dict(link: LinkSpec) -> dict[str, Any]:
         out["bidirectional"] = units.format_bandwidth(link.bidirectional_bytes_per_s, None)
     if link.shared:
         out["shared"] = True
+    if link.pinnable_bytes is not None:
+        out["pinnable"] = units.format_bytes(link.pinnable_bytes, None)
     return out
 
 

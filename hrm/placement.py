@@ -109,3 +109,42 @@ def place_weights(
         dense_bytes=dense,
         expert_bytes=expert,
     )
+
+
+def streamed_tensors(arch: ModelArch, placement: WeightPlacement) -> list[tuple[tuple, tuple]]:
+    """One layer's streamed tensors in arena order: (key, shape); key (name,) for a dense
+    tensor, (expert, name) for an expert's."""
+    names: list[tuple[tuple, tuple[int, ...]]] = []
+    if not placement.dense_resident:
+        names += [((n,), dense_shapes(arch)[n]) for n in DENSE_TENSORS]
+    for e in placement.streamed_experts:
+        names += [((e, n), expert_shapes(arch)[n]) for n in EXPERT_TENSORS]
+    return names
+
+
+def cut_pages(sizes: list[int], pages: int) -> list[tuple[int, int]]:
+    """Element ranges of `pages` pages of near-equal size over tensors of `sizes` elements,
+    cut at tensor boundaries (a page holds whole tensors; fewer pages when there are fewer
+    tensors)."""
+    total = sum(sizes)
+    if not total:
+        return []
+    bounds, offset = [], 0
+    for n in sizes:
+        bounds.append(offset)
+        offset += n
+    cuts = [0]
+    for p in range(1, max(1, pages)):
+        target = total * p / pages
+        best = min(bounds, key=lambda b: abs(b - target))
+        if cuts[-1] < best < total:
+            cuts.append(best)
+    cuts.append(total)
+    return list(zip(cuts[:-1], cuts[1:], strict=True))
+
+
+def largest_page_bytes(arch: ModelArch, weight_dtype: str, pages: int) -> float:
+    """The largest page of a layer streamed whole in `pages` pages: the ring's page size."""
+    placement = place_weights(arch, 0.0, weight_dtype)
+    sizes = [math.prod(shape) for _, shape in streamed_tensors(arch, placement)]
+    return max(end - start for start, end in cut_pages(sizes, pages)) * dtype_bytes(weight_dtype)

@@ -36,6 +36,7 @@ from hrm.cpu_gemm import CpuGemmChoice, choose_cpu_gemm, gemm_flops_per_s
 from hrm.errors import HrmError
 from hrm.hardware import Curve, DeviceSpec, HardwareProfile, LinkSpec
 from hrm.ops import ACTIVATION_DTYPE, Op, expected_distinct_experts, layer_ops, lm_head_op
+from hrm.placement import largest_page_bytes
 from hrm.policy import dtype_bytes
 from hrm.workload import Workload
 from planner.memory import PREFILL_CHUNK_TOKENS, MemoryTerms, WeightBytes, memory_terms
@@ -96,9 +97,20 @@ class Setting:
     def weights(self) -> WeightBytes:
         return WeightBytes.of(self.arch, self.weight_dtype)
 
+    @property
+    def weights_staged(self) -> bool:
+        """The streamed weights exceed what the host may pin (`link.pinnable`, judged with every
+        layer streamed): they stay pageable and each page goes through a pinned staging ring."""
+        link = self.hardware.link
+        if link is None or link.pinnable_bytes is None:
+            return False
+        return self.arch.num_layers * self.weights.layer > link.pinnable_bytes
+
     def memory(self, batch_size, micro_batch_size: int) -> MemoryTerms:
-        """Every buffer at N = batch_size (scalar or array) and mu = micro_batch_size."""
-        return memory_terms(
+        """Every buffer at N = batch_size (scalar or array) and mu = micro_batch_size; with staged
+        weights also the ring: F_g * 2 * the largest page of a layer streamed whole (pages cut
+        at tensor boundaries by hrm.placement, as the executor cuts them)."""
+        terms = memory_terms(
             self.arch,
             self.workload,
             batch_size=batch_size,
@@ -107,6 +119,12 @@ class Setting:
             kv_dtype=self.kv_dtype,
             gpu_count=max(1, self.hardware.gpu_count),
         )
+        if self.weights_staged:
+            m = np.ceil(np.asarray(batch_size, dtype=float) / micro_batch_size)
+            pages = np.ones_like(m) if self.schedule in ("serial", "overlap") else m
+            page = np.vectorize(lambda p: largest_page_bytes(self.arch, self.weight_dtype, int(p)))
+            terms.cpu["weight staging"] = 2 * page(pages)[..., None] * vec(ffn=1.0)
+        return terms
 
 
 @dataclass(frozen=True)
@@ -519,4 +537,10 @@ def weight_stream_seconds(setting: Setting, m: np.ndarray) -> np.ndarray:
     hw = setting.hardware
     if hw.link is None:
         return np.zeros_like(pages)
-    return np.array([float(link_seconds(hw, w / p, "h2d")) * p for p in pages])
+    seconds = np.array([float(link_seconds(hw, w / p, "h2d")) * p for p in pages])
+    if setting.weights_staged:
+        # pageable -> pinned ring (a host memcpy reads and writes each byte: W_l / (B_cpu / 2)),
+        # pipelined over the ring's two pages with the DMA: the slower stage sets the rate
+        memcpy = w / (hw.cpu.memory_bandwidth_bytes_per_s / 2)
+        seconds = np.maximum(seconds, memcpy)
+    return seconds

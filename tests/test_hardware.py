@@ -176,3 +176,13 @@ def test_launch_overhead_belongs_to_the_cpu_and_round_trips(tmp_path):
     data["gpu"]["launch_overhead"] = data["cpu"]["launch_overhead"]
     with pytest.raises(HrmError, match="launch_overhead is measured for the cpu only"):
         HardwareProfile.from_dict(data)
+
+
+def test_pinnable_host_memory_round_trips_and_is_checked(tmp_path):
+    data = resolve_hardware("l4").to_dict()
+    data["link"]["pinnable"] = "64 GB"
+    profile = HardwareProfile.from_dict(copy.deepcopy(data))
+    assert profile.link.pinnable_bytes == 64e9
+    assert HardwareProfile.load(profile.save(tmp_path / "p.yaml")) == profile
+    with pytest.raises(HrmError, match="pinnable"):
+        HardwareProfile.from_dict({**data, "link": {**data["link"], "pinnable": "lots"}})

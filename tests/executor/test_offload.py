@@ -176,3 +176,39 @@ def test_buffers_agree_with_the_plan(checkpoints):
             planned = getattr(plan.memory, side)
             for name, allocated in run.measured.buffer_bytes[side].items():
                 assert allocated == pytest.approx(planned[name], rel=0.05), (side, name)
+
+
+def test_weights_beyond_the_pinnable_memory_go_through_a_staging_ring(checkpoints):
+    """A link that may pin less than the weights: the plan says so (a "weight staging" buffer of
+    two pages, and a slower stream), and the run copies every page through the ring with the
+    same tokens."""
+    import dataclasses
+
+    path = checkpoints["mixtral-single"]
+    arch = open_checkpoint(path).arch
+    l4 = resolve_hardware("l4")
+    tight = dataclasses.replace(l4, link=dataclasses.replace(l4.link, pinnable_bytes=1e3))
+    workload = Workload(prompt_len_mean=6, prompt_len_max=9, gen_len=STEPS)
+    free = predict(arch, l4, workload, policy(), "cgopipe")
+    plan = predict(arch, tight, workload, policy(), "cgopipe")
+    assert "weight staging" not in free.memory.cpu
+    layer = place_weights(arch, 0.0, "float32").layer_bytes
+    # two of the largest of 3 pages (3 micro-batches), cut at tensor boundaries
+    assert 2 * layer / 3 <= plan.memory.cpu["weight staging"] <= 2 * layer / 2
+    assert plan.predicted.total_s >= free.predicted.total_s
+    prompts = tuple(tuple(p) for p in ragged_prompts(LENGTHS, seed=3))
+    run = execute_plan(
+        open_checkpoint(path, "float32"),
+        plan,
+        prompts,
+        STEPS,
+        device=CPU,
+        partial=None,
+        decode_text=lambda ids: None,
+    )
+    model = MoEModel(open_checkpoint(path, "float32"))
+    expected = generate(model, [list(p) for p in prompts], STEPS).output_token_ids
+    assert [run.outputs[i]["output_token_ids"] for i in range(len(prompts))] == expected
+    assert run.environment["staged_weights"]
+    staging = run.measured.buffer_bytes["cpu"]["weight staging"]
+    assert staging == pytest.approx(plan.memory.cpu["weight staging"], rel=0.05)
