@@ -91,6 +91,9 @@ class DeviceSpec:
     # Free memory when a measured profile was taken (MemAvailable, cudaMemGetInfo); None if unknown.
     available_memory_bytes: float | None = None
     launch_overhead: LaunchOverhead | None = None  # measured by hrm profile (CPU); None: not known
+    # What long GEMMs sustain (a published measurement, cited in the file): the planner's rate
+    # where no curve was measured; the peak stays the roofline's top roof.
+    sustained_flops_per_s: Mapping[str, float] = field(default_factory=dict)
 
     def flops_per_s(self, dtype: str) -> float:
         """Peak FLOP/s of all `count` devices for `dtype`; falls back to float32 when absent.
@@ -101,9 +104,14 @@ class DeviceSpec:
         return rate * self.count
 
     def matmul_flops_per_s(self, dtype: str, tokens: float) -> float:
-        """Achieved GEMM FLOP/s of all devices at `tokens` rows: the measured curve, else peak."""
+        """Achieved GEMM FLOP/s of all devices at `tokens` rows: the measured curve, else the
+        sustained rate, else the peak."""
         curve = self.matmul_curves.get(dtype)
-        return curve.at(tokens) * self.count if curve else self.flops_per_s(dtype)
+        if curve:
+            return curve.at(tokens) * self.count
+        if dtype in self.sustained_flops_per_s:
+            return self.sustained_flops_per_s[dtype] * self.count
+        return self.flops_per_s(dtype)
 
     @property
     def total_memory_bytes(self) -> float:
@@ -367,7 +375,14 @@ def resolve_hardware(name_or_path: str) -> HardwareProfile:
 # -- (de)serialisation helpers ------------------------------------------------------------------
 
 _DEVICE_KEYS = {"name", "memory", "memory_bandwidth", "flops"}
-_DEVICE_OPTIONAL = {"count", "cores", "matmul_curves", "available_memory", "launch_overhead"}
+_DEVICE_OPTIONAL = {
+    "count",
+    "cores",
+    "matmul_curves",
+    "available_memory",
+    "launch_overhead",
+    "sustained_flops",
+}
 
 
 def _device_from_dict(data: Any, where: str, is_cpu: bool = False) -> DeviceSpec:
@@ -391,8 +406,18 @@ def _device_from_dict(data: Any, where: str, is_cpu: bool = False) -> DeviceSpec
         if not is_cpu:
             raise HrmError(f"{where}: launch_overhead is measured for the cpu only")
         overhead = _overhead_from_dict(overhead, f"{where}: launch_overhead")
+    sustained = check_keys(
+        data.get("sustained_flops") or {},
+        where=f"{where}: sustained_flops",
+        required=set(),
+        optional=set(DTYPES),
+    )
     return DeviceSpec(
         launch_overhead=overhead,
+        sustained_flops_per_s={
+            dtype: units.parse_flops(rate, f"{where}: sustained_flops: {dtype}")
+            for dtype, rate in sustained.items()
+        },
         name=str(data["name"]),
         count=count,
         cores=positive_int(cores, where=f"{where}: cores") if cores is not None else None,
@@ -425,6 +450,10 @@ def _device_to_dict(device: DeviceSpec) -> dict[str, Any]:
         out["available_memory"] = units.format_bytes(device.available_memory_bytes, None)
     out["memory_bandwidth"] = units.format_bandwidth(device.memory_bandwidth_bytes_per_s, None)
     out["flops"] = {d: units.format_flops(r, None) for d, r in device.peak_flops_per_s.items()}
+    if device.sustained_flops_per_s:
+        out["sustained_flops"] = {
+            d: units.format_flops(r, None) for d, r in device.sustained_flops_per_s.items()
+        }
     if device.matmul_curves:
         out["matmul_curves"] = {d: _curve_to_list(c) for d, c in device.matmul_curves.items()}
     if device.launch_overhead is not None:

@@ -186,3 +186,20 @@ def test_pinnable_host_memory_round_trips_and_is_checked(tmp_path):
     assert HardwareProfile.load(profile.save(tmp_path / "p.yaml")) == profile
     with pytest.raises(HrmError, match="pinnable"):
         HardwareProfile.from_dict({**data, "link": {**data["link"], "pinnable": "lots"}})
+
+
+def test_bundled_gpus_state_sustained_rates_that_the_planner_charges(tmp_path):
+    """T4 and L4 carry published sustained GEMM rates below their peaks: the planner's GEMMs run
+    at those, the roofline's top roof stays the peak; the figures round-trip."""
+    for name, dtype in (("t4", "float16"), ("l4", "bfloat16"), ("2xt4", "float16")):
+        gpu = resolve_hardware(name).gpu
+        sustained = gpu.sustained_flops_per_s[dtype]
+        assert sustained < gpu.peak_flops_per_s[dtype]
+        assert gpu.matmul_flops_per_s(dtype, 4096) == sustained * gpu.count
+        assert gpu.flops_per_s(dtype) == gpu.peak_flops_per_s[dtype] * gpu.count
+    profile = resolve_hardware("l4")
+    assert HardwareProfile.load(profile.save(tmp_path / "l4.yaml")) == profile
+    data = profile.to_dict()
+    data["gpu"]["sustained_flops"] = {"float128": "1 TFLOP/s"}
+    with pytest.raises(HrmError, match="float128"):
+        HardwareProfile.from_dict(data)
