@@ -169,6 +169,9 @@ class HardwareProfile:
     # GPU-to-GPU links; None: PCIe peer-to-peer at the link's h2d rate (through the host)
     interconnect: Interconnect | None = None
     price_per_hour: float | None = None  # USD per machine-hour, for cost per token (optional)
+    # The "GPU" is this host's CPU (hrm/stand_in.py): its queues share one set of cores and one
+    # memory bus, so they do not overlap in the cost model.
+    stand_in: bool = False
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
@@ -279,7 +282,15 @@ class HardwareProfile:
             data,
             where=where,
             required={"name", "source", "cpu"},
-            optional={"description", "provenance", "gpu", "link", "interconnect", "price_per_hour"},
+            optional={
+                "description",
+                "provenance",
+                "gpu",
+                "link",
+                "interconnect",
+                "price_per_hour",
+                "stand_in",
+            },
         )
         name = str(data["name"])
         provenance = data.get("provenance") or {}
@@ -324,6 +335,7 @@ class HardwareProfile:
             link=link,
             interconnect=interconnect,
             price_per_hour=float(price) if price is not None else None,
+            stand_in=data.get("stand_in") is True,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -344,6 +356,8 @@ class HardwareProfile:
             }
         if self.price_per_hour is not None:
             out["price_per_hour"] = self.price_per_hour
+        if self.stand_in:
+            out["stand_in"] = True
         return out
 
     @classmethod

@@ -34,7 +34,7 @@ import numpy as np
 from hrm.arch import ModelArch
 from hrm.cpu_gemm import CpuGemmChoice, choose_cpu_gemm, gemm_flops_per_s
 from hrm.errors import HrmError
-from hrm.hardware import Curve, DeviceSpec, HardwareProfile, LinkSpec
+from hrm.hardware import Curve, DeviceSpec, HardwareProfile
 from hrm.ops import ACTIVATION_DTYPE, Op, expected_distinct_experts, layer_ops, lm_head_op
 from hrm.placement import largest_page_bytes
 from hrm.policy import dtype_bytes
@@ -433,6 +433,12 @@ def queue_terms(setting: Setting, mb: MicroBatchSeconds) -> QueueTerms:
             "expert ffn": _per_mb(on_gpu, mb.gpu_ffn),
             "attention": _per_mb(att_gpu, mb.gpu_attention),
             "all-reduce": _per_mb(on_gpu, mb.gpu_all_reduce),
+            # a CPU standing in for the GPU pays the executor's per-layer cost there too
+            **(
+                {"launch overhead": _per_mb(on_gpu, mb.cpu_launch)}
+                if setting.hardware.stand_in
+                else {}
+            ),
         },
         "cpu": {
             "dense": _per_mb(on_cpu, mb.cpu_dense),
@@ -497,17 +503,24 @@ class ScheduleTerms:
     head: Expr  # LM head and embeddings, once per step
 
 
-def schedule_terms(schedule: str, q: QueueTerms, link: LinkSpec | None = None) -> ScheduleTerms:
+def schedule_terms(
+    schedule: str, q: QueueTerms, hardware: HardwareProfile | None = None
+) -> ScheduleTerms:
     """The schedule's lower bounds on T_layer; with a link that measured both directions at once
-    (`link.bidirectional`), the overlapping copies also share that rate (see below)."""
+    (`link.bidirectional`), the overlapping copies also share that rate; on a CPU standing in for
+    the GPU (hrm/stand_in.py) the four queues share the host and add up (see below)."""
     gpu, cpu, h2d, d2h = (q.queue(name) for name in QUEUES)
+    link = hardware.link if hardware is not None else None
+    shared = hardware is not None and hardware.stand_in
     head = sum(q.head.values(), _empty(q.chain))
     empty = _empty(q.chain)
+    # stand-in: one set of cores and one memory bus run all four queues: T_layer >= their sum
+    host = {"shared host": gpu + cpu + h2d + d2h} if shared else {}
     if schedule == "serial":
         # S3: T_layer = max(W_l stream, sum of chains): micro-batches one after another, no fill
-        layer = {"h2d": q.components["h2d"]["weights"], "latency": q.chain_sum}
+        layer = {"h2d": q.components["h2d"]["weights"], "latency": q.chain_sum, **host}
         return ScheduleTerms(layer=layer, fill=empty, head=head)
-    layer = {"gpu": gpu, "cpu": cpu, "h2d": h2d, "d2h": d2h, "latency": q.chain}
+    layer = {"gpu": gpu, "cpu": cpu, "h2d": h2d, "d2h": d2h, "latency": q.chain, **host}
     if link is not None and link.bidirectional_bytes_per_s:
         # H2D and D2H overlap here, and together move at most the measured both-ways rate B_bi
         # (hrm profile times both at once): bytes_h2d + bytes_d2h <= B_bi * T_layer, with each

@@ -87,7 +87,7 @@ def batch_model(setting: Setting, batch_size: int, micro_batch_size: int) -> Bat
         batch_size=batch_size,
         micro_batch_size=micro_batch_size,
         queues=queues,
-        terms=schedule_terms(setting.schedule, queues, setting.hardware.link),
+        terms=schedule_terms(setting.schedule, queues, setting.hardware),
         memory=setting.memory(batch_size, micro_batch_size),
     )
 
@@ -207,6 +207,8 @@ def _bottleneck(model: BatchModel, layer_values: dict[str, np.ndarray], v: np.nd
         return "latency: one micro-batch's stages in sequence"
     if top == "link":
         return "link both ways: h2d and d2h together at the bidirectional rate"
+    if top == "shared host":
+        return "shared host: every queue on the CPU standing in for the GPU"
     m, ws = model.full_micro_batches, model.weight_stream_s
     parts = {
         c: float((e.coefficients(m, ws) @ v).sum()) for c, e in model.queues.components[top].items()

@@ -340,7 +340,7 @@ def search(
         if len(incumbents) >= top_k and bound <= incumbents[0] * (1 + REL_TOL):
             skipped += 1
             continue
-        terms = schedule_terms(schedule, queue_terms(setting, mb), hardware.link)
+        terms = schedule_terms(schedule, queue_terms(setting, mb), hardware)
         m = _fitting_counts(setting, mu, n_hi // mu, combos)
         evaluated += len(m)
         if not len(m):

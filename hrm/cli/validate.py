@@ -4,8 +4,9 @@ exit status 1 when the model's error (MAPE) exceeds --max-mape.
 The host is profiled first (quick, at the model's own shape) unless --hardware names a profile
 of this very host: a stale or foreign profile would test the profile, not the model. Every
 setting runs `--repeats` times, the passes interleaved, and the run-to-run spread is reported.
-The executor holds the model on one device today (schedule "resident"); the offloading
-schedules join the sweep as they land.
+Resident runs (the model on one device) are joined, on a CPU-only host, by every offloading
+schedule at a forced-paging policy (nothing resident, two micro-batches), run with the CPU
+standing in for the GPU and predicted with the stand-in profile (hrm/stand_in.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from hrm.plan import SCHEDULES
+
 # (batch sizes, (prompt length, ragged) pairs, generation lengths): ragged prompts spread their
 # lengths over [L/2, 3L/2]; uniform ones all have L tokens
 SWEEPS = {
@@ -25,6 +28,8 @@ SWEEPS = {
     "full": ((1, 8, 32, 64), ((32, False), (128, True)), (16, 64)),
 }
 DTYPES = ("bfloat16", "float32")
+# offloaded runs on a CPU-only host: (batch, micro-batch, prompt length, generation length)
+OFFLOADED = {"quick": (16, 8, 32, 8), "full": (32, 16, 64, 16)}
 
 
 def add_parser(subparsers) -> None:
@@ -120,11 +125,14 @@ def _validate(args, checkpoint: Path, hardware) -> int:
 
     batches, prompts, gens = SWEEPS["quick" if args.quick else "full"]
     settings = list(itertools.product(DTYPES, batches, prompts, gens))
+    schedules = SCHEDULES if hardware is None or not hardware.has_gpu else ()
+    offloaded = list(itertools.product(DTYPES, schedules))
     records: dict[str, dict] = {}
     spreads: dict[str, list[float]] = {}
     with torch_threads(args.threads):
         hardware = hardware or _profile_host(checkpoint, args.quiet)
-        bar = progress_bar(total=args.repeats * len(settings), desc="validate", quiet=args.quiet)
+        total = args.repeats * (len(settings) + len(offloaded))
+        bar = progress_bar(total=total, desc="validate", quiet=args.quiet)
         with bar:
             for rep in range(args.repeats):  # passes interleaved: drift hits every setting
                 for dtype, batch, (length, ragged), gen in settings:
@@ -142,6 +150,15 @@ def _validate(args, checkpoint: Path, hardware) -> int:
                     if args.random_weights:
                         record["environment"]["weights"] = "random"
                     name = f"{dtype}-b{batch}-p{length}{'r' if ragged else 'u'}-g{gen}"
+                    records[f"{name}-{rep + 1}"] = record
+                    spreads.setdefault(name, []).append(record["measured"]["throughput_tok_s"])
+                    bar.update()
+                for dtype, schedule in offloaded:
+                    shape = OFFLOADED["quick" if args.quick else "full"]
+                    record = _offloaded_run(checkpoint, hardware, dtype, schedule, shape)
+                    if args.random_weights:
+                        record["environment"]["weights"] = "random"
+                    name = f"{dtype}-{schedule}-b{shape[0]}-m{shape[1]}-p{shape[2]}r-g{shape[3]}"
                     records[f"{name}-{rep + 1}"] = record
                     spreads.setdefault(name, []).append(record["measured"]["throughput_tok_s"])
                     bar.update()
@@ -171,6 +188,47 @@ def _validate(args, checkpoint: Path, hardware) -> int:
         )
         return 1
     return 0
+
+
+def _offloaded_run(checkpoint: Path, hardware, dtype: str, schedule: str, shape) -> dict:
+    """One schedule at a forced-paging policy on the CPU standing in for the GPU, predicted with
+    the stand-in profile of `hardware`: the RunRecord as a dict."""
+    import torch
+
+    from executor.api import load_weights, prepare_run
+    from executor.plan_run import execute_plan
+    from hrm.cli.run_plan import plan_record
+    from hrm.policy import Policy
+    from hrm.profiling.host_gemm import cpu_gemm_for_run
+    from hrm.stand_in import stand_in_profile
+    from hrm.workload import Workload
+    from planner import predict
+
+    batch, mu, length, gen = shape
+    spec = prepare_run(
+        checkpoint, gen_len=gen, prompt_len=length, batch=batch, dtype=dtype, device="cpu"
+    )
+    spec = dataclasses.replace(spec, prompts=_prompts(spec, batch, length, True))
+    weights = load_weights(spec)
+    choice = cpu_gemm_for_run(spec.arch, dtype, mode="auto", hardware=hardware,
+                              weights=weights.expert_gate_weights, warn=lambda m: None)  # fmt: skip
+    policy = Policy(
+        batch_size=batch,
+        micro_batch_size=mu,
+        attention_on_gpu=schedule == "gpu-attention",
+        ffn_on_gpu=True,
+        weights_gpu_fraction=0.0,
+        kv_gpu_fraction=0.0,
+        weight_dtype=dtype,
+        kv_dtype=dtype,
+    )
+    stand_in = stand_in_profile(hardware, gpu_memory_bytes=hardware.cpu.memory_bytes / 2)
+    workload = Workload.from_prompt_lens(spec.prompt_lens, gen)
+    plan = predict(spec.arch, stand_in, workload, policy, schedule, cpu_gemm=choice)
+    result = execute_plan(weights, plan, spec.prompts, gen, device=torch.device("cpu"),
+                          partial=None, decode_text=lambda ids: None, cpu_gemm=choice,
+                          quiet=True)  # fmt: skip
+    return plan_record(spec, plan, result, stand_in, choice, lambda m: None).to_dict()
 
 
 def _prompts(spec, batch: int, length: int, ragged: bool) -> tuple[tuple[int, ...], ...]:

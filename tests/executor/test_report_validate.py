@@ -79,8 +79,15 @@ def test_validate_quick_runs_end_to_end_and_fails_past_its_mape(run_cli, checkpo
     )  # fmt: skip
     assert status == 0, err
     runs = sorted((out_dir / "runs").glob("*.json"))
-    assert len(runs) == 8  # 2 dtypes x 2 batches x 2 prompt shapes x 1 generation length
-    record = json.loads(runs[0].read_text())
+    # resident: 2 dtypes x 2 batches x 2 prompt shapes x 1 generation length; offloaded on the
+    # CPU standing in for the GPU: 2 dtypes x 4 schedules
+    assert len(runs) == 8 + 8
+    records = [json.loads(r.read_text()) for r in runs]
+    schedules = {r["plan"]["schedule"] for r in records if r["plan"]}
+    assert schedules == {"cgopipe", "serial", "overlap", "gpu-attention"}
+    assert all(r["environment"]["stand_in"] for r in records if r["plan"])
+    assert all(r["predicted"]["throughput_tok_s"] > 0 for r in records)
+    record = records[0]
     assert record["predicted"]["throughput_tok_s"] > 0 and record["measured"]["generated_tokens"]
     assert (out_dir / "hardware.yaml").is_file() and (out_dir / "scatter.png").is_file()
     assert "Conditions" in (out_dir / "report.md").read_text()

@@ -73,7 +73,7 @@ def test_closed_forms_bracket_the_milp(arch, make_gpu_profile, workload):
     setting = Setting(arch=arch, hardware=hw, workload=workload, schedule="gpu-attention")
     mu = 2
     mb = micro_batch_seconds(setting, mu)
-    terms = schedule_terms(setting.schedule, queue_terms(setting, mb), hw.link)
+    terms = schedule_terms(setting.schedule, queue_terms(setting, mb), hw)
     m = np.arange(1, 8)
     low = bracket_row(setting, mu, m, (1, 1), terms, threshold=np.inf)  # no frontier search
     exact = bracket_row(setting, mu, m, (1, 1), terms, threshold=-np.inf)

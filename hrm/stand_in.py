@@ -1,0 +1,37 @@
+"""The CPU standing in for a GPU, as a profile: what an offloaded run on a CPU-only host is
+predicted with (`hrm validate` on such a host runs every schedule this way).
+
+The "GPU" is the host's own CPU (its measured GEMM curves, its memory, its launch overhead); the
+"link" is a host memcpy, which reads and writes each byte: B_link = B_mem / 2 each way. Every
+queue runs on the same cores over the same memory bus, so the cost model adds them instead of
+overlapping them (planner/cost.py, `stand_in`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hrm.errors import HrmError
+from hrm.hardware import HardwareProfile, LinkSpec
+
+
+def stand_in_profile(host: HardwareProfile, gpu_memory_bytes: float) -> HardwareProfile:
+    """`host` (CPU-only) with its CPU also standing in for a GPU of `gpu_memory_bytes`."""
+    if host.has_gpu:
+        raise HrmError(f"{host.name} has a GPU: a stand-in profile is for CPU-only hosts")
+    cpu = host.cpu
+    copy = cpu.memory_bandwidth_bytes_per_s / 2
+    gpu = dataclasses.replace(
+        cpu,
+        name=f"{cpu.name} (standing in for a GPU)",
+        memory_bytes=gpu_memory_bytes,
+        available_memory_bytes=None,
+    )
+    return dataclasses.replace(
+        host,
+        name=f"{host.name}-stand-in",
+        description=f"{host.description} with its CPU standing in for a GPU".strip(),
+        gpu=gpu,
+        link=LinkSpec(h2d_bytes_per_s=copy, d2h_bytes_per_s=copy),
+        stand_in=True,
+    )
