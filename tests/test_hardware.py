@@ -189,9 +189,16 @@ def test_pinnable_host_memory_round_trips_and_is_checked(tmp_path):
 
 
 def test_bundled_gpus_state_sustained_rates_that_the_planner_charges(tmp_path):
-    """T4 and L4 carry published sustained GEMM rates below their peaks: the planner's GEMMs run
+    """Every bundled GPU carries published sustained GEMM rates below its peak: the planner's GEMMs run
     at those, the roofline's top roof stays the peak; the figures round-trip."""
-    for name, dtype in (("t4", "float16"), ("l4", "bfloat16"), ("2xt4", "float16")):
+    for name, dtype in (
+        ("t4", "float16"),
+        ("l4", "bfloat16"),
+        ("2xt4", "float16"),
+        ("a100-80g", "bfloat16"),
+        ("h100-sxm", "bfloat16"),
+        ("h200-sxm", "bfloat16"),
+    ):
         gpu = resolve_hardware(name).gpu
         sustained = gpu.sustained_flops_per_s[dtype]
         assert sustained < gpu.peak_flops_per_s[dtype]
