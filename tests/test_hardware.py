@@ -189,8 +189,8 @@ def test_pinnable_host_memory_round_trips_and_is_checked(tmp_path):
 
 
 def test_bundled_gpus_state_sustained_rates_that_the_planner_charges(tmp_path):
-    """Every bundled GPU carries published sustained GEMM rates below its peak: the planner's GEMMs run
-    at those, the roofline's top roof stays the peak; the figures round-trip."""
+    """Every bundled GPU carries published sustained GEMM rates below its peak: the planner's
+    GEMMs run at those, the roofline's top roof stays the peak; the figures round-trip."""
     for name, dtype in (
         ("t4", "float16"),
         ("l4", "bfloat16"),

@@ -277,8 +277,10 @@ def _spread_notes(spreads: dict[str, list[float]], hardware) -> list[str]:
         f"Profile: {hardware.name} ({hardware.description}); CPU "
         f"{hardware.provenance.get('cpu_model', '?')}, matrix features "
         f"{', '.join(hardware.provenance.get('cpu_matrix_features', [])) or 'unknown'}. "
-        "Schedule: resident (the executor holds the model on one device); the forced-paging "
-        "budget of the offloading executor is not built yet.",
+        "Schedules: resident (the model held by one device) and, on a CPU-only host, every "
+        "offloading schedule at a forced-paging policy (nothing resident, two micro-batches) "
+        "with the CPU standing in for the GPU, predicted by the stand-in profile "
+        f"({hardware.name}-stand-in: the CPU's own curves, a memcpy link, queues that add up).",
         "",
     ]
     if values:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 import executor.plan_run
 from executor.checkpoint import read_arch
@@ -195,3 +196,24 @@ def test_random_weight_arguments(run_cli, args, fragment):
         "run", *args, "--prompt-len", "4", "--batch", "2", "--gen-len", "2", "--quiet"
     )
     assert_one_line_error(status, err, fragment)
+
+
+def test_hardware_with_a_gpu_plans_first_and_caps_n_at_the_prompts(run_cli, files):
+    path, prompts, _ = files
+    status, out, err = run_cli(
+        "run", "--checkpoint", path, "--hardware", "l4", "--gpu-mem", "1.2MB", "--prompts",
+        prompts, "--gen-len", "4", "--json", "--quiet",
+    )  # fmt: skip
+    assert status == 0, err
+    record = json.loads(out)
+    assert record["plan"]["policy"]["batch_size"] <= len(LENGTHS)
+    assert record["hardware"] == "l4" and record["predicted"] is not None
+    assert record["environment"]["prompts"] == len(LENGTHS)
+
+
+def test_cuda_absent_is_refused_before_loading(run_cli, files):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is present here")
+    path, prompts, plan = files
+    status, _, err = run_cli(*run_args(path, prompts, plan, "--device", "cuda"))
+    assert_one_line_error(status, err, "no CUDA device")

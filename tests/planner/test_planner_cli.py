@@ -123,6 +123,7 @@ def test_sweep_writes_table_and_png(run_cli, tmp_path):
         (["--gpu-mem", "0 GB"], ["--gpu-mem", "positive"]),
         (["--schedule", "zigzag"], ["invalid choice", "zigzag"]),
         (["--top", "0"], ["--top"]),
+        (["--max-batch-size", "0"], ["--max-batch-size"]),
         (["--cpu-mem", "40 GB"], ["CPU memory", "short"]),
     ],
 )
@@ -242,3 +243,14 @@ def test_a_curve_out_of_order_or_not_positive_is_one_line(run_cli, tmp_path, poi
     )
     assert_one_line_error(status, err, "matmul_curves: float32", fragment)
     assert out == ""
+
+
+def test_max_batch_size_caps_the_batch(run_cli, tmp_path):
+    free = json.loads(run_cli("plan", *MTBENCH, "--json")[1])["policy"]["batch_size"]
+    status, out, err = run_cli(
+        "plan", *MTBENCH, "--max-batch-size", "48", "-o", tmp_path / "p.json"
+    )
+    assert status == 0, err
+    plan = Plan.load(tmp_path / "p.json")
+    assert free > 48 >= plan.policy.batch_size
+    assert plan.geometry["num_layers"] == 32  # the plan records the geometry it was made for
