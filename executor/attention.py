@@ -48,3 +48,55 @@ def decode_attention(
     B, nkv, D = q.shape[0], keys.shape[1], q.shape[-1]
     out = DECODE_KERNELS[kernel](q.view(B, nkv, -1, D), keys, values, mask)  # [B, nkv, G, D]
     return out.reshape(B, -1)
+
+
+# (batch, context) of the points `hrm profile` times: K and V read per call from about half a
+# megabyte to a quarter of a gigabyte at Mixtral's 8 KV heads of 128 in bf16
+CURVE_POINTS = ((1, 128), (1, 1024), (8, 1024), (8, 4096), (16, 4096))
+QUICK_CURVE_POINTS = CURVE_POINTS[:4]
+# each point cycles over copies of its K/V totalling at least this, so that small calls read
+# memory as a decode step's layers do, not a cache that holds them
+ROTATE_BYTES = 512e6
+
+
+def measure_attention_curve(
+    arch, dtype: str = "bfloat16", *, quick: bool = False, rotate_bytes: float = ROTATE_BYTES
+):
+    """The achieved K/V read rate of this kernel on this CPU against bytes per call (a Curve of
+    bytes -> bytes/s), at the model's heads, a quarter of each batch padded: what the planner
+    charges CPU decode attention at (planner/cost.py)."""
+    from hrm.hardware import Curve
+
+    torch_dtype = getattr(torch, dtype)
+    nq, nkv, d = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
+    g = torch.Generator().manual_seed(0)
+    points = []
+    with torch.inference_mode():
+        for batch, context in QUICK_CURVE_POINTS if quick else CURVE_POINTS:
+            shape = (batch, nkv, context, d)
+            nbytes = 2 * math.prod(shape) * torch_dtype.itemsize
+            copies = max(1, math.ceil(rotate_bytes / nbytes))
+
+            def tensor(*size):
+                return torch.randn(size, generator=g).to(torch_dtype)
+
+            kvs = [(tensor(*shape), tensor(*shape)) for _ in range(copies)]
+            valid = torch.ones(batch, context, dtype=torch.bool)
+            valid[: max(1, batch // 4), : context // 2] = False
+            seconds = _seconds_per_call(tensor(batch, nq, d), kvs, valid[:, None, None, :])
+            points.append((float(nbytes), nbytes / seconds))
+    return Curve(points=tuple(points))
+
+
+def _seconds_per_call(q: torch.Tensor, kvs: list, mask: torch.Tensor) -> float:
+    """Median seconds of one decode-attention call, cycling over the K/V copies."""
+    from hrm.profiling.timing import perf_counter_clock, time_calls
+
+    turn = [0]
+
+    def call() -> None:
+        k, v = kvs[turn[0] % len(kvs)]
+        turn[0] += 1
+        decode_attention(q, k, v, mask)
+
+    return time_calls(call, clock=perf_counter_clock, repeats=5, min_sample_s=0.05).median_s

@@ -94,6 +94,9 @@ class DeviceSpec:
     # What long GEMMs sustain (a published measurement, cited in the file): the planner's rate
     # where no curve was measured; the peak stays the roofline's top roof.
     sustained_flops_per_s: Mapping[str, float] = field(default_factory=dict)
+    # CPU only: the executor's decode-attention kernel, K/V bytes read per call -> bytes/s
+    # (measured by hrm profile); None: attention is priced by FLOPs and memory bandwidth
+    attention_curve: Curve | None = None
 
     def flops_per_s(self, dtype: str) -> float:
         """Peak FLOP/s of all `count` devices for `dtype`; falls back to float32 when absent.
@@ -396,6 +399,7 @@ _DEVICE_OPTIONAL = {
     "available_memory",
     "launch_overhead",
     "sustained_flops",
+    "attention_curve",
 }
 
 
@@ -420,6 +424,9 @@ def _device_from_dict(data: Any, where: str, is_cpu: bool = False) -> DeviceSpec
         if not is_cpu:
             raise HrmError(f"{where}: launch_overhead is measured for the cpu only")
         overhead = _overhead_from_dict(overhead, f"{where}: launch_overhead")
+    attention = data.get("attention_curve")
+    if attention is not None and not is_cpu:
+        raise HrmError(f"{where}: attention_curve is measured for the cpu only")
     sustained = check_keys(
         data.get("sustained_flops") or {},
         where=f"{where}: sustained_flops",
@@ -428,6 +435,11 @@ def _device_from_dict(data: Any, where: str, is_cpu: bool = False) -> DeviceSpec
     )
     return DeviceSpec(
         launch_overhead=overhead,
+        attention_curve=_curve_from_list(
+            attention, f"{where}: attention_curve", units.parse_bandwidth
+        )
+        if attention is not None
+        else None,
         sustained_flops_per_s={
             dtype: units.parse_flops(rate, f"{where}: sustained_flops: {dtype}")
             for dtype, rate in sustained.items()
@@ -472,6 +484,8 @@ def _device_to_dict(device: DeviceSpec) -> dict[str, Any]:
         out["matmul_curves"] = {d: _curve_to_list(c) for d, c in device.matmul_curves.items()}
     if device.launch_overhead is not None:
         out["launch_overhead"] = dataclasses.asdict(device.launch_overhead)
+    if device.attention_curve is not None:
+        out["attention_curve"] = _curve_to_list(device.attention_curve)
     return out
 
 

@@ -317,10 +317,17 @@ def micro_batch_seconds(setting: Setting, b: float) -> MicroBatchSeconds:
             b * k / expected_distinct_experts(arch, b),
         )
         head = lm_head_op(arch, batch=b, weight_dtype=setting.weight_dtype)
+        attention = both("attention", s_pre, group)
+        curve = device.attention_curve if cpu_gemm is not None else None
+        if curve is not None and steps > 1:
+            # decode attention on the CPU at the executor's measured K/V read rate for this
+            # many bytes per call (hrm profile): T = bytes / B_attn(bytes)
+            kv = np.asarray(decode["attention"].bytes, dtype=float) * np.ones(steps - 1)
+            attention[1:] = kv / _curve_at(curve, kv)
         return {
             "dense": sum(both(name, chunk, b) for name in DENSE_OPS),
             "ffn": both("expert_ffn", *ffn_rows),
-            "attention": both("attention", s_pre, group),
+            "attention": attention,
             "head": op_seconds(head, device, dtype, b, cpu_gemm=cpu_gemm) * np.ones(steps),
         }
 

@@ -210,3 +210,14 @@ def test_bundled_gpus_state_sustained_rates_that_the_planner_charges(tmp_path):
     data["gpu"]["sustained_flops"] = {"float128": "1 TFLOP/s"}
     with pytest.raises(HrmError, match="float128"):
         HardwareProfile.from_dict(data)
+
+
+def test_attention_curve_is_the_cpus_and_round_trips(tmp_path):
+    data = resolve_hardware("l4").to_dict()
+    data["cpu"]["attention_curve"] = [[1e6, "20 GB/s"], [1e8, "15 GB/s"]]
+    profile = HardwareProfile.from_dict(copy.deepcopy(data))
+    assert profile.cpu.attention_curve.at(1e6) == 20e9
+    assert HardwareProfile.load(profile.save(tmp_path / "p.yaml")) == profile
+    data["gpu"]["attention_curve"] = [[1e6, "20 GB/s"]]
+    with pytest.raises(HrmError, match="attention_curve is measured for the cpu only"):
+        HardwareProfile.from_dict(data)

@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
         quiet=args.quiet,
         warn=lambda message: print(f"hrm profile: warning: {message}", file=sys.stderr),
     )
-    profile = with_launch_overhead(profile, arch)
+    profile = with_launch_overhead(profile, arch, quick=args.quick)
     profile.save(output)
     print(format_summary(profile, output))
     if reference is not None:
@@ -81,14 +81,20 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def with_launch_overhead(profile: HardwareProfile, arch) -> HardwareProfile:
-    """The profile with the executor's fixed cost per layer, expert and step on this CPU
-    (executor/overhead.py: the real forward on a miniature of the model, in float32)."""
+def with_launch_overhead(profile: HardwareProfile, arch, *, quick: bool = False) -> HardwareProfile:
+    """The profile with what only the executor's own code shows on this CPU: its fixed cost per
+    layer, expert and step (executor/overhead.py: the real forward on a miniature of the model,
+    in float32) and its decode-attention kernel's K/V read rate (executor/attention.py)."""
     import dataclasses
 
+    from executor.attention import measure_attention_curve
     from executor.overhead import measure_launch_overhead
 
-    cpu = dataclasses.replace(profile.cpu, launch_overhead=measure_launch_overhead(arch))
+    cpu = dataclasses.replace(
+        profile.cpu,
+        launch_overhead=measure_launch_overhead(arch),
+        attention_curve=measure_attention_curve(arch, quick=quick),
+    )
     return dataclasses.replace(profile, cpu=cpu)
 
 

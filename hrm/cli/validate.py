@@ -261,7 +261,7 @@ def _profile_host(checkpoint: Path, quiet: bool):
         quiet=quiet,
         warn=lambda message: print(f"hrm validate: warning: {message}", file=sys.stderr),
     )
-    return with_launch_overhead(profile, arch)
+    return with_launch_overhead(profile, arch, quick=True)
 
 
 def _spread_notes(spreads: dict[str, list[float]], hardware) -> list[str]:

@@ -212,3 +212,15 @@ def test_weights_beyond_the_pinnable_memory_go_through_a_staging_ring(checkpoint
     assert run.environment["staged_weights"]
     staging = run.measured.buffer_bytes["cpu"]["weight staging"]
     assert staging == pytest.approx(plan.memory.cpu["weight staging"], rel=0.05)
+
+
+def test_the_attention_curve_times_the_executors_kernel():
+    """hrm profile's CPU attention curve: increasing sizes, positive rates, at the model's heads."""
+    from executor.attention import QUICK_CURVE_POINTS, measure_attention_curve
+    from hrm.arch import resolve_model
+
+    curve = measure_attention_curve(resolve_model("mixtral-8x7b"), quick=True, rotate_bytes=1e6)
+    assert len(curve.points) == len(QUICK_CURVE_POINTS)
+    batch, context = QUICK_CURVE_POINTS[0]
+    assert curve.points[0][0] == 2 * batch * 8 * context * 128 * 2  # K and V, 8 heads of 128, bf16
+    assert all(rate > 0 for _, rate in curve.points)

@@ -335,3 +335,24 @@ def test_kv_prefetch_buffer_by_hand(arch, make_gpu_profile):
         "gpu-attention",
     )
     assert full.memory.gpu["kv prefetch"] == 0.0
+
+
+def test_cpu_decode_attention_is_charged_at_the_measured_kv_read_rate(arch, workload):
+    """With an attention curve of 1 GB/s everywhere, CPU decode attention costs bytes / 1e9."""
+    from hrm.hardware import Curve
+    from hrm.ops import layer_ops
+    from planner.cost import micro_batch_seconds
+    from tests.planner.tiny_setup import cpu_only_profile
+
+    hw = cpu_only_profile()
+    curved = dataclasses.replace(
+        hw, cpu=dataclasses.replace(hw.cpu, attention_curve=Curve(points=((1.0, 1e9),)))
+    )
+    plain = micro_batch_seconds(Setting(arch=arch, hardware=hw, workload=workload), 2)
+    setting = Setting(arch=arch, hardware=curved, workload=workload)
+    mb = micro_batch_seconds(setting, 2)
+    ops = layer_ops(arch, batch=2, new_tokens=1, context=setting.decode_contexts,
+                    weight_dtype="bfloat16", kv_dtype="bfloat16", ffn_group_tokens=2)  # fmt: skip
+    attention = next(op for op in ops if op.name == "attention")
+    assert mb.cpu_attention[1:] == pytest.approx(np.asarray(attention.bytes) / 1e9)
+    assert mb.cpu_attention[0] == plain.cpu_attention[0]  # prefill keeps the GEMM model
