@@ -46,24 +46,23 @@ def measure(
     """Seconds per (phase, part): the median over `repeats` executor runs, after a warm-up run
     (single runs on these VMs vary by up to 1.5x)."""
     from executor.checkpoint import open_checkpoint
-    from executor.generate import generate
+    from executor.generate import generate, resident_runtime
     from executor.model import MoEModel
 
     model = MoEModel(open_checkpoint(path, dtype), cpu_gemm)
-    generate(model, prompts[:2], 2)  # warm-up
+    runtime = resident_runtime(model)  # the engine's resident run, its steps timed below
+    generate(runtime, prompts[:2], 2)  # warm-up
     seconds: dict[tuple[str, str], float] = defaultdict(float)
     phase = {"now": "prefill"}
 
-    def timed(name: str, part: str | None, sets_phase: str | None = None):
+    def timed(name: str, part: str):
         inner = getattr(model, name)
 
         def wrapper(*args, **kwargs):
-            if sets_phase:
-                phase["now"] = sets_phase
             t0 = time.perf_counter()
             out = inner(*args, **kwargs)
             elapsed = time.perf_counter() - t0
-            seconds[(phase["now"], part or name)] += elapsed
+            seconds[(phase["now"], part)] += elapsed
             return out
 
         setattr(model, name, wrapper)
@@ -78,13 +77,21 @@ def measure(
         ("logits", "lm head"),
     ):
         timed(name, part)
-    timed("prefill", "whole", sets_phase="prefill")
-    timed("decode", "whole", sets_phase="decode")
+    inner_step = runtime.step
+
+    def step(index, tokens, *, last):
+        phase["now"] = "decode" if index else "prefill"
+        t0 = time.perf_counter()
+        out = inner_step(index, tokens, last=last)
+        seconds[(phase["now"], "whole")] += time.perf_counter() - t0
+        return out
+
+    runtime.step = step
     runs = []
     for _ in range(repeats):
         seconds.clear()
         t0 = time.perf_counter()
-        generate(model, prompts, gen_len)
+        generate(runtime, prompts, gen_len)
         runs.append(_parts(seconds, time.perf_counter() - t0))
     return {
         ph: {part: statistics.median(run[ph][part] for run in runs) for part in PARTS}

@@ -65,7 +65,7 @@ def measure_attention_curve(
     """The achieved K/V read rate of this kernel on this CPU against bytes per call (a Curve of
     bytes -> bytes/s), at the model's heads, a quarter of each batch padded: what the planner
     charges CPU decode attention at (planner/cost.py)."""
-    from hrm.hardware import Curve
+    from hrm.hardware_parts import Curve
 
     torch_dtype = getattr(torch, dtype)
     nq, nkv, d = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim

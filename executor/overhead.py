@@ -22,7 +22,7 @@ from executor.generate import generate
 from executor.model import MoEModel
 from hrm.arch import ModelArch
 from hrm.cpu_gemm import CpuGemmChoice
-from hrm.hardware import LaunchOverhead
+from hrm.hardware_parts import LaunchOverhead
 
 MINI_HIDDEN = 64
 MANY_TOKENS = 64  # a batch that touches every expert (8 of 8 with 2 per token, all but surely)

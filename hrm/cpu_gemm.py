@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from hrm.errors import HrmError
 from hrm.gemm_paths import padded_tokens
-from hrm.hardware import HALF_DTYPES, WIDENED_KEYS, Curve
+from hrm.hardware_parts import HALF_DTYPES, WIDENED_KEYS, Curve
 from hrm.schema import check_keys
 
 PATHS = ("native", "widened")

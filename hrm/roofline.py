@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 from hrm.arch import ModelArch
 from hrm.cpu_gemm import CpuGemmChoice, choose_cpu_gemm, gemm_peak_flops_per_s
-from hrm.hardware import DeviceSpec, HardwareProfile
+from hrm.hardware import HardwareProfile
+from hrm.hardware_parts import DeviceSpec
 from hrm.ops import Op, expert_ffn_op, layer_ops, lm_head_op
 
 

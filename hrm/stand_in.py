@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 
 from hrm.errors import HrmError
-from hrm.hardware import HardwareProfile, LinkSpec
+from hrm.hardware import HardwareProfile
+from hrm.hardware_parts import LinkSpec
 
 
 def stand_in_profile(host: HardwareProfile, gpu_memory_bytes: float) -> HardwareProfile:

@@ -34,7 +34,8 @@ import numpy as np
 from hrm.arch import ModelArch
 from hrm.cpu_gemm import CpuGemmChoice, choose_cpu_gemm, gemm_flops_per_s
 from hrm.errors import HrmError
-from hrm.hardware import Curve, DeviceSpec, HardwareProfile
+from hrm.hardware import HardwareProfile
+from hrm.hardware_parts import Curve, DeviceSpec
 from hrm.ops import ACTIVATION_DTYPE, Op, expected_distinct_experts, layer_ops, lm_head_op
 from hrm.placement import largest_page_bytes
 from hrm.policy import dtype_bytes

@@ -21,7 +21,8 @@ from hrm.cpu_gemm import (
     pays_to_pad,
 )
 from hrm.errors import HrmError
-from hrm.hardware import Curve, resolve_hardware
+from hrm.hardware import resolve_hardware
+from hrm.hardware_parts import Curve
 from tests.gemm_curves import AMX, AVX2, MIXED, rates, scaled
 
 

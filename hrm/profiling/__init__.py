@@ -20,7 +20,8 @@ from typing import Any
 from hrm import units
 from hrm.arch import ModelArch
 from hrm.errors import HrmError
-from hrm.hardware import HALF_DTYPES, Curve, DeviceSpec, HardwareProfile, LinkSpec
+from hrm.hardware import HardwareProfile
+from hrm.hardware_parts import HALF_DTYPES, Curve, DeviceSpec, LinkSpec
 from hrm.profiling import cpu, gpu
 from hrm.profiling.matmul import SWEPT_DTYPES, MatmulSweep, fit_shape, sweep_matmul
 from hrm.profiling.timing import Timing, perf_counter_clock

@@ -15,7 +15,8 @@ from collections.abc import Callable, Sequence
 
 from hrm.arch import ModelArch
 from hrm.cpu_gemm import CpuGemmChoice, MeasuredRates, choose_cpu_gemm, has_choice_curves
-from hrm.hardware import HALF_DTYPES, HardwareProfile
+from hrm.hardware import HardwareProfile
+from hrm.hardware_parts import HALF_DTYPES
 from hrm.policy import dtype_bytes
 from hrm.profiling import cpu
 from hrm.profiling.matmul import GemmShape, sweep_matmul

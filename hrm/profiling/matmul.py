@@ -21,7 +21,7 @@ from functools import partial
 
 from hrm.arch import ModelArch
 from hrm.gemm_paths import WIDEN_SLICE_ELEMENTS, native_linear, widened_linear
-from hrm.hardware import WIDENED_KEYS, Curve
+from hrm.hardware_parts import WIDENED_KEYS, Curve
 from hrm.profiling.timing import Clock, Timing, estimated_duration_s, time_calls
 
 SWEPT_DTYPES = ("float32", "bfloat16", "float16")

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from hrm.errors import HrmError
-from hrm.hardware import Curve
+from hrm.hardware_parts import Curve
 from hrm.placement import place_weights
 from hrm.policy import Policy
 from hrm.workload import Workload
@@ -256,7 +256,7 @@ def test_the_measured_launch_overhead_is_charged_per_layer_expert_and_step(arch,
     and per_step once per step: pinned to hand values on the tiny model (4 experts, top-2)."""
     from tiny_setup import cpu_only_profile
 
-    from hrm.hardware import LaunchOverhead
+    from hrm.hardware_parts import LaunchOverhead
     from hrm.ops import expected_distinct_experts
     from planner.cost import Setting, micro_batch_seconds
 
@@ -339,7 +339,7 @@ def test_kv_prefetch_buffer_by_hand(arch, make_gpu_profile):
 
 def test_cpu_decode_attention_is_charged_at_the_measured_kv_read_rate(arch, workload):
     """With an attention curve of 1 GB/s everywhere, CPU decode attention costs bytes / 1e9."""
-    from hrm.hardware import Curve
+    from hrm.hardware_parts import Curve
     from hrm.ops import layer_ops
     from planner.cost import micro_batch_seconds
     from tests.planner.tiny_setup import cpu_only_profile

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from tiny_setup import gpu_profile, tiny_arch
 
 from hrm.errors import HrmError
-from hrm.hardware import HardwareProfile, Interconnect, resolve_hardware
+from hrm.hardware import HardwareProfile, resolve_hardware
+from hrm.hardware_parts import Interconnect
 from hrm.workload import Workload
 from planner.compare import Option, cost_per_million_tokens, parse_prices
 from planner.cost import Setting, all_reduce_seconds, micro_batch_seconds

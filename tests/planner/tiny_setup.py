@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from hrm.arch import ModelArch
-from hrm.hardware import DeviceSpec, HardwareProfile, LinkSpec
+from hrm.hardware import HardwareProfile
+from hrm.hardware_parts import DeviceSpec, LinkSpec
 
 
 def tiny_arch(num_layers: int = 2) -> ModelArch:

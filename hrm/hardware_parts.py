@@ -1,0 +1,338 @@
+"""The parts of a hardware profile: devices, the CPU-GPU link, GPU interconnects and measured
+curves, with their YAML form (decimal units in files, SI base units in the dataclasses).
+hrm/hardware.py assembles them into a HardwareProfile.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from hrm import units
+from hrm.errors import HrmError
+from hrm.schema import check_keys, positive_int
+
+DTYPES = ("float32", "bfloat16", "float16", "int8", "float8")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Curve:
+    """Achieved rate against size, interpolated linearly in log(size); flat beyond the ends.
+
+    Matmul curves: x = tokens (rows of the GEMM), y = FLOP/s.  Link curves: x = bytes per
+    transfer, y = bytes/s.  Measured curves let the planner charge achieved, not peak, rates.
+    """
+
+    points: tuple[tuple[float, float], ...]
+
+    def __post_init__(self) -> None:
+        xs = [x for x, _ in self.points]
+        if not self.points or xs != sorted(xs) or len(set(xs)) != len(xs):
+            raise HrmError("curve: points must be non-empty with strictly increasing sizes")
+        if any(x <= 0 or y <= 0 for x, y in self.points):
+            raise HrmError("curve: sizes and rates must be positive")
+
+    def at(self, x: float) -> float:
+        xs = [p[0] for p in self.points]
+        if x <= xs[0]:
+            return self.points[0][1]
+        if x >= xs[-1]:
+            return self.points[-1][1]
+        i = bisect.bisect_right(xs, x)
+        (x0, y0), (x1, y1) = self.points[i - 1], self.points[i]
+        t = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+        return y0 + t * (y1 - y0)
+
+    @property
+    def best(self) -> float:
+        return max(y for _, y in self.points)
+
+
+# 16-bit float dtypes a CPU may compute in float32 after widening (hrm.cpu_gemm).
+HALF_DTYPES = ("bfloat16", "float16")
+# hrm profile times that path on a CPU and stores its rates beside the dtypes under these keys.
+WIDENED_KEYS = {dtype: f"{dtype}_widened" for dtype in HALF_DTYPES}
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchOverhead:
+    """The executor's fixed cost on this device beyond FLOPs and bytes (measured, seconds):
+    per layer and micro-batch, per expert that micro-batch touches, and per decode step."""
+
+    per_layer_s: float
+    per_expert_s: float
+    per_step_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceSpec:
+    """One kind of processor with its local memory. For a GPU the figures are per GPU."""
+
+    name: str
+    count: int = 1
+    cores: int | None = None
+    memory_bytes: float
+    memory_bandwidth_bytes_per_s: float
+    peak_flops_per_s: Mapping[str, float]
+    matmul_curves: Mapping[str, Curve] = field(default_factory=dict)
+    # Free memory when a measured profile was taken (MemAvailable, cudaMemGetInfo); None if unknown.
+    available_memory_bytes: float | None = None
+    launch_overhead: LaunchOverhead | None = None  # measured by hrm profile (CPU); None: not known
+    # What long GEMMs sustain (a published measurement, cited in the file): the planner's rate
+    # where no curve was measured; the peak stays the roofline's top roof.
+    sustained_flops_per_s: Mapping[str, float] = field(default_factory=dict)
+    # CPU only: the executor's decode-attention kernel, K/V bytes read per call -> bytes/s
+    # (measured by hrm profile); None: attention is priced by FLOPs and memory bandwidth
+    attention_curve: Curve | None = None
+
+    def flops_per_s(self, dtype: str) -> float:
+        """Peak FLOP/s of all `count` devices for `dtype`; falls back to float32 when absent.
+        (A CPU's 16-bit GEMMs take the path hrm.cpu_gemm chooses; price those with it.)"""
+        rate = self.peak_flops_per_s.get(dtype, self.peak_flops_per_s.get("float32"))
+        if rate is None:
+            raise HrmError(f"{self.name}: no FLOP rate for {dtype} or float32 in the profile")
+        return rate * self.count
+
+    def matmul_flops_per_s(self, dtype: str, tokens: float) -> float:
+        """Achieved GEMM FLOP/s of all devices at `tokens` rows: the measured curve, else the
+        sustained rate, else the peak."""
+        curve = self.matmul_curves.get(dtype)
+        if curve:
+            return curve.at(tokens) * self.count
+        if dtype in self.sustained_flops_per_s:
+            return self.sustained_flops_per_s[dtype] * self.count
+        return self.flops_per_s(dtype)
+
+    @property
+    def total_memory_bytes(self) -> float:
+        return self.memory_bytes * self.count
+
+    @property
+    def total_memory_bandwidth_bytes_per_s(self) -> float:
+        return self.memory_bandwidth_bytes_per_s * self.count
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinkSpec:
+    """The CPU <-> GPU link (PCIe), per GPU; both directions can run at once."""
+
+    h2d_bytes_per_s: float
+    d2h_bytes_per_s: float
+    h2d_curve: Curve | None = None
+    d2h_curve: Curve | None = None
+    # Bytes per second moved in both directions together when h2d and d2h run at once (measured).
+    bidirectional_bytes_per_s: float | None = None
+    # The GPUs' links share one host root complex (a PCIe switch): together they move no more
+    # than one link's bandwidth. Default False: each GPU on a root port of its own.
+    shared: bool = False
+    # Host memory the driver lets a process pin (container or OS limit); None: enough for the
+    # weights. Weights beyond it stay pageable behind a pinned staging ring (planner/cost.py).
+    pinnable_bytes: float | None = None
+
+
+INTERCONNECTS = ("pcie", "nvlink")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Interconnect:
+    """GPU-to-GPU links for tensor parallelism's all-reduces: per GPU, each direction."""
+
+    kind: str  # pcie (peer-to-peer through the host bridge) or nvlink
+    bytes_per_s: float
+
+    def h2d_at(self, nbytes: float) -> float:
+        return self.h2d_curve.at(nbytes) if self.h2d_curve else self.h2d_bytes_per_s
+
+    def d2h_at(self, nbytes: float) -> float:
+        return self.d2h_curve.at(nbytes) if self.d2h_curve else self.d2h_bytes_per_s
+
+
+_DEVICE_KEYS = {"name", "memory", "memory_bandwidth", "flops"}
+_DEVICE_OPTIONAL = {
+    "count",
+    "cores",
+    "matmul_curves",
+    "available_memory",
+    "launch_overhead",
+    "sustained_flops",
+    "attention_curve",
+}
+
+
+def _device_from_dict(data: Any, where: str, is_cpu: bool = False) -> DeviceSpec:
+    data = check_keys(data, where=where, required=_DEVICE_KEYS, optional=_DEVICE_OPTIONAL)
+    # only a CPU widens 16-bit weights (the executor's CPU path), so only a CPU has those rates
+    rate_keys = set(DTYPES) | (set(WIDENED_KEYS.values()) if is_cpu else set())
+    flops = check_keys(data["flops"], where=f"{where}: flops", required=set(), optional=rate_keys)
+    if not flops:
+        raise HrmError(f"{where}: flops must name at least one dtype ({', '.join(DTYPES)})")
+    curves_in = data.get("matmul_curves") or {}
+    curves_in = check_keys(
+        curves_in, where=f"{where}: matmul_curves", required=set(), optional=rate_keys
+    )
+    count = positive_int(data.get("count", 1), where=f"{where}: count")
+    if is_cpu and count != 1:
+        raise HrmError(f"{where}: count must be 1 for the cpu (give the total cores and memory)")
+    cores = data.get("cores")
+    available = data.get("available_memory")
+    overhead = data.get("launch_overhead")
+    if overhead is not None:
+        if not is_cpu:
+            raise HrmError(f"{where}: launch_overhead is measured for the cpu only")
+        overhead = _overhead_from_dict(overhead, f"{where}: launch_overhead")
+    attention = data.get("attention_curve")
+    if attention is not None and not is_cpu:
+        raise HrmError(f"{where}: attention_curve is measured for the cpu only")
+    sustained = check_keys(
+        data.get("sustained_flops") or {},
+        where=f"{where}: sustained_flops",
+        required=set(),
+        optional=set(DTYPES),
+    )
+    return DeviceSpec(
+        launch_overhead=overhead,
+        attention_curve=_curve_from_list(
+            attention, f"{where}: attention_curve", units.parse_bandwidth
+        )
+        if attention is not None
+        else None,
+        sustained_flops_per_s={
+            dtype: units.parse_flops(rate, f"{where}: sustained_flops: {dtype}")
+            for dtype, rate in sustained.items()
+        },
+        name=str(data["name"]),
+        count=count,
+        cores=positive_int(cores, where=f"{where}: cores") if cores is not None else None,
+        memory_bytes=units.parse_bytes(data["memory"], f"{where}: memory"),
+        memory_bandwidth_bytes_per_s=units.parse_bandwidth(
+            data["memory_bandwidth"], f"{where}: memory_bandwidth"
+        ),
+        peak_flops_per_s={
+            dtype: units.parse_flops(rate, f"{where}: flops: {dtype}")
+            for dtype, rate in flops.items()
+        },
+        matmul_curves={
+            dtype: _curve_from_list(points, f"{where}: matmul_curves: {dtype}", units.parse_flops)
+            for dtype, points in curves_in.items()
+        },
+        available_memory_bytes=units.parse_bytes(available, f"{where}: available_memory")
+        if available is not None
+        else None,
+    )
+
+
+def _device_to_dict(device: DeviceSpec) -> dict[str, Any]:
+    out: dict[str, Any] = {"name": device.name}
+    if device.count != 1:
+        out["count"] = device.count
+    if device.cores is not None:
+        out["cores"] = device.cores
+    out["memory"] = units.format_bytes(device.memory_bytes, None)
+    if device.available_memory_bytes is not None:
+        out["available_memory"] = units.format_bytes(device.available_memory_bytes, None)
+    out["memory_bandwidth"] = units.format_bandwidth(device.memory_bandwidth_bytes_per_s, None)
+    out["flops"] = {d: units.format_flops(r, None) for d, r in device.peak_flops_per_s.items()}
+    if device.sustained_flops_per_s:
+        out["sustained_flops"] = {
+            d: units.format_flops(r, None) for d, r in device.sustained_flops_per_s.items()
+        }
+    if device.matmul_curves:
+        out["matmul_curves"] = {d: _curve_to_list(c) for d, c in device.matmul_curves.items()}
+    if device.launch_overhead is not None:
+        out["launch_overhead"] = dataclasses.asdict(device.launch_overhead)
+    if device.attention_curve is not None:
+        out["attention_curve"] = _curve_to_list(device.attention_curve)
+    return out
+
+
+def _overhead_from_dict(data: Any, where: str) -> LaunchOverhead:
+    fields = {f.name for f in dataclasses.fields(LaunchOverhead)}
+    data = check_keys(data, where=where, required=fields)
+    for name in fields:
+        value = data[name]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise HrmError(f"{where}: {name} must be a non-negative number of seconds")
+    return LaunchOverhead(**{name: float(data[name]) for name in fields})
+
+
+def _link_from_dict(data: Any, where: str) -> LinkSpec:
+    data = check_keys(
+        data,
+        where=where,
+        required={"h2d", "d2h"},
+        optional={"h2d_curve", "d2h_curve", "bidirectional", "shared", "pinnable"},
+    )
+    shared = data.get("shared", False)
+    if not isinstance(shared, bool):
+        raise HrmError(f"{where}: shared must be true or false, got {shared!r}")
+    return LinkSpec(
+        shared=shared,
+        h2d_bytes_per_s=units.parse_bandwidth(data["h2d"], f"{where}: h2d"),
+        d2h_bytes_per_s=units.parse_bandwidth(data["d2h"], f"{where}: d2h"),
+        h2d_curve=_curve_from_list(data["h2d_curve"], f"{where}: h2d_curve", units.parse_bandwidth)
+        if data.get("h2d_curve")
+        else None,
+        d2h_curve=_curve_from_list(data["d2h_curve"], f"{where}: d2h_curve", units.parse_bandwidth)
+        if data.get("d2h_curve")
+        else None,
+        bidirectional_bytes_per_s=units.parse_bandwidth(
+            data["bidirectional"], f"{where}: bidirectional"
+        )
+        if data.get("bidirectional") is not None
+        else None,
+        pinnable_bytes=units.parse_bytes(data["pinnable"], f"{where}: pinnable")
+        if data.get("pinnable") is not None
+        else None,
+    )
+
+
+def _link_to_dict(link: LinkSpec) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "h2d": units.format_bandwidth(link.h2d_bytes_per_s, None),
+        "d2h": units.format_bandwidth(link.d2h_bytes_per_s, None),
+    }
+    if link.h2d_curve:
+        out["h2d_curve"] = _curve_to_list(link.h2d_curve)
+    if link.d2h_curve:
+        out["d2h_curve"] = _curve_to_list(link.d2h_curve)
+    if link.bidirectional_bytes_per_s is not None:
+        out["bidirectional"] = units.format_bandwidth(link.bidirectional_bytes_per_s, None)
+    if link.shared:
+        out["shared"] = True
+    if link.pinnable_bytes is not None:
+        out["pinnable"] = units.format_bytes(link.pinnable_bytes, None)
+    return out
+
+
+def _interconnect_from_dict(data: Any, where: str) -> Interconnect:
+    data = check_keys(data, where=where, required={"kind", "bandwidth"})
+    if data["kind"] not in INTERCONNECTS:
+        raise HrmError(
+            f"{where}: kind must be one of {', '.join(INTERCONNECTS)}, got {data['kind']!r}"
+        )
+    return Interconnect(
+        kind=data["kind"],
+        bytes_per_s=units.parse_bandwidth(data["bandwidth"], f"{where}: bandwidth"),
+    )
+
+
+def _curve_from_list(points: Any, where: str, parse_rate) -> Curve:
+    if not isinstance(points, list) or not all(
+        isinstance(p, (list, tuple)) and len(p) == 2 for p in points
+    ):
+        raise HrmError(f"{where}: expected a list of [size, rate] pairs")
+    parsed = tuple(
+        (units.parse_bytes(x, f"{where}: size"), parse_rate(y, f"{where}: rate")) for x, y in points
+    )
+    try:
+        return Curve(points=parsed)
+    except HrmError as exc:
+        raise HrmError(f"{where}: {exc}") from None
+
+
+def _curve_to_list(curve: Curve) -> list[list[float]]:
+    return [[float(x), float(y)] for x, y in curve.points]
