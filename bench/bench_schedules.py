@@ -91,6 +91,7 @@ def main() -> int:
 def run(args) -> int:
     import torch
 
+    from executor.api import RunSpec
     from executor.checkpoint import random_checkpoint
     from executor.plan_run import check_plan, execute_plan, host_memory_bytes
     from hrm.cli.run_plan import plan_record
@@ -152,9 +153,9 @@ def run(args) -> int:
             checkpoint, plan, prompts, args.gen_len, device=device, partial=None,
             decode_text=lambda ids: None, quiet=True,
         )  # fmt: skip
-        record = plan_record(
-            _Spec(arch, prompts, args.gen_len), plan, result, hardware, None, print
-        )
+        spec = RunSpec(checkpoint=None, arch=arch, prompts=prompts, gen_len=args.gen_len,
+                       dtype=args.dtype, device=str(device))  # fmt: skip
+        record = plan_record(spec, plan, result, hardware, None, print)
         m = record.measured
         h2d_s = result.environment["busy_s"]["h2d"]
         rate = m.link_bytes["h2d"] / h2d_s / 1e9 if h2d_s else 0.0
@@ -182,21 +183,6 @@ def run(args) -> int:
     Path(args.output).write_text(json.dumps(report, indent=2, default=str))
     print(f"wrote {args.output}")
     return 0
-
-
-@dataclasses.dataclass
-class _Spec:
-    """What plan_record reads of a RunSpec."""
-
-    arch: object
-    prompts: tuple
-    gen_len: int
-    checkpoint: None = None
-    dtype: str = "bfloat16"
-
-    @property
-    def prompt_lens(self):
-        return [len(p) for p in self.prompts]
 
 
 def _targets(rows) -> None:

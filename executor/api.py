@@ -205,7 +205,7 @@ def execute(
         prefill_s=generation.prefill_s,
         decode_s=generation.decode_s,
         generated_tokens=generation.generated_tokens,
-        peak_memory_bytes=_peak_memory_bytes(spec.device),
+        peak_memory_bytes=peak_memory_bytes(spec.device),
         # on a CPU the one device is the CPU, busy the whole run; a GPU's queues are not timed yet
         busy_fraction={"cpu": 1.0} if spec.device == "cpu" else {},
     )
@@ -250,9 +250,10 @@ def peak_rss_bytes() -> float:
     return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale)
 
 
-def _peak_memory_bytes(device: str) -> dict[str, float]:
+def peak_memory_bytes(device: str | torch.device) -> dict[str, float]:
+    """Peak bytes per device: this process's resident set, and on CUDA the allocator's peak."""
     peak = {"cpu": peak_rss_bytes()}
-    if device.startswith("cuda"):
+    if torch.device(device).type == "cuda":
         peak["gpu"] = float(torch.cuda.max_memory_allocated(device))
     return peak
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from executor.api import peak_memory_bytes
 from executor.batching import PartialOutput, plan_batches
 from executor.checkpoint import DTYPES, Checkpoint
 from executor.generate import Sampling, generate
@@ -162,7 +163,7 @@ def execute_plan(
         decode_s=decode_s,
         generated_tokens=tokens,
         busy_fraction={q: (s / total if total else 0.0) for q, s in busy.items()},
-        peak_memory_bytes=_peak_memory(device),
+        peak_memory_bytes=peak_memory_bytes(device),
         link_bytes={"h2d": float(stats["h2d"].nbytes), "d2h": float(stats["d2h"].nbytes)},
         buffer_bytes=peak_buffers,
     )
@@ -186,12 +187,3 @@ def execute_plan(
         batches=[[len(prompts[i]) for i in b.indices] for b in pending],
         environment=environment,
     )
-
-
-def _peak_memory(device: torch.device) -> dict[str, float]:
-    from executor.api import peak_rss_bytes
-
-    peak = {"cpu": peak_rss_bytes()}
-    if device.type == "cuda":
-        peak["gpu"] = float(torch.cuda.max_memory_allocated(device))
-    return peak

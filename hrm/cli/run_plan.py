@@ -15,9 +15,10 @@ from pathlib import Path
 def run_planned(args, hardware, random_arch, sampling, output: Path | None, warn) -> int:
     import torch
 
-    from executor.api import load_weights, prepare_run, torch_threads
+    from executor.api import load_weights, torch_threads
     from executor.batching import PartialOutput, run_digest
     from executor.plan_run import check_plan, execute_plan, host_memory_bytes
+    from hrm.cli.run import run_spec
     from hrm.errors import HrmError
     from hrm.plan import Plan
     from hrm.profiling.host_gemm import cpu_gemm_for_run
@@ -30,17 +31,7 @@ def run_planned(args, hardware, random_arch, sampling, output: Path | None, warn
             f"--dtype {args.dtype} differs from the plan's {plan.policy.weight_dtype}; "
             "leave --dtype out or plan with it"
         )
-    spec = prepare_run(
-        args.checkpoint,
-        random_arch=random_arch,
-        gen_len=args.gen_len,
-        prompts_path=args.prompts,
-        prompt_len=args.prompt_len,
-        batch=args.batch,
-        seed=args.seed,
-        dtype=dtype,
-        device=args.device,
-    )
+    spec = run_spec(args, random_arch, dtype)
     if plan is None:
         plan = _plan_for(args, spec, hardware)
         where = f"the best plan on {hardware.name}"

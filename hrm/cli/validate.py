@@ -129,6 +129,15 @@ def _validate(args, checkpoint: Path, hardware) -> int:
     offloaded = list(itertools.product(DTYPES, schedules))
     records: dict[str, dict] = {}
     spreads: dict[str, list[float]] = {}
+
+    def keep(name: str, rep: int, record: dict) -> None:
+        """One finished run: its record under name-rep, its throughput in name's spread."""
+        if args.random_weights:
+            record["environment"]["weights"] = "random"
+        records[f"{name}-{rep + 1}"] = record
+        spreads.setdefault(name, []).append(record["measured"]["throughput_tok_s"])
+        bar.update()
+
     with torch_threads(args.threads):
         hardware = hardware or _profile_host(checkpoint, args.quiet)
         total = args.repeats * (len(settings) + len(offloaded))
@@ -146,22 +155,13 @@ def _validate(args, checkpoint: Path, hardware) -> int:
                                                 warn=lambda m: None)  # fmt: skip
 
                     result = execute(spec, cpu_gemm=choose, ignore_eos=True, quiet=True)
-                    record = build_record(result, hardware).to_dict()
-                    if args.random_weights:
-                        record["environment"]["weights"] = "random"
                     name = f"{dtype}-b{batch}-p{length}{'r' if ragged else 'u'}-g{gen}"
-                    records[f"{name}-{rep + 1}"] = record
-                    spreads.setdefault(name, []).append(record["measured"]["throughput_tok_s"])
-                    bar.update()
+                    keep(name, rep, build_record(result, hardware).to_dict())
                 for dtype, schedule in offloaded:
                     shape = OFFLOADED["quick" if args.quick else "full"]
                     record = _offloaded_run(checkpoint, hardware, dtype, schedule, shape)
-                    if args.random_weights:
-                        record["environment"]["weights"] = "random"
                     name = f"{dtype}-{schedule}-b{shape[0]}-m{shape[1]}-p{shape[2]}r-g{shape[3]}"
-                    records[f"{name}-{rep + 1}"] = record
-                    spreads.setdefault(name, []).append(record["measured"]["throughput_tok_s"])
-                    bar.update()
+                    keep(name, rep, record)
     out = Path(args.output)
     with tempfile.TemporaryDirectory() as staging:
         runs = Path(staging) / "runs"

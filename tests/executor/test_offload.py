@@ -53,6 +53,19 @@ def between(arch: ModelArch, dtype="float32") -> float:
     return (p.dense_bytes + 1.01 * p.expert_bytes) / p.layer_bytes
 
 
+def run_on_cpu(path, plan, prompts, dtype: str):
+    """Every batch of `prompts` under `plan`, the CPU standing in for the GPU."""
+    return execute_plan(
+        open_checkpoint(path, dtype),
+        plan,
+        prompts,
+        STEPS,
+        device=CPU,
+        partial=None,
+        decode_text=lambda ids: None,
+    )
+
+
 @pytest.fixture(scope="module")
 def resident_tokens(checkpoints):
     cache = {}
@@ -132,15 +145,7 @@ def test_prompts_in_batches_equal_separate_runs(checkpoints, resident_tokens):
         Workload(prompt_len_mean=5, prompt_len_max=9, gen_len=STEPS),
         policy(n=3, mu=2, rw=0.0),
     )
-    run = execute_plan(
-        open_checkpoint(path, "float32"),
-        plan,
-        prompts,
-        STEPS,
-        device=CPU,
-        partial=None,
-        decode_text=lambda ids: None,
-    )
+    run = run_on_cpu(path, plan, prompts, "float32")
     assert len(run.batches) == 4 and sorted(len(b) for b in run.batches) == [1, 3, 3, 3]
     model = MoEModel(open_checkpoint(path, "float32"))
     alone = [generate(model, [p], STEPS).output_token_ids[0] for p in prompts]
@@ -163,15 +168,7 @@ def test_buffers_agree_with_the_plan(checkpoints):
             p,
             schedule,
         )
-        run = execute_plan(
-            open_checkpoint(path, "bfloat16"),
-            plan,
-            prompts,
-            STEPS,
-            device=CPU,
-            partial=None,
-            decode_text=lambda ids: None,
-        )
+        run = run_on_cpu(path, plan, prompts, "bfloat16")
         for side in ("gpu", "cpu"):
             planned = getattr(plan.memory, side)
             for name, allocated in run.measured.buffer_bytes[side].items():
@@ -197,15 +194,7 @@ def test_weights_beyond_the_pinnable_memory_go_through_a_staging_ring(checkpoint
     assert 2 * layer / 3 <= plan.memory.cpu["weight staging"] <= 2 * layer / 2
     assert plan.predicted.total_s >= free.predicted.total_s
     prompts = tuple(tuple(p) for p in ragged_prompts(LENGTHS, seed=3))
-    run = execute_plan(
-        open_checkpoint(path, "float32"),
-        plan,
-        prompts,
-        STEPS,
-        device=CPU,
-        partial=None,
-        decode_text=lambda ids: None,
-    )
+    run = run_on_cpu(path, plan, prompts, "float32")
     model = MoEModel(open_checkpoint(path, "float32"))
     expected = generate(model, [list(p) for p in prompts], STEPS).output_token_ids
     assert [run.outputs[i]["output_token_ids"] for i in range(len(prompts))] == expected
