@@ -163,11 +163,15 @@ def main() -> None:
     parser.add_argument("--hardware", help="profile to predict with (default: profile this host)")
     parser.add_argument("--repeats", type=int, default=3, help="runs to take the median of (3)")
     parser.add_argument("--output", help="JSON to write (reports/bench_prediction_by_op.json)")
+    for name in ("batch", "prompt_len", "gen_len"):
+        flag = "--" + name.replace("_", "-")
+        parser.add_argument(flag, type=int, help=f"override the bench shape's {name}")
     args = parser.parse_args()
     name = "bench_prediction_by_op" + ("_quick" if args.quick else "")
     name += "" if args.dtype == "bfloat16" else f"_{args.dtype}"
     output = Path(args.output or ROOT / "reports" / f"{name}.json")
-    shape = QUICK if args.quick else FULL
+    shape = dict(QUICK if args.quick else FULL)
+    shape.update({k: getattr(args, k) for k in ("batch", "prompt_len", "gen_len") if getattr(args, k)})
     batch, prompt_len, gen_len = shape["batch"], shape["prompt_len"], shape["gen_len"]
     prompts = random_prompts(batch, prompt_len)
     with tempfile.TemporaryDirectory() as tmp:

@@ -213,10 +213,10 @@ def op_seconds(
 
 
 def _curve_at(curve: Curve, x: np.ndarray) -> np.ndarray:
-    """Curve.at for arrays: linear in log(size), flat beyond the ends."""
+    """Curve.at for arrays: log rate linear in log size, flat beyond the ends."""
     xs = np.log([p[0] for p in curve.points])
-    ys = np.array([p[1] for p in curve.points])
-    return np.interp(np.log(np.maximum(x, 1e-30)), xs, ys)
+    ys = np.log([p[1] for p in curve.points])
+    return np.exp(np.interp(np.log(np.maximum(x, 1e-30)), xs, ys))
 
 
 def link_seconds(hardware: HardwareProfile, nbytes, direction: str) -> np.ndarray:

@@ -94,11 +94,16 @@ def test_resolve_by_path_and_unknown_name(tmp_path):
         resolve_hardware(str(bad))
 
 
-def test_curve_interpolates_in_log_size_and_is_flat_outside():
+def test_curve_is_a_power_law_between_points_and_flat_outside():
     curve = Curve(points=((1.0, 10.0), (100.0, 30.0)))
     assert curve.at(0.5) == 10.0
     assert curve.at(1000.0) == 30.0
-    assert curve.at(10.0) == pytest.approx(20.0)
+    assert curve.at(1.0) == 10.0
+    # halfway in log size: the geometric mean of the rates, sqrt(10 * 30)
+    assert curve.at(10.0) == pytest.approx(300**0.5)
+    # a memory-bound stretch, rate proportional to rows: exact between its points
+    bound = Curve(points=((1.0, 20e9), (4.0, 80e9)))
+    assert bound.at(2.25) == pytest.approx(45e9)
     assert curve.best == 30.0
 
 
