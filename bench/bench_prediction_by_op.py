@@ -171,7 +171,9 @@ def main() -> None:
     name += "" if args.dtype == "bfloat16" else f"_{args.dtype}"
     output = Path(args.output or ROOT / "reports" / f"{name}.json")
     shape = dict(QUICK if args.quick else FULL)
-    shape.update({k: getattr(args, k) for k in ("batch", "prompt_len", "gen_len") if getattr(args, k)})
+    shape.update(
+        {k: getattr(args, k) for k in ("batch", "prompt_len", "gen_len") if getattr(args, k)}
+    )
     batch, prompt_len, gen_len = shape["batch"], shape["prompt_len"], shape["gen_len"]
     prompts = random_prompts(batch, prompt_len)
     with tempfile.TemporaryDirectory() as tmp:

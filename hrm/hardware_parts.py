@@ -14,7 +14,8 @@ from typing import Any
 
 from hrm import units
 from hrm.errors import HrmError
-from hrm.schema import check_keys, positive_int
+from hrm.policy import DTYPE_BYTES
+from hrm.schema import check_keys, positive_float, positive_int
 
 DTYPES = ("float32", "bfloat16", "float16", "int8", "float8")
 
@@ -95,6 +96,9 @@ class DeviceSpec:
     # CPU only: the executor's decode-attention kernel, K/V bytes read per call -> bytes/s
     # (measured by hrm profile); None: attention is priced by FLOPs and memory bandwidth
     attention_curve: Curve | None = None
+    # CPU only: elements read or written per second by the executor's elementwise kernels, per
+    # dtype (measured by hrm profile); absent: memory bandwidth / element size
+    elementwise_rate: Mapping[str, float] = field(default_factory=dict)
 
     def flops_per_s(self, dtype: str) -> float:
         """Peak FLOP/s of all `count` devices for `dtype`; falls back to float32 when absent.
@@ -113,6 +117,12 @@ class DeviceSpec:
         if dtype in self.sustained_flops_per_s:
             return self.sustained_flops_per_s[dtype] * self.count
         return self.flops_per_s(dtype)
+
+    def elementwise_elements_per_s(self, dtype: str) -> float:
+        """Rate of elementwise passes in `dtype`: measured, else each element from memory once."""
+        if dtype in self.elementwise_rate:
+            return self.elementwise_rate[dtype] * self.count
+        return self.total_memory_bandwidth_bytes_per_s / DTYPE_BYTES[dtype]
 
     @property
     def total_memory_bytes(self) -> float:
@@ -167,6 +177,7 @@ _DEVICE_OPTIONAL = {
     "launch_overhead",
     "sustained_flops",
     "attention_curve",
+    "elementwise_rate",
 }
 
 
@@ -194,6 +205,12 @@ def _device_from_dict(data: Any, where: str, is_cpu: bool = False) -> DeviceSpec
     attention = data.get("attention_curve")
     if attention is not None and not is_cpu:
         raise HrmError(f"{where}: attention_curve is measured for the cpu only")
+    elementwise = data.get("elementwise_rate")
+    if elementwise is not None and not is_cpu:
+        raise HrmError(f"{where}: elementwise_rate is measured for the cpu only")
+    elementwise = check_keys(
+        elementwise or {}, where=f"{where}: elementwise_rate", required=set(), optional=set(DTYPES)
+    )
     sustained = check_keys(
         data.get("sustained_flops") or {},
         where=f"{where}: sustained_flops",
@@ -202,6 +219,10 @@ def _device_from_dict(data: Any, where: str, is_cpu: bool = False) -> DeviceSpec
     )
     return DeviceSpec(
         launch_overhead=overhead,
+        elementwise_rate={
+            dtype: positive_float(rate, where=f"{where}: elementwise_rate: {dtype}")
+            for dtype, rate in elementwise.items()
+        },
         attention_curve=_curve_from_list(
             attention, f"{where}: attention_curve", units.parse_bandwidth
         )
@@ -253,6 +274,8 @@ def _device_to_dict(device: DeviceSpec) -> dict[str, Any]:
         out["launch_overhead"] = dataclasses.asdict(device.launch_overhead)
     if device.attention_curve is not None:
         out["attention_curve"] = _curve_to_list(device.attention_curve)
+    if device.elementwise_rate:
+        out["elementwise_rate"] = dict(device.elementwise_rate)
     return out
 
 

@@ -26,6 +26,9 @@ class Op:
     weight_bytes: float = 0.0
     kv_bytes: float = 0.0
     activation_bytes: float = 0.0
+    # element reads and writes of the elementwise kernels that run after the op's GEMMs (not
+    # under them): charged on top of the roofline time at the device's elementwise rate
+    elementwise_elements: float = 0.0
 
     @property
     def bytes(self) -> float:
@@ -44,6 +47,7 @@ class Op:
             weight_bytes=self.weight_bytes * factor,
             kv_bytes=self.kv_bytes * factor,
             activation_bytes=self.activation_bytes * factor,
+            elementwise_elements=self.elementwise_elements * factor,
         )
 
 
@@ -93,6 +97,10 @@ def expert_ffn_op(
     FLOPs = 6 * T * h * i * k (three projections per active expert, reference section 1).
     Weight bytes = distinct experts touched * 3*h*i*dt; a kernel launched per micro-batch of
     `group_tokens` tokens reads the experts that micro-batch touches, once per micro-batch.
+    Elementwise element passes of the executor's grouped FFN (executor/model.py, experts), over
+    A = T*k assignments: the gate silu(a)*b, 5*A*i (2 for silu, 3 for the product); the gather of
+    inputs, the copy of outputs, the scale by the router weight and its rounding, 2*A*h each, and
+    index_add_'s read, A*h; the zeroed output and its read-modify-write, 3*T*h.
     """
     wdt, adt = dtype_bytes(weight_dtype), dtype_bytes(ACTIVATION_DTYPE)
     h, i, k = arch.hidden_size, arch.intermediate_size, arch.experts_per_token
@@ -103,6 +111,7 @@ def expert_ffn_op(
         flops=6.0 * tokens * h * i * k,
         weight_bytes=groups * expected_distinct_experts(arch, group) * arch.expert_params * wdt,
         activation_bytes=tokens * k * (2 * h + 3 * i) * adt,
+        elementwise_elements=tokens * k * (5 * i + 9 * h) + 3 * tokens * h,
     )
 
 
@@ -123,12 +132,17 @@ def layer_ops(
     wdt, adt = dtype_bytes(weight_dtype), dtype_bytes(ACTIVATION_DTYPE)
     t = batch * new_tokens
     h = arch.hidden_size
+    # the layer's elementwise passes outside the FFN and attention (executor/model.py), charged
+    # with the norms: two RMSNorms in fp32 (upcast, square, mean, scale, round, weight: 11*t*h
+    # each), two residual adds (3*t*h each), rotary on q and k (negate, concatenate, two
+    # products, a sum: 12 per element)
     ops = [
         Op(
             name="norms",
             flops=2 * 4.0 * t * h,
             weight_bytes=arch.norm_params * wdt,
             activation_bytes=2 * 2.0 * t * h * adt,
+            elementwise_elements=28.0 * t * h + 12.0 * t * (arch.q_size + arch.kv_size),
         ),
         _linear("qkv_proj", t, h, arch.q_size + 2 * arch.kv_size, wdt, adt),
         attention_op(arch, batch=batch, new_tokens=new_tokens, context=context, kv_dtype=kv_dtype),

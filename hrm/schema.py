@@ -46,6 +46,12 @@ def positive_int(value: Any, *, where: str) -> int:
     return value
 
 
+def positive_float(value: Any, *, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise HrmError(f"{where}: must be a positive number, got {value!r}")
+    return float(value)
+
+
 def fraction(value: Any, *, where: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
         raise HrmError(f"{where}: must be a fraction between 0 and 1, got {value!r}")

@@ -198,18 +198,23 @@ class MicroBatchSeconds:
 def op_seconds(
     op: Op, device: DeviceSpec, dtype: str, rows, *, cpu_gemm: CpuGemmChoice | None = None
 ) -> np.ndarray:
-    """T_op = max(FLOPs / P(rows), bytes / B)  (paper Eq 13-14), P from the profile's GEMM curve
+    """T_op = max(FLOPs / P(rows), bytes / B) + N_elementwise / R_elementwise  (paper Eq 13-14,
+    plus the op's elementwise passes, which run after its GEMMs), P from the profile's GEMM curve
     at `rows` rows when it has one, else the peak; on the CPU (cpu_gemm given) P is the rate of
-    the path the executor takes at those rows, padded as it pads (hrm.cpu_gemm)."""
+    the path the executor takes at those rows, padded as it pads (hrm.cpu_gemm). R: the measured
+    elementwise rate in `dtype`, else the memory bandwidth over the element size."""
     rows = float(rows)
     if cpu_gemm is None:
         rate = device.matmul_flops_per_s(dtype, rows)
     else:
         rate = gemm_flops_per_s(device, cpu_gemm, rows)
-    return np.maximum(
+    roofline = np.maximum(
         np.asarray(op.flops) / rate,
         np.asarray(op.bytes) / device.total_memory_bandwidth_bytes_per_s,
     )
+    if not op.elementwise_elements:
+        return roofline
+    return roofline + np.asarray(op.elementwise_elements) / device.elementwise_elements_per_s(dtype)
 
 
 def _curve_at(curve: Curve, x: np.ndarray) -> np.ndarray:

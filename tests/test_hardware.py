@@ -227,3 +227,26 @@ def test_attention_curve_is_the_cpus_and_round_trips(tmp_path):
     data["gpu"]["attention_curve"] = [[1e6, "20 GB/s"]]
     with pytest.raises(HrmError, match="attention_curve is measured for the cpu only"):
         HardwareProfile.from_dict(data)
+
+
+def test_elementwise_rate_is_the_cpus_positive_and_round_trips(tmp_path):
+    data = resolve_hardware("l4").to_dict()
+    # without a measurement: each element from memory once, bandwidth / element size
+    cpu = HardwareProfile.from_dict(copy.deepcopy(data)).cpu
+    assert cpu.elementwise_elements_per_s("bfloat16") == cpu.memory_bandwidth_bytes_per_s / 2
+    data["cpu"]["elementwise_rate"] = {"bfloat16": 4e9, "float32": 3e9}
+    profile = HardwareProfile.from_dict(copy.deepcopy(data))
+    assert profile.cpu.elementwise_elements_per_s("bfloat16") == 4e9
+    assert HardwareProfile.load(profile.save(tmp_path / "p.yaml")) == profile
+    for bad, message in (
+        ({"bfloat16": 0}, "must be a positive number"),
+        ({"bfloat16": "fast"}, "must be a positive number"),
+        ({"float128": 1e9}, "float128"),
+    ):
+        data["cpu"]["elementwise_rate"] = bad
+        with pytest.raises(HrmError, match=message):
+            HardwareProfile.from_dict(copy.deepcopy(data))
+    data["cpu"].pop("elementwise_rate")
+    data["gpu"]["elementwise_rate"] = {"bfloat16": 4e9}
+    with pytest.raises(HrmError, match="elementwise_rate is measured for the cpu only"):
+        HardwareProfile.from_dict(data)

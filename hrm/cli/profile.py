@@ -84,16 +84,22 @@ def run(args: argparse.Namespace) -> int:
 def with_launch_overhead(profile: HardwareProfile, arch, *, quick: bool = False) -> HardwareProfile:
     """The profile with what only the executor's own code shows on this CPU: its fixed cost per
     layer, expert and step (executor/overhead.py: the real forward on a miniature of the model,
-    in float32) and its decode-attention kernel's K/V read rate (executor/attention.py)."""
+    in float32), its decode-attention kernel's K/V read rate (executor/attention.py) and its
+    elementwise rate per dtype (the expert FFN's gate)."""
     import dataclasses
 
     from executor.attention import measure_attention_curve
-    from executor.overhead import measure_launch_overhead
+    from executor.overhead import (
+        ELEMENTWISE_DTYPES,
+        measure_elementwise_rate,
+        measure_launch_overhead,
+    )
 
     cpu = dataclasses.replace(
         profile.cpu,
         launch_overhead=measure_launch_overhead(arch),
         attention_curve=measure_attention_curve(arch, quick=quick),
+        elementwise_rate={d: measure_elementwise_rate(arch, d) for d in ELEMENTWISE_DTYPES},
     )
     return dataclasses.replace(profile, cpu=cpu)
 
@@ -131,6 +137,11 @@ def format_summary(profile: HardwareProfile, path: Path) -> str:
                 f"  {label}: executor overhead {1e6 * o.per_layer_s:.0f} us per layer + "
                 f"{1e6 * o.per_expert_s:.0f} us per expert touched, {1e6 * o.per_step_s:.0f} us "
                 "per step"
+            )
+        if device.elementwise_rate:
+            rates = ", ".join(f"{d} {r / 1e9:.2f}" for d, r in device.elementwise_rate.items())
+            lines.append(
+                f"  {label}: elementwise (the expert FFN beyond its GEMMs) {rates} G elements/s"
             )
     if profile.link is not None:
         both = profile.link.bidirectional_bytes_per_s

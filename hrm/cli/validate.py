@@ -4,6 +4,10 @@ exit status 1 when the model's error (MAPE) exceeds --max-mape.
 The host is profiled first (quick, at the model's own shape) unless --hardware names a profile
 of this very host: a stale or foreign profile would test the profile, not the model. Every
 setting runs `--repeats` times, the passes interleaved, and the run-to-run spread is reported.
+An untimed warm-up pass runs every setting first: the model predicts a long job's steady state,
+and a setting's first run pays what a long job pays once (oneDNN builds a kernel per new GEMM
+shape, 0.5-3 ms each in bf16 on AMX; the host's memory right after the profile's 10 GB of
+buffers is slow to hand out again). How much slower that pass ran is reported beside the spread.
 Resident runs (the model on one device) are joined, on a CPU-only host, by every offloading
 schedule at a forced-paging policy (nothing resident, two micro-batches), run with the CPU
 standing in for the GPU and predicted with the stand-in profile (hrm/stand_in.py).
@@ -129,21 +133,28 @@ def _validate(args, checkpoint: Path, hardware) -> int:
     offloaded = list(itertools.product(DTYPES, schedules))
     records: dict[str, dict] = {}
     spreads: dict[str, list[float]] = {}
+    warm_up: dict[str, float] = {}  # setting -> the untimed first pass's throughput
 
-    def keep(name: str, rep: int, record: dict) -> None:
-        """One finished run: its record under name-rep, its throughput in name's spread."""
+    def keep(name: str, rep: int | None, record: dict) -> None:
+        """One finished run: its record under name-rep and its throughput in name's spread, or,
+        from the warm-up pass (rep None), its throughput alone."""
+        throughput = record["measured"]["throughput_tok_s"]
+        bar.update()
+        if rep is None:
+            warm_up[name] = throughput
+            return
         if args.random_weights:
             record["environment"]["weights"] = "random"
         records[f"{name}-{rep + 1}"] = record
-        spreads.setdefault(name, []).append(record["measured"]["throughput_tok_s"])
-        bar.update()
+        spreads.setdefault(name, []).append(throughput)
 
     with torch_threads(args.threads):
         hardware = hardware or _profile_host(checkpoint, args.quiet)
-        total = args.repeats * (len(settings) + len(offloaded))
+        total = (args.repeats + 1) * (len(settings) + len(offloaded))
         bar = progress_bar(total=total, desc="validate", quiet=args.quiet)
         with bar:
-            for rep in range(args.repeats):  # passes interleaved: drift hits every setting
+            # the warm-up pass, then the timed passes interleaved: drift hits every setting
+            for rep in (None, *range(args.repeats)):
                 for dtype, batch, (length, ragged), gen in settings:
                     spec = prepare_run(checkpoint, gen_len=gen, prompt_len=length, batch=batch,
                                        dtype=dtype, device="cpu")  # fmt: skip
@@ -170,7 +181,7 @@ def _validate(args, checkpoint: Path, hardware) -> int:
             (runs / f"{name}.json").write_text(json.dumps(record, indent=2) + "\n")
         rows = load_records(sorted(runs.glob("*.json")))
         title = f"{rows[0].model} on {hardware.name}: predicted against measured"
-        notes = _spread_notes(spreads, hardware)
+        notes = _spread_notes(spreads, warm_up, hardware)
         write_report(rows, out, title=title, notes=notes)
         (out / "runs").mkdir(exist_ok=True)
         for path in runs.iterdir():
@@ -264,8 +275,11 @@ def _profile_host(checkpoint: Path, quiet: bool):
     return with_launch_overhead(profile, arch, quick=True)
 
 
-def _spread_notes(spreads: dict[str, list[float]], hardware) -> list[str]:
-    """Run-to-run spread of measured throughput: (max - min) / median per setting."""
+def _spread_notes(
+    spreads: dict[str, list[float]], warm_up: dict[str, float], hardware
+) -> list[str]:
+    """Run-to-run spread of measured throughput, (max - min) / median per setting, and how much
+    slower the warm-up pass ran than the median of the timed ones."""
     import statistics
 
     values = {
@@ -288,6 +302,20 @@ def _spread_notes(spreads: dict[str, list[float]], hardware) -> list[str]:
         notes += [
             f"Run-to-run spread of measured throughput over the interleaved repeats: median "
             f"{statistics.median(values.values()):.1%}, largest {values[worst]:.1%} ({worst}).",
+            "",
+        ]
+    slowdown = {
+        name: 1 - warm_up[name] / statistics.median(v)
+        for name, v in spreads.items()
+        if name in warm_up
+    }
+    if slowdown:
+        worst = max(slowdown, key=slowdown.get)
+        notes += [
+            "The untimed warm-up pass, each setting's first run, was slower than the timed "
+            f"passes by {statistics.median(slowdown.values()):.1%} at the median, at most "
+            f"{slowdown[worst]:.1%} ({worst}): the one-off costs a long job does not repeat "
+            "(kernel creation per new GEMM shape, first touch of memory).",
             "",
         ]
     return notes

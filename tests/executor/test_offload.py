@@ -4,6 +4,8 @@ streams against the plan; the page table; the buffers against the planner's memo
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -213,3 +215,16 @@ def test_the_attention_curve_times_the_executors_kernel():
     batch, context = QUICK_CURVE_POINTS[0]
     assert curve.points[0][0] == 2 * batch * 8 * context * 128 * 2  # K and V, 8 heads of 128, bf16
     assert all(rate > 0 for _, rate in curve.points)
+
+
+def test_the_elementwise_rate_times_the_executors_expert_ffn():
+    """hrm profile's elementwise rate: the real grouped FFN beyond its GEMMs, positive, and
+    below what the same elements would take at a fanciful 10 TB/s."""
+    from executor.overhead import measure_elementwise_rate
+    from hrm.arch import resolve_model
+
+    small = dataclasses.replace(
+        resolve_model("mixtral-8x7b"), hidden_size=64, intermediate_size=128
+    )
+    rate = measure_elementwise_rate(small, "float32", repeats=2)
+    assert 0 < rate < 10e12 / 4

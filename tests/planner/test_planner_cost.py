@@ -50,15 +50,19 @@ def test_cpu_only_run_by_hand(arch, make_cpu_profile):
     #   2*4*16*2 = 256c + 256; o_proj 64*64*4 + 128*2 = 16640; router 64*4*4 + 68*2 = 1160;
     #   experts: 1 token touches 4*(1-(1-2/4)^1) = 2 experts: 2*3*64*128*4 = 196608 + 2*(128+384)*2
     #   = 198656.  Sum 250888 + 256c.  LM head 64*100*4 + (64+100)*2 = 25928 per sequence.
-    # Two micro-batches of one: T_layer = Q_cpu = 2*(250888 + 256c); no fill on one device.
+    # Elementwise passes at B / 4 bytes = 2.5e8 fp32 elements/s (no measured rate), i.e. 4 byte
+    # each: norms 28*64 + 12*(64+32) = 2944, experts A = 2: 2*(5*128 + 9*64) + 3*64 = 2624;
+    #   5568 elements -> 22272.  Per layer 273160 + 256c.
+    # Two micro-batches of one: T_layer = Q_cpu = 2*(273160 + 256c); no fill on one device.
     def decode_step(c):
-        return (2 * 2 * (250888 + 256 * c) + 2 * 25928) / 1e9
+        return (2 * 2 * (273160 + 256 * c) + 2 * 25928) / 1e9
 
     # Prefill, 8 tokens per sequence: norms 512 + 4*8*64*2 = 4608; qkv 32768 + 8*192*2 = 35840;
     #   attention 2*8*2*16*4 + 2*8*64*2 = 4096; o_proj 16384 + 8*128*2 = 18432;
     #   router 1024 + 8*68*2 = 2112; experts 4*(1-0.5^8) = 3.984375 experts * 98304 = 391680
-    #   + 8*2*512*2 = 16384 -> 408064.  Sum 473152 per sequence per layer.
-    prefill = (2 * 2 * 473152 + 2 * 25928) / 1e9
+    #   + 8*2*512*2 = 16384 -> 408064.  Sum 473152 per sequence per layer.  Elementwise: norms
+    #   8*2944 = 23552, experts A = 16: 16*1216 + 3*8*64 = 20992; 44544 elements -> 178176.
+    prefill = (2 * 2 * (473152 + 178176) + 2 * 25928) / 1e9
     assert plan.predicted.prefill_s == pytest.approx(prefill, rel=1e-12)
     # decode steps 1 and 2 attend over 8 + 1 and 8 + 2 keys
     assert plan.predicted.decode_s == pytest.approx(decode_step(9) + decode_step(10), rel=1e-12)
@@ -366,3 +370,26 @@ def test_the_cost_models_array_interpolation_is_curve_at():
     xs = np.array([0.5, 1.0, 2.25, 4.0, 10.0, 64.0, 500.0])
     assert _curve_at(curve, xs) == pytest.approx([curve.at(x) for x in xs])
     assert _curve_at(curve, np.array([2.25]))[0] == pytest.approx(4.5e9)  # rate ~ rows
+
+
+def test_elementwise_passes_are_charged_after_the_roofline_time(arch, make_cpu_profile):
+    """T_op = max(FLOPs / P, bytes / B) + elements / R: the expert FFN's and the norms' element
+    passes (counted by hand here) at a measured 1e9 elements/s."""
+    from hrm.ops import expert_ffn_op, layer_ops
+    from planner.cost import op_seconds
+
+    hw = make_cpu_profile()
+    tokens, k, h, i = 64, arch.experts_per_token, arch.hidden_size, arch.intermediate_size
+    ffn = expert_ffn_op(arch, tokens=tokens, weight_dtype="bfloat16")
+    assert ffn.elementwise_elements == tokens * k * (5 * i + 9 * h) + 3 * tokens * h
+    norms = next(
+        op for op in layer_ops(arch, batch=tokens, new_tokens=1, context=8) if op.name == "norms"
+    )
+    assert norms.elementwise_elements == 28 * tokens * h + 12 * tokens * (
+        arch.q_size + arch.kv_size
+    )
+    cpu = dataclasses.replace(hw.cpu, elementwise_rate={"bfloat16": 1e9})
+    plain = dataclasses.replace(ffn, elementwise_elements=0.0)
+    extra = op_seconds(ffn, cpu, "bfloat16", 16) - op_seconds(plain, cpu, "bfloat16", 16)
+    assert extra == pytest.approx(ffn.elementwise_elements / 1e9)
+    assert ffn.scaled(2).elementwise_elements == 2 * ffn.elementwise_elements
