@@ -14,16 +14,15 @@ work on a CUDA stream of its own, and waits for another stream's task through th
 (never a device-wide synchronisation). A task always depends only on tasks listed before it, so
 the earliest unfinished task can always run: the engine cannot deadlock. `inline` runs every task
 in order on the calling thread: the serial schedule, and a run with a single queue.
-On a CPU (the stand-in for a GPU: every queue on the same cores) the queues' threads take turns,
-one task at a time under one lock: two torch ops at once would each start a full thread team and
+On a CPU (the stand-in for a GPU: every queue on the same cores) every run is inline, in the
+schedule's order: torch ops on several threads at once each start a thread team of their own and
 oversubscribe the cores (cgopipe ran at half the serial schedule's speed on 2 cores in fp32), and
-the cost model's stand-in adds the queues up (planner/cost.py). Dependencies, and the order in
-which the threads get their turns, stay those of a real run.
+even taking turns under a lock, the idle teams' spinning slowed the running one by 20%. The cost
+model's stand-in adds the queues up (planner/cost.py), which is what inline execution does.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Iterable
@@ -76,13 +75,12 @@ class Engine:
 
     def __init__(self, device: torch.device, *, inline: bool):
         self.device = device
-        self.inline = inline
+        self.inline = inline or device.type == "cpu"  # see the module docstring
         self.on_cuda = device.type == "cuda"
         self.stats = {q: QueueStats() for q in QUEUES}
         self._workers: dict[str, ThreadPoolExecutor] = {}
         self._streams: dict[str, torch.cuda.Stream] = {}
-        self._host_turn = threading.Lock()  # one task at a time when every queue is the CPU
-        if not inline:
+        if not self.inline:
             for q in QUEUES:
                 self._workers[q] = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"hrm-{q}")
         if self.on_cuda:
@@ -156,11 +154,10 @@ class Engine:
             if done is not None:
                 done.event = end
         else:
-            with self._host_turn:
-                t0 = time.perf_counter()
-                with torch.inference_mode():
-                    task.run()
-                stats.busy_s += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                task.run()
+            stats.busy_s += time.perf_counter() - t0
         stats.tasks += 1
         stats.nbytes += task.nbytes
         if self.trace is not None:

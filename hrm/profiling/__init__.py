@@ -45,6 +45,9 @@ class SweepPlan:
     link_sizes_bytes: tuple[float, ...]
     both_directions_bytes: float
     device_copy_bytes: float
+    # GPU GEMM points: the repeats of one point together span at least this long, so that a long
+    # job's clocks (power and thermal limits reached), not a boost-clock burst, are what is timed
+    gpu_sustain_s: float = 0.0
 
 
 PRESETS = {
@@ -58,6 +61,7 @@ PRESETS = {
         link_sizes_bytes=(1e6, 32e6, 1e9),
         both_directions_bytes=256e6,
         device_copy_bytes=1e9,
+        gpu_sustain_s=0.3,
     ),
     "full": SweepPlan(
         name="full",
@@ -69,6 +73,7 @@ PRESETS = {
         link_sizes_bytes=(1e6, 4e6, 16e6, 64e6, 256e6, 1e9),
         both_directions_bytes=1e9,
         device_copy_bytes=2e9,
+        gpu_sustain_s=1.0,
     ),
 }
 
@@ -231,6 +236,7 @@ def _measure_gpu(
     import torch
 
     facts = gpu.gpu_facts()
+    state_before = gpu.clock_and_power()
     shape = fit_shape(
         arch,
         max_tokens=max(plan.tokens_grid),
@@ -244,12 +250,13 @@ def _measure_gpu(
             device="cuda",
             clock=gpu.cuda_event_clock,
             repeats=plan.repeats,
-            min_sample_s=plan.min_sample_s,
+            min_sample_s=max(plan.min_sample_s, plan.gpu_sustain_s / plan.repeats),
             budget_s=plan.matmul_budget_s,
             tick=tick,
         )
         for dtype in SWEPT_DTYPES
     ]
+    state_after = gpu.clock_and_power()
     torch.cuda.empty_cache()
     copy_timing, copy_bytes = gpu.measure_device_bandwidth(
         copy_bytes=min(plan.device_copy_bytes, facts.available_memory_bytes / 4),
@@ -286,6 +293,10 @@ def _measure_gpu(
             **_matmul_notes(sweeps, threads=None),
             "float32_allows_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
             "measured_on": f"GPU 0 of {facts.count}",
+            "sustained_s_per_point": max(plan.gpu_sustain_s, plan.min_sample_s * plan.repeats),
+            # nvidia-smi's clocks and power before and after the GEMM sweeps (None: not exposed)
+            "clock_and_power_before": state_before,
+            "clock_and_power_after": state_after,
         },
         "gpu_memory_bandwidth": {
             "kind": "device-to-device copy, bytes read + written",

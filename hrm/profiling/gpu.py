@@ -35,6 +35,34 @@ def require_cuda() -> None:
         raise HrmError(f"--device cuda: CUDA is not available ({build}); use --device cpu")
 
 
+# nvidia-smi --query-gpu fields recorded beside a GPU profile, GPU 0 only
+CLOCK_POWER_FIELDS = (
+    "clocks.sm", "clocks.max.sm", "clocks.mem", "power.draw", "power.limit", "temperature.gpu",
+    "clocks_throttle_reasons.active",
+)  # fmt: skip
+
+
+def clock_and_power(run=None) -> dict[str, str] | None:
+    """GPU 0's clocks, power and throttle state as the driver reports them (nvidia-smi), or None
+    where nvidia-smi is absent or fails: a profile says under which clocks it was taken."""
+    import subprocess
+
+    command = [
+        "nvidia-smi", "--id=0", f"--query-gpu={','.join(CLOCK_POWER_FIELDS)}",
+        "--format=csv,noheader,nounits",
+    ]  # fmt: skip
+    try:
+        result = (run or subprocess.run)(command, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if result.returncode != 0:
+        return None
+    values = [v.strip() for v in result.stdout.strip().splitlines()[0].split(",")]
+    if len(values) != len(CLOCK_POWER_FIELDS):
+        return None
+    return dict(zip(CLOCK_POWER_FIELDS, values, strict=True))
+
+
 def cuda_event_clock(fn: Callable[[], object], calls: int) -> float:
     """Seconds for `calls` calls of `fn`, timed with CUDA events on the current stream."""
     import torch
