@@ -26,10 +26,11 @@ from hrm.ops import layer_ops
 from hrm.placement import place_weights
 from hrm.plan import Plan
 from hrm.policy import Policy, dtype_bytes
-from planner.cost import Setting, link_seconds
+from planner.cost import Setting
 from planner.evaluate import batch_model, build_plan, policy_vector
 from planner.memory import usable_bytes
 from planner.search import fill_gpu
+from planner.transfers import link_seconds
 
 FLEXGEN_GBS = (1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 BASELINE_SCHEDULE = "gpu-attention"

@@ -1,0 +1,64 @@
+"""What moving bytes costs: the link (PCIe) per transfer size, the GPUs' all-reduce under tensor
+parallelism, and the curve lookup the cost model shares. Split from cost.py for size."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hrm.arch import ModelArch
+from hrm.errors import HrmError
+from hrm.hardware import HardwareProfile
+from hrm.hardware_parts import Curve
+
+
+def curve_at(curve: Curve, x: np.ndarray) -> np.ndarray:
+    """Curve.at for arrays: log rate linear in log size, flat beyond the ends."""
+    xs = np.log([p[0] for p in curve.points])
+    ys = np.log([p[1] for p in curve.points])
+    return np.exp(np.interp(np.log(np.maximum(x, 1e-30)), xs, ys))
+
+
+def link_seconds(hardware: HardwareProfile, nbytes, direction: str) -> np.ndarray:
+    """T = bytes / (lanes * B_link(bytes per lane)): each of the `count` GPUs moves its share on
+    its own link (lanes = count), or all share one root complex (lanes = 1); at the measured rate
+    for that transfer size when the profile has a curve."""
+    nbytes = np.asarray(nbytes, dtype=float)
+    link = hardware.link
+    if link is None:
+        return np.zeros_like(nbytes)
+    lanes = hardware.link_lanes
+    curve = link.h2d_curve if direction == "h2d" else link.d2h_curve
+    flat = link.h2d_bytes_per_s if direction == "h2d" else link.d2h_bytes_per_s
+    per_link = curve_at(curve, nbytes / lanes) if curve else flat
+    return nbytes / (per_link * lanes)
+
+
+def all_reduce_seconds(hardware: HardwareProfile, nbytes) -> np.ndarray:
+    """Ring all-reduce of `nbytes` over the g GPUs of tensor parallelism (NCCL's ring: a
+    reduce-scatter then an all-gather, 2(g-1) steps of nbytes/g each way on every GPU):
+      T_ar = 2 * (g - 1) / g * S / B_peer
+    B_peer: the profile's interconnect (NVLink), else PCIe peer-to-peer at the link's rate.
+    Per-step latency is not counted, so small messages come out optimistic. 0 for one GPU."""
+    nbytes = np.asarray(nbytes, dtype=float)
+    g = hardware.gpu_count
+    if g <= 1:
+        return np.zeros_like(nbytes)
+    return 2.0 * (g - 1) / g * nbytes / hardware.peer_bytes_per_s
+
+
+def check_tensor_parallel(arch: ModelArch, hardware: HardwareProfile) -> None:
+    """Megatron-style sharding over g GPUs splits query and KV heads and each expert's width
+    across them: each must divide by g."""
+    g = hardware.gpu_count
+    if g <= 1:
+        return
+    for field, value in (
+        ("num_attention_heads", arch.num_attention_heads),
+        ("num_key_value_heads", arch.num_key_value_heads),
+        ("intermediate_size", arch.intermediate_size),
+    ):
+        if value % g:
+            raise HrmError(
+                f"{arch.name}: {field} = {value} does not divide by {g} GPUs for tensor "
+                f"parallelism; plan with a GPU count that divides it"
+            )
