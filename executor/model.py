@@ -33,12 +33,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
-def gated(up: torch.Tensor, gate_in: torch.Tensor) -> torch.Tensor:
-    """SwiGLU's gate, silu(x W1) * (x W3): the expert FFN's widest elementwise work, which
-    `hrm profile` times (executor/overhead.py) to price the FFN's elementwise passes."""
-    return F.silu(up) * gate_in
-
-
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """DBRX's LayerNorm without bias."""
     return F.layer_norm(x, (x.shape[-1],), weight, None, eps)
@@ -218,7 +212,7 @@ class MoEModel:
         for e, n in enumerate(counts):
             if n:
                 ex, chunk = w.experts[e], xs[start : start + n]  # [n, H]
-                hidden = gated(self.linear(chunk, ex.w1), self.linear(chunk, ex.w3))  # [n, I]
+                hidden = F.silu(self.linear(chunk, ex.w1)) * self.linear(chunk, ex.w3)  # [n, I]
                 ys[start : start + n] = self.linear(hidden, ex.w2)  # [n, H]
                 start += n
         # transformers scales each expert's output by its fp32 weight, rounds to the model dtype

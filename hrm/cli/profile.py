@@ -84,8 +84,8 @@ def run(args: argparse.Namespace) -> int:
 def with_launch_overhead(profile: HardwareProfile, arch, *, quick: bool = False) -> HardwareProfile:
     """The profile with what only the executor's own code shows on this CPU: its fixed cost per
     layer, expert and step (executor/overhead.py: the real forward on a miniature of the model,
-    in float32), its decode-attention kernel's K/V read rate (executor/attention.py) and its
-    elementwise rate per dtype (the expert FFN's gate)."""
+    in float32), its decode-attention kernel's K/V read rate (executor/attention.py) and, per
+    dtype, the element passes per second of its grouped expert FFN beyond the GEMMs."""
     import dataclasses
 
     from executor.attention import measure_attention_curve

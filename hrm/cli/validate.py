@@ -6,8 +6,8 @@ of this very host: a stale or foreign profile would test the profile, not the mo
 setting runs `--repeats` times, the passes interleaved, and the run-to-run spread is reported.
 An untimed warm-up pass runs every setting first: the model predicts a long job's steady state,
 and a setting's first run pays what a long job pays once (oneDNN builds a kernel per new GEMM
-shape, 0.5-3 ms each in bf16 on AMX; the host's memory right after the profile's 10 GB of
-buffers is slow to hand out again). How much slower that pass ran is reported beside the spread.
+shape, 0.5-3 ms each in bf16 on AMX; first touch of the run's memory). How much slower that pass
+ran is reported beside the spread.
 Resident runs (the model on one device) are joined, on a CPU-only host, by every offloading
 schedule at a forced-paging policy (nothing resident, two micro-batches), run with the CPU
 standing in for the GPU and predicted with the stand-in profile (hrm/stand_in.py).
