@@ -55,6 +55,14 @@ class Curve:
         t = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
         return math.exp(math.log(y0) + t * (math.log(y1) - math.log(y0)))
 
+    def at_each(self, x):
+        """`at` for a numpy array of sizes, elementwise (the cost model's per-step lookups)."""
+        import numpy as np
+
+        xs = np.log([p[0] for p in self.points])
+        ys = np.log([p[1] for p in self.points])
+        return np.exp(np.interp(np.log(np.maximum(x, 1e-30)), xs, ys))
+
     @property
     def best(self) -> float:
         return max(y for _, y in self.points)

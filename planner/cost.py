@@ -41,7 +41,7 @@ from hrm.policy import dtype_bytes
 from hrm.workload import Workload
 from planner.memory import PREFILL_CHUNK_TOKENS, MemoryTerms, WeightBytes, memory_terms
 from planner.memory import placement_vector as vec
-from planner.transfers import all_reduce_seconds, check_tensor_parallel, curve_at, link_seconds
+from planner.transfers import all_reduce_seconds, check_tensor_parallel, link_seconds
 
 DENSE_OPS = ("norms", "qkv_proj", "o_proj", "router", "shared_expert")
 QUEUES = ("gpu", "cpu", "h2d", "d2h")
@@ -276,7 +276,7 @@ def micro_batch_seconds(setting: Setting, b: float) -> MicroBatchSeconds:
             # decode attention on the CPU at the executor's measured K/V read rate for this
             # many bytes per call (hrm profile): T = bytes / B_attn(bytes)
             kv = np.asarray(decode["attention"].bytes, dtype=float) * np.ones(steps - 1)
-            attention[1:] = kv / curve_at(curve, kv)
+            attention[1:] = kv / curve.at_each(kv)
         return {
             "dense": sum(both(name, chunk, b) for name in DENSE_OPS),
             "ffn": both("expert_ffn", *ffn_rows),

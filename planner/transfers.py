@@ -1,5 +1,5 @@
 """What moving bytes costs: the link (PCIe) per transfer size, the GPUs' all-reduce under tensor
-parallelism, and the curve lookup the cost model shares. Split from cost.py for size."""
+parallelism. Split from cost.py for size."""
 
 from __future__ import annotations
 
@@ -8,14 +8,6 @@ import numpy as np
 from hrm.arch import ModelArch
 from hrm.errors import HrmError
 from hrm.hardware import HardwareProfile
-from hrm.hardware_parts import Curve
-
-
-def curve_at(curve: Curve, x: np.ndarray) -> np.ndarray:
-    """Curve.at for arrays: log rate linear in log size, flat beyond the ends."""
-    xs = np.log([p[0] for p in curve.points])
-    ys = np.log([p[1] for p in curve.points])
-    return np.exp(np.interp(np.log(np.maximum(x, 1e-30)), xs, ys))
 
 
 def link_seconds(hardware: HardwareProfile, nbytes, direction: str) -> np.ndarray:
@@ -29,7 +21,7 @@ def link_seconds(hardware: HardwareProfile, nbytes, direction: str) -> np.ndarra
     lanes = hardware.link_lanes
     curve = link.h2d_curve if direction == "h2d" else link.d2h_curve
     flat = link.h2d_bytes_per_s if direction == "h2d" else link.d2h_bytes_per_s
-    per_link = curve_at(curve, nbytes / lanes) if curve else flat
+    per_link = curve.at_each(nbytes / lanes) if curve else flat
     return nbytes / (per_link * lanes)
 
 

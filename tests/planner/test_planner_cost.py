@@ -362,14 +362,13 @@ def test_cpu_decode_attention_is_charged_at_the_measured_kv_read_rate(arch, work
     assert mb.cpu_attention[0] == plain.cpu_attention[0]  # prefill keeps the GEMM model
 
 
-def test_the_cost_models_array_interpolation_iscurve_at():
-    """The planner's vectorised curve lookup and Curve.at are one rule (log-log, flat outside)."""
-    from planner.transfers import curve_at
-
+def test_the_cost_models_array_lookup_is_curve_at():
+    """Curve.at_each, the cost model's array lookup, and Curve.at are one rule (log-log, flat
+    outside)."""
     curve = Curve(points=((1.0, 2e9), (4.0, 8e9), (64.0, 100e9)))
     xs = np.array([0.5, 1.0, 2.25, 4.0, 10.0, 64.0, 500.0])
-    assert curve_at(curve, xs) == pytest.approx([curve.at(x) for x in xs])
-    assert curve_at(curve, np.array([2.25]))[0] == pytest.approx(4.5e9)  # rate ~ rows
+    assert curve.at_each(xs) == pytest.approx([curve.at(x) for x in xs])
+    assert curve.at_each(np.array([2.25]))[0] == pytest.approx(4.5e9)  # rate ~ rows
 
 
 def test_elementwise_passes_are_charged_after_the_roofline_time(arch, make_cpu_profile):
