@@ -187,6 +187,8 @@ _DEVICE_OPTIONAL = {
     "attention_curve",
     "elementwise_rate",
 }
+# what hrm profile measures with the executor's own CPU code
+_CPU_ONLY = ("launch_overhead", "attention_curve", "elementwise_rate")
 
 
 def _device_from_dict(data: Any, where: str, is_cpu: bool = False) -> DeviceSpec:
@@ -205,17 +207,14 @@ def _device_from_dict(data: Any, where: str, is_cpu: bool = False) -> DeviceSpec
         raise HrmError(f"{where}: count must be 1 for the cpu (give the total cores and memory)")
     cores = data.get("cores")
     available = data.get("available_memory")
+    for key in _CPU_ONLY:
+        if data.get(key) is not None and not is_cpu:
+            raise HrmError(f"{where}: {key} is measured for the cpu only")
     overhead = data.get("launch_overhead")
     if overhead is not None:
-        if not is_cpu:
-            raise HrmError(f"{where}: launch_overhead is measured for the cpu only")
         overhead = _overhead_from_dict(overhead, f"{where}: launch_overhead")
     attention = data.get("attention_curve")
-    if attention is not None and not is_cpu:
-        raise HrmError(f"{where}: attention_curve is measured for the cpu only")
     elementwise = data.get("elementwise_rate")
-    if elementwise is not None and not is_cpu:
-        raise HrmError(f"{where}: elementwise_rate is measured for the cpu only")
     elementwise = check_keys(
         elementwise or {}, where=f"{where}: elementwise_rate", required=set(), optional=set(DTYPES)
     )

@@ -49,6 +49,12 @@ class SweepPlan:
     # job's clocks (power and thermal limits reached), not a boost-clock burst, are what is timed
     gpu_sustain_s: float = 0.0
 
+    @property
+    def gpu_gemm_sample_s(self) -> float:
+        """Each timed sample of a GPU GEMM point: long enough that the repeats span
+        gpu_sustain_s."""
+        return max(self.min_sample_s, self.gpu_sustain_s / self.repeats)
+
 
 PRESETS = {
     "quick": SweepPlan(
@@ -250,7 +256,7 @@ def _measure_gpu(
             device="cuda",
             clock=gpu.cuda_event_clock,
             repeats=plan.repeats,
-            min_sample_s=max(plan.min_sample_s, plan.gpu_sustain_s / plan.repeats),
+            min_sample_s=plan.gpu_gemm_sample_s,
             budget_s=plan.matmul_budget_s,
             tick=tick,
         )
@@ -293,7 +299,7 @@ def _measure_gpu(
             **_matmul_notes(sweeps, threads=None),
             "float32_allows_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
             "measured_on": f"GPU 0 of {facts.count}",
-            "sustained_s_per_point": max(plan.gpu_sustain_s, plan.min_sample_s * plan.repeats),
+            "sustained_s_per_point": plan.gpu_gemm_sample_s * plan.repeats,
             # nvidia-smi's clocks and power before and after the GEMM sweeps (None: not exposed)
             "clock_and_power_before": state_before,
             "clock_and_power_after": state_after,
