@@ -24,6 +24,7 @@ from executor.kv_cache import KVCache
 from hrm.cpu_gemm import CpuGemmChoice
 from hrm.errors import HrmError
 from hrm.gemm_paths import WIDEN_SLICE_ELEMENTS, native_linear, widened_linear
+from hrm.host_memory import keep_freed_host_memory
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -59,6 +60,7 @@ class MoEModel:
     def __init__(self, checkpoint: Checkpoint, cpu_gemm: CpuGemmChoice | None = None):
         """cpu_gemm: the GEMM path per token count on a CPU (hrm.cpu_gemm); without one a CPU
         model probes this host for it (about a second). Ignored on a GPU, which runs native."""
+        keep_freed_host_memory()  # large temporaries reuse freed memory, not fresh pages
         self.arch = checkpoint.arch
         self.weights = checkpoint.weights
         self.dtype = checkpoint.dtype

@@ -22,6 +22,7 @@ from hrm.arch import ModelArch
 from hrm.errors import HrmError
 from hrm.hardware import HardwareProfile
 from hrm.hardware_parts import HALF_DTYPES, Curve, DeviceSpec, LinkSpec
+from hrm.host_memory import keep_freed_host_memory
 from hrm.profiling import cpu, gpu
 from hrm.profiling.matmul import SWEPT_DTYPES, MatmulSweep, fit_shape, sweep_matmul
 from hrm.profiling.timing import Timing, perf_counter_clock
@@ -99,6 +100,7 @@ def measure_profile(
 
     if device == "cuda":
         gpu.require_cuda()
+    kept = keep_freed_host_memory()  # as the executor runs: what is timed is what a run pays
     facts = cpu.host_facts()
     load_before = os.getloadavg()[0]
     threads_before = torch.get_num_threads()
@@ -136,6 +138,7 @@ def measure_profile(
         "python": platform.python_version(),
         "command": command,
         "sweep": plan.name,
+        "host_memory_reused": kept,
         "load_average_1min": {
             "before": round(load_before, 2),
             "after": round(os.getloadavg()[0], 2),

@@ -1,0 +1,45 @@
+"""Freed host memory is kept for reuse: a large block comes from malloc's heap, not a fresh mmap,
+and stays there when freed (glibc's own counters, mallinfo2)."""
+
+import ctypes
+import platform
+
+import pytest
+import torch
+
+from hrm.host_memory import keep_freed_host_memory
+
+GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
+        .split()
+    ]  # fmt: skip
+
+
+def _mallinfo() -> _MallInfo2:
+    libc = ctypes.CDLL("libc.so.6")
+    if not hasattr(libc, "mallinfo2"):
+        pytest.skip("glibc before 2.33 has no mallinfo2")
+    libc.mallinfo2.restype = _MallInfo2
+    return libc.mallinfo2()
+
+
+@pytest.mark.skipif(not GLIBC, reason="glibc's malloc only")
+def test_a_large_block_comes_from_the_heap_and_stays_there_when_freed():
+    assert keep_freed_host_memory()
+    size = 256 << 20  # far over glibc's mmap threshold (at most 32 MiB)
+    before = _mallinfo()
+    block = torch.ones(size // 4)
+    during = _mallinfo()
+    assert during.hblkhd - before.hblkhd < size // 2  # not a fresh mmap
+    del block
+    after = _mallinfo()
+    assert after.fordblks - during.fordblks >= size  # freed into the heap, not trimmed away
+
+
+def test_it_is_idempotent():
+    assert keep_freed_host_memory() == keep_freed_host_memory()
