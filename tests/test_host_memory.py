@@ -38,7 +38,7 @@ def test_a_large_block_comes_from_the_heap_and_stays_there_when_freed():
     assert during.hblkhd - before.hblkhd < size // 2  # not a fresh mmap
     del block
     after = _mallinfo()
-    assert after.fordblks - during.fordblks >= size  # freed into the heap, not trimmed away
+    assert after.fordblks - during.fordblks > 0.99 * size  # freed into the heap, not trimmed away
 
 
 def test_it_is_idempotent():
