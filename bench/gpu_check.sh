@@ -34,7 +34,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,pcie.link.gen.max,pcie.li
     --format=csv > "$out/nvidia-smi.csv" 2>&1 || true
 status=0
 "$python" -m pytest -q -m gpu tests/test_profile_gpu.py tests/executor/test_cuda.py \
-    tests/executor/test_offload_cuda.py 2>&1 | tee "$out/gpu_tests.txt" || status=$?
+    tests/executor/test_offload_cuda.py tests/executor/test_grouped_ffn_profile.py 2>&1 | tee "$out/gpu_tests.txt" || status=$?
 "$python" bench/bench_schedules.py --device cuda --gpu-mem 16GB,24GB --layers "${LAYERS:-12}" \
     --max-batch 256 --gen-len 16 -o "$out/bench_schedules.json" 2>&1 | tee "$out/bench_schedules.txt" || status=$?
 "$python" bench/bench_cpu_attention.py --quick -o "$out/bench_cpu_attention.json" 2>&1 \

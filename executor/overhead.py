@@ -14,7 +14,9 @@ The expert FFN's elementwise passes (gather, SwiGLU gate, scale, scatter) run af
 not under them, at a rate far below the memory bandwidth on a CPU (4.1 G bf16 elements/s at
 Mixtral 8x7B's shape against a 28 GB/s stream on an SPR VM). `measure_elementwise_rate` times
 the executor's own grouped FFN at a prefill chunk's shape with its GEMMs taken out: elements
-read and written per second.
+read and written per second. On a GPU, `measure_expert_ffn_curve` times the whole grouped FFN
+at decode and prefill token counts instead: there the per-expert kernel launches and the host
+read of the routing counts, not the element passes, are what the GEMM curve misses.
 """
 
 from __future__ import annotations
@@ -55,22 +57,25 @@ def miniature(arch: ModelArch, layers: int) -> ModelArch:
     )
 
 
-def random_weights(arch: ModelArch, dtype: torch.dtype) -> ModelWeights:
+def random_weights(arch: ModelArch, dtype: torch.dtype, device: str = "cpu") -> ModelWeights:
     g = torch.Generator().manual_seed(0)
 
     def w(*shape):
-        return (torch.randn(*shape, generator=g) * 0.05).to(dtype)
+        return (torch.randn(*shape, generator=g) * 0.05).to(dtype=dtype, device=device)
+
+    def ones(n):
+        return torch.ones(n, dtype=dtype, device=device)
 
     h, i, d = arch.hidden_size, arch.intermediate_size, arch.head_dim
     q, kv = arch.num_attention_heads * d, arch.num_key_value_heads * d
     layers = tuple(
         LayerWeights(
-            attn_norm=torch.ones(h, dtype=dtype),
+            attn_norm=ones(h),
             wq=w(q, h),
             wk=w(kv, h),
             wv=w(kv, h),
             wo=w(h, q),
-            ffn_norm=torch.ones(h, dtype=dtype),
+            ffn_norm=ones(h),
             router=w(arch.num_experts, h),
             experts=tuple(
                 ExpertWeights(w1=w(i, h), w3=w(i, h), w2=w(h, i)) for _ in range(arch.num_experts)
@@ -81,14 +86,16 @@ def random_weights(arch: ModelArch, dtype: torch.dtype) -> ModelWeights:
     return ModelWeights(
         embed=w(arch.vocab_size, h),
         layers=layers,
-        final_norm=torch.ones(h, dtype=dtype),
+        final_norm=ones(h),
         lm_head=w(arch.vocab_size, h),
     )
 
 
-def _step_seconds(arch: ModelArch, layers: int, batch: int, dtype: torch.dtype, repeats: int):
+def _step_seconds(
+    arch: ModelArch, layers: int, batch: int, dtype: torch.dtype, repeats: int, device: str
+):
     mini = miniature(arch, layers)
-    weights = random_weights(mini, dtype)
+    weights = random_weights(mini, dtype, device)
     checkpoint = Checkpoint(directory=None, arch=mini, weights=weights, dtype=dtype)
     native = CpuGemmChoice(
         dtype=str(dtype).removeprefix("torch."), buckets=((0.0, "native"),), source="overhead"
@@ -103,13 +110,19 @@ def _step_seconds(arch: ModelArch, layers: int, batch: int, dtype: torch.dtype, 
 
 
 def measure_launch_overhead(
-    arch: ModelArch, dtype: str = "float32", repeats: int = 9
+    arch: ModelArch, dtype: str = "float32", repeats: int = 9, device: str = "cpu"
 ) -> LaunchOverhead:
-    """The fixed costs of the executor's decode on this host (see the module docstring)."""
+    """The fixed costs of the executor's decode on `device` (see the module docstring). On a
+    GPU it is the host's time to issue a layer's kernels: each decode step ends in a host read
+    of the sampled tokens, so the host clock around it sees the whole step."""
     dt = getattr(torch, dtype)
     few, many = LAYERS
-    one = {b: _step_seconds(arch, few, b, dt, repeats) for b in (1, MANY_TOKENS)}
-    more = {b: _step_seconds(arch, many, b, dt, repeats) for b in (1, MANY_TOKENS)}
+
+    def step(layers: int, batch: int) -> float:
+        return _step_seconds(arch, layers, batch, dt, repeats, device)
+
+    one = {b: step(few, b) for b in (1, MANY_TOKENS)}
+    more = {b: step(many, b) for b in (1, MANY_TOKENS)}
     layer = {b: max(more[b] - one[b], 0.0) / (many - few) for b in one}
     k, e = arch.experts_per_token, arch.num_experts
     per_expert = max(layer[MANY_TOKENS] - layer[1], 0.0) / (e - k) if e > k else 0.0
@@ -122,34 +135,49 @@ def measure_launch_overhead(
 
 GATE_ROWS = 1024  # rows per expert, as a prefill chunk of 8192 tokens gives Mixtral (top-2 of 8)
 ELEMENTWISE_DTYPES = ("float32", "bfloat16", "float16")
+# tokens per grouped FFN call timed on a GPU: decode batches up to a prefill chunk (8192 tokens)
+FFN_TOKENS = (1, 4, 16, 64, 256, 1024, 4096, 8192)
+
+
+def _one_layer_model(arch: ModelArch, dtype: str, device: str = "cpu"):
+    """(model, its layer's weights, the one-layer arch): the real MoEModel at the model's hidden
+    size, width, experts and top-k, its experts sharing one set of weights (what is timed is the
+    grouped FFN, not a model's worth of memory)."""
+    layer_arch = dataclasses.replace(
+        arch, num_layers=1, vocab_size=256, shared_expert_intermediate_size=0, eos_token_ids=(),
+    )  # fmt: skip
+    dt = getattr(torch, dtype)
+    one_expert = dataclasses.replace(layer_arch, num_experts=1, experts_per_token=1)
+    one = random_weights(one_expert, dt, device)
+    router = torch.randn(arch.num_experts, arch.hidden_size, generator=torch.Generator()) * 0.05
+    layer = dataclasses.replace(
+        one.layers[0],
+        router=router.to(dtype=dt, device=device),
+        experts=one.layers[0].experts * arch.num_experts,
+    )
+    weights = dataclasses.replace(one, layers=(layer,))
+    checkpoint = Checkpoint(directory=None, arch=layer_arch, weights=weights, dtype=dt)
+    native = CpuGemmChoice(dtype=dtype, buckets=((0.0, "native"),), source="grouped-ffn")
+    return MoEModel(checkpoint, native), layer, layer_arch
+
+
+def _tokens(arch: ModelArch, n: int, dtype: str, device: str) -> torch.Tensor:
+    x = torch.randn(n, arch.hidden_size, generator=torch.Generator().manual_seed(0))
+    return x.to(dtype=getattr(torch, dtype), device=device)
 
 
 def measure_elementwise_rate(arch: ModelArch, dtype: str, repeats: int = 3) -> float:
-    """Element passes per second of the executor's grouped expert FFN beyond its GEMMs: the
-    real `MoEModel.experts` at the model's hidden size, width, experts and top-k, on as many
-    tokens as give each expert about GATE_ROWS rows (a prefill chunk), its GEMMs timed apart and
-    taken out, the rest divided into the element passes hrm.ops.expert_ffn_op counts. The
-    experts share one set of weights (the GEMMs are not what is measured). The median of
-    `repeats`."""
+    """Element passes per second of the executor's grouped expert FFN beyond its GEMMs, on the
+    CPU: `_one_layer_model`'s FFN on as many tokens as give each expert about GATE_ROWS rows (a
+    prefill chunk), its GEMMs timed apart and taken out, the rest divided into the element passes
+    hrm.ops.expert_ffn_op counts. The median of `repeats`."""
     import statistics
     import time
 
     from hrm.ops import expert_ffn_op
 
-    layer_arch = dataclasses.replace(
-        arch, num_layers=1, vocab_size=256, shared_expert_intermediate_size=0, eos_token_ids=(),
-    )  # fmt: skip
-    dt = getattr(torch, dtype)
-    one = random_weights(dataclasses.replace(layer_arch, num_experts=1, experts_per_token=1), dt)
-    router = torch.randn(arch.num_experts, arch.hidden_size, generator=torch.Generator()) * 0.05
-    layer = dataclasses.replace(
-        one.layers[0], router=router.to(dt), experts=one.layers[0].experts * arch.num_experts
-    )
-    weights = dataclasses.replace(one, layers=(layer,))
+    model, layer, layer_arch = _one_layer_model(arch, dtype)
     tokens = GATE_ROWS * arch.num_experts // arch.experts_per_token
-    checkpoint = Checkpoint(directory=None, arch=layer_arch, weights=weights, dtype=dt)
-    native = CpuGemmChoice(dtype=dtype, buckets=((0.0, "native"),), source="elementwise")
-    model = MoEModel(checkpoint, native)
     gemm_s = [0.0]
     linear = model.linear
 
@@ -160,14 +188,60 @@ def measure_elementwise_rate(arch: ModelArch, dtype: str, repeats: int = 3) -> f
         return out
 
     model.linear = timed_linear
-    x = torch.randn(tokens, layer_arch.hidden_size, generator=torch.Generator().manual_seed(0))
-    x = x.to(dt)
+    x = _tokens(layer_arch, tokens, dtype, "cpu")
     rest = []
     with torch.inference_mode():
         for _ in range(repeats + 1):  # the first call builds the kernels: not timed
             gemm_s[0] = 0.0
             t0 = time.perf_counter()
-            model.experts(weights.layers[0], x)
+            model.experts(layer, x)
             rest.append(time.perf_counter() - t0 - gemm_s[0])
     op = expert_ffn_op(layer_arch, tokens=tokens, weight_dtype=dtype)
     return op.elementwise_elements / max(statistics.median(rest[1:]), 1e-9)
+
+
+def measure_expert_ffn_curve(
+    arch: ModelArch,
+    dtype: str,
+    device: str,
+    *,
+    tokens: tuple[int, ...] = FFN_TOKENS,
+    min_sample_s: float = 0.2,
+    repeats: int = 3,
+) -> list[tuple[float, float]]:
+    """[(rows per expert, FLOP/s)] of the executor's whole grouped expert FFN (`MoEModel.experts`:
+    router, sort, gather, every expert's GEMM chain, scale, scatter, the host read of the routing
+    counts) on `device` at each token count: the GPU's per-expert cost as the planner charges it.
+    Rows: T*k over the expected experts touched (hrm.ops.expected_distinct_experts), FLOP/s:
+    expert_ffn_op's FLOPs over the median time, so the planner's lookup at those rows returns
+    the measured time. Each sample runs calls back to back for at least `min_sample_s`."""
+    import statistics
+    import time
+
+    from hrm.ops import expected_distinct_experts, expert_ffn_op
+
+    model, layer, layer_arch = _one_layer_model(arch, dtype, device)
+    on_gpu = torch.device(device).type == "cuda"
+
+    def sync() -> None:
+        if on_gpu:
+            torch.cuda.synchronize()
+
+    points = []
+    with torch.inference_mode():
+        for n in tokens:
+            x = _tokens(layer_arch, n, dtype, device)
+            model.experts(layer, x)  # warm-up: kernel selection and first touch
+            samples = []
+            for _ in range(repeats):
+                sync()
+                calls, t0 = 0, time.perf_counter()
+                while calls == 0 or time.perf_counter() - t0 < min_sample_s:
+                    model.experts(layer, x)
+                    calls += 1
+                sync()
+                samples.append((time.perf_counter() - t0) / calls)
+            flops = expert_ffn_op(layer_arch, tokens=n, weight_dtype=dtype).flops
+            rows = n * arch.experts_per_token / expected_distinct_experts(arch, n)
+            points.append((rows, flops / statistics.median(samples)))
+    return points

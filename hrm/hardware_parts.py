@@ -97,7 +97,7 @@ class DeviceSpec:
     matmul_curves: Mapping[str, Curve] = field(default_factory=dict)
     # Free memory when a measured profile was taken (MemAvailable, cudaMemGetInfo); None if unknown.
     available_memory_bytes: float | None = None
-    launch_overhead: LaunchOverhead | None = None  # measured by hrm profile (CPU); None: not known
+    launch_overhead: LaunchOverhead | None = None  # measured by hrm profile; None: not known
     # What long GEMMs sustain (a published measurement, cited in the file): the planner's rate
     # where no curve was measured; the peak stays the roofline's top roof.
     sustained_flops_per_s: Mapping[str, float] = field(default_factory=dict)
@@ -107,6 +107,9 @@ class DeviceSpec:
     # CPU only: elements read or written per second by the executor's elementwise kernels, per
     # dtype (measured by hrm profile); absent: memory bandwidth / element size
     elementwise_rate: Mapping[str, float] = field(default_factory=dict)
+    # GPU only: the executor's whole grouped expert FFN, FLOP/s against rows per expert, per
+    # dtype (measured by hrm profile); absent: the GEMM curve plus the elementwise passes
+    expert_ffn_curves: Mapping[str, Curve] = field(default_factory=dict)
 
     def flops_per_s(self, dtype: str) -> float:
         """Peak FLOP/s of all `count` devices for `dtype`; falls back to float32 when absent.
@@ -186,9 +189,11 @@ _DEVICE_OPTIONAL = {
     "sustained_flops",
     "attention_curve",
     "elementwise_rate",
+    "expert_ffn_curves",
 }
-# what hrm profile measures with the executor's own CPU code
-_CPU_ONLY = ("launch_overhead", "attention_curve", "elementwise_rate")
+# what hrm profile measures with the executor's own code on one kind of device only
+_CPU_ONLY = ("attention_curve", "elementwise_rate")
+_GPU_ONLY = ("expert_ffn_curves",)
 
 
 def _device_from_dict(data: Any, where: str, is_cpu: bool = False) -> DeviceSpec:
@@ -207,9 +212,17 @@ def _device_from_dict(data: Any, where: str, is_cpu: bool = False) -> DeviceSpec
         raise HrmError(f"{where}: count must be 1 for the cpu (give the total cores and memory)")
     cores = data.get("cores")
     available = data.get("available_memory")
-    for key in _CPU_ONLY:
-        if data.get(key) is not None and not is_cpu:
-            raise HrmError(f"{where}: {key} is measured for the cpu only")
+    for keys, only_for in ((_CPU_ONLY, "cpu"), (_GPU_ONLY, "gpu")):
+        for key in keys:
+            if data.get(key) is not None and is_cpu != (only_for == "cpu"):
+                raise HrmError(f"{where}: {key} is measured for the {only_for} only")
+    parse_flops = units.parse_flops
+    ffn_curves = check_keys(
+        data.get("expert_ffn_curves") or {},
+        where=f"{where}: expert_ffn_curves",
+        required=set(),
+        optional=set(DTYPES),
+    )
     overhead = data.get("launch_overhead")
     if overhead is not None:
         overhead = _overhead_from_dict(overhead, f"{where}: launch_overhead")
@@ -226,6 +239,10 @@ def _device_from_dict(data: Any, where: str, is_cpu: bool = False) -> DeviceSpec
     )
     return DeviceSpec(
         launch_overhead=overhead,
+        expert_ffn_curves={
+            dtype: _curve_from_list(points, f"{where}: expert_ffn_curves: {dtype}", parse_flops)
+            for dtype, points in ffn_curves.items()
+        },
         elementwise_rate={
             dtype: positive_float(rate, where=f"{where}: elementwise_rate: {dtype}")
             for dtype, rate in elementwise.items()
@@ -283,6 +300,10 @@ def _device_to_dict(device: DeviceSpec) -> dict[str, Any]:
         out["attention_curve"] = _curve_to_list(device.attention_curve)
     if device.elementwise_rate:
         out["elementwise_rate"] = dict(device.elementwise_rate)
+    if device.expert_ffn_curves:
+        out["expert_ffn_curves"] = {
+            d: _curve_to_list(c) for d, c in device.expert_ffn_curves.items()
+        }
     return out
 
 

@@ -41,6 +41,7 @@ from hrm.policy import dtype_bytes
 from hrm.workload import Workload
 from planner.memory import PREFILL_CHUNK_TOKENS, MemoryTerms, WeightBytes, memory_terms
 from planner.memory import placement_vector as vec
+from planner.overheads import launch_seconds, step_seconds, unhidden_gpu_launch
 from planner.transfers import all_reduce_seconds, check_tensor_parallel, link_seconds
 
 DENSE_OPS = ("norms", "qkv_proj", "o_proj", "router", "shared_expert")
@@ -190,6 +191,7 @@ class MicroBatchSeconds:
     kv_to_cpu: np.ndarray  # prefill: the prompt's K, V; decode: the new token's
     gpu_all_reduce: np.ndarray  # tensor parallelism: after attention and after the experts
     cpu_launch: np.ndarray  # the executor's fixed cost of one layer on the CPU (measured)
+    gpu_launch: np.ndarray  # the host's issue time of a GPU layer its kernels do not cover
     head_gpu: np.ndarray  # final norm + LM head, once per step (not per layer)
     head_cpu: np.ndarray
     embed_to_gpu: np.ndarray  # next tokens' embeddings, gathered on the CPU
@@ -215,6 +217,22 @@ def op_seconds(
     if not op.elementwise_elements:
         return roofline
     return roofline + np.asarray(op.elementwise_elements) / device.elementwise_elements_per_s(dtype)
+
+
+def expert_ffn_seconds(
+    op: Op, device: DeviceSpec, dtype: str, rows, *, cpu_gemm: CpuGemmChoice | None = None
+) -> np.ndarray:
+    """T_ffn = FLOPs / P_ffn(rows) * count where the profile measured the executor's whole
+    grouped FFN on this device (gpu.expert_ffn_curves, executor/overhead.py), else op_seconds."""
+    curve = device.expert_ffn_curves.get(dtype)
+    if curve is None:
+        return op_seconds(op, device, dtype, rows, cpu_gemm=cpu_gemm)
+    return np.asarray(op.flops) / (curve.at(float(rows)) * device.count)
+
+
+def step_overhead_seconds(setting: Setting) -> float:
+    """The executor's fixed cost of a step outside the layers, once per micro-batch on the CPU."""
+    return step_seconds(setting.hardware.cpu.launch_overhead)
 
 
 def micro_batch_seconds(setting: Setting, b: float) -> MicroBatchSeconds:
@@ -254,13 +272,13 @@ def micro_batch_seconds(setting: Setting, b: float) -> MicroBatchSeconds:
 
     def on(device: DeviceSpec | None, cpu_gemm: CpuGemmChoice | None = None):
         if device is None:  # no GPU: these entries are multiplied by F_g = 0
-            return {key: np.zeros(steps) for key in ("dense", "ffn", "attention", "head")}
+            return {key: np.zeros(steps) for key in ("dense", "ffn", "attention", "head", "launch")}
 
-        def both(name: str, pre_rows: float, dec_rows: float) -> np.ndarray:
+        def both(name: str, pre_rows: float, dec_rows: float, price=op_seconds) -> np.ndarray:
             if name not in prefill:
                 return np.zeros(steps)
-            pre = op_seconds(prefill[name], device, dtype, pre_rows, cpu_gemm=cpu_gemm)
-            dec = op_seconds(decode[name], device, dtype, dec_rows, cpu_gemm=cpu_gemm)
+            pre = price(prefill[name], device, dtype, pre_rows, cpu_gemm=cpu_gemm)
+            dec = price(decode[name], device, dtype, dec_rows, cpu_gemm=cpu_gemm)
             dec = dec * np.ones(steps - 1)
             return np.concatenate([[pre], dec])
 
@@ -277,9 +295,11 @@ def micro_batch_seconds(setting: Setting, b: float) -> MicroBatchSeconds:
             # many bytes per call (hrm profile): T = bytes / B_attn(bytes)
             kv = np.asarray(decode["attention"].bytes, dtype=float) * np.ones(steps - 1)
             attention[1:] = kv / curve.at_each(kv)
+        dense = sum(both(name, chunk, b) for name in DENSE_OPS)
         return {
-            "dense": sum(both(name, chunk, b) for name in DENSE_OPS),
-            "ffn": both("expert_ffn", *ffn_rows),
+            "dense": dense,
+            "ffn": both("expert_ffn", *ffn_rows, price=expert_ffn_seconds),
+            "launch": unhidden_gpu_launch(device.launch_overhead, dense, steps),
             "attention": attention,
             "head": op_seconds(head, device, dtype, b, cpu_gemm=cpu_gemm) * np.ones(steps),
         }
@@ -323,36 +343,12 @@ def micro_batch_seconds(setting: Setting, b: float) -> MicroBatchSeconds:
                 all_reduce_seconds(hw, b * arch.hidden_size * adt) * np.ones(steps - 1),
             ]
         ),
-        cpu_launch=_launch_seconds(setting, chunk, b),
+        cpu_launch=launch_seconds(hw.cpu.launch_overhead, arch, steps, chunk, b),
+        gpu_launch=gpu["launch"],
         head_gpu=gpu["head"],
         head_cpu=cpu["head"] + step_overhead_seconds(setting),
         embed_to_gpu=h2d(b * arch.hidden_size * adt) * np.ones(steps),
     )
-
-
-def _launch_seconds(setting: Setting, prefill_tokens: float, b: float) -> np.ndarray:
-    """T_launch = per_layer + E_touched(tokens) * per_expert: the fixed cost of a layer's ops on
-    the CPU beyond their FLOPs and bytes, as `hrm profile` measured the executor's own forward
-    (executor/overhead.py); 0 where the profile has no such measurement."""
-    overhead = setting.hardware.cpu.launch_overhead
-    steps = setting.steps
-    if overhead is None:
-        return np.zeros(steps)
-    arch = setting.arch
-
-    def per_layer(tokens: float) -> float:
-        return (
-            overhead.per_layer_s + expected_distinct_experts(arch, tokens) * overhead.per_expert_s
-        )
-
-    return np.concatenate([[per_layer(prefill_tokens)], per_layer(b) * np.ones(steps - 1)])
-
-
-def step_overhead_seconds(setting: Setting) -> float:
-    """The executor's fixed cost of a step outside the layers (embedding, rotary tables,
-    sampling), once per micro-batch on the CPU; 0 where not measured."""
-    overhead = setting.hardware.cpu.launch_overhead
-    return overhead.per_step_s if overhead is not None else 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -393,11 +389,10 @@ def queue_terms(setting: Setting, mb: MicroBatchSeconds) -> QueueTerms:
             "expert ffn": _per_mb(on_gpu, mb.gpu_ffn),
             "attention": _per_mb(att_gpu, mb.gpu_attention),
             "all-reduce": _per_mb(on_gpu, mb.gpu_all_reduce),
-            # a CPU standing in for the GPU pays the executor's per-layer cost there too
-            **(
-                {"launch overhead": _per_mb(on_gpu, mb.cpu_launch)}
-                if setting.hardware.stand_in
-                else {}
+            # a CPU standing in for the GPU pays the executor's per-layer cost there too; a GPU
+            # the host's issue time its dense kernels do not cover (planner/overheads.py)
+            "launch overhead": _per_mb(
+                on_gpu, mb.cpu_launch if setting.hardware.stand_in else mb.gpu_launch
             ),
         },
         "cpu": {

@@ -165,7 +165,7 @@ def test_interconnect_shared_links_and_price_round_trip_and_are_checked(tmp_path
         HardwareProfile.from_dict(cpu_only)
 
 
-def test_launch_overhead_belongs_to_the_cpu_and_round_trips(tmp_path):
+def test_launch_overhead_is_measured_on_either_device_and_round_trips(tmp_path):
     data = resolve_hardware("l4").to_dict()
     data["cpu"]["launch_overhead"] = {
         "per_layer_s": 4e-4,
@@ -180,7 +180,25 @@ def test_launch_overhead_belongs_to_the_cpu_and_round_trips(tmp_path):
     with pytest.raises(HrmError, match="per_step_s must be a non-negative number"):
         HardwareProfile.from_dict(bad)
     data["gpu"]["launch_overhead"] = data["cpu"]["launch_overhead"]
-    with pytest.raises(HrmError, match="launch_overhead is measured for the cpu only"):
+    on_both = HardwareProfile.from_dict(data)
+    assert on_both.gpu.launch_overhead == on_both.cpu.launch_overhead
+
+
+def test_expert_ffn_curves_are_the_gpus_checked_and_round_trip(tmp_path):
+    data = resolve_hardware("l4").to_dict()
+    data["gpu"]["expert_ffn_curves"] = {"bfloat16": [[1, 2e12], [64, 9e13]]}
+    profile = HardwareProfile.from_dict(copy.deepcopy(data))
+    assert profile.gpu.expert_ffn_curves["bfloat16"].at(64) == 9e13
+    assert HardwareProfile.load(profile.save(tmp_path / "p.yaml")) == profile
+    for bad, message in (
+        ({"bfloat16": [[64, 9e13], [1, 2e12]]}, "expert_ffn_curves: bfloat16"),
+        ({"bfloat16": [[1, 0], [64, 9e13]]}, "expert_ffn_curves: bfloat16"),
+        ({"int3": [[1, 2e12]]}, "int3"),
+    ):
+        with pytest.raises(HrmError, match=message):
+            HardwareProfile.from_dict({**data, "gpu": {**data["gpu"], "expert_ffn_curves": bad}})
+    data["cpu"]["expert_ffn_curves"] = data["gpu"].pop("expert_ffn_curves")
+    with pytest.raises(HrmError, match="expert_ffn_curves is measured for the gpu only"):
         HardwareProfile.from_dict(data)
 
 

@@ -82,18 +82,23 @@ def run(args: argparse.Namespace) -> int:
 
 
 def with_launch_overhead(profile: HardwareProfile, arch, *, quick: bool = False) -> HardwareProfile:
-    """The profile with what only the executor's own code shows on this CPU: its fixed cost per
+    """The profile with what only the executor's own code shows: on the CPU its fixed cost per
     layer, expert and step (executor/overhead.py: the real forward on a miniature of the model,
     in float32), its decode-attention kernel's K/V read rate (executor/attention.py) and, per
-    dtype, the element passes per second of its grouped expert FFN beyond the GEMMs."""
+    dtype, the element passes per second of its grouped expert FFN beyond the GEMMs; on a GPU
+    the same fixed costs and the whole grouped expert FFN's rate at decode and prefill token
+    counts, each point held for the sweep's sustain time."""
     import dataclasses
 
     from executor.attention import measure_attention_curve
     from executor.overhead import (
         ELEMENTWISE_DTYPES,
         measure_elementwise_rate,
+        measure_expert_ffn_curve,
         measure_launch_overhead,
     )
+    from hrm.hardware_parts import Curve
+    from hrm.profiling import PRESETS, SWEPT_DTYPES
 
     cpu = dataclasses.replace(
         profile.cpu,
@@ -101,7 +106,21 @@ def with_launch_overhead(profile: HardwareProfile, arch, *, quick: bool = False)
         attention_curve=measure_attention_curve(arch, quick=quick),
         elementwise_rate={d: measure_elementwise_rate(arch, d) for d in ELEMENTWISE_DTYPES},
     )
-    return dataclasses.replace(profile, cpu=cpu)
+    gpu = profile.gpu
+    if gpu is not None:
+        plan = PRESETS["quick" if quick else "full"]
+        sample = {"min_sample_s": plan.gpu_gemm_sample_s, "repeats": plan.repeats}
+        curves = {
+            d: Curve(points=tuple(measure_expert_ffn_curve(arch, d, "cuda", **sample)))
+            for d in SWEPT_DTYPES
+            if d in gpu.matmul_curves  # the dtypes this GPU ran
+        }
+        gpu = dataclasses.replace(
+            gpu,
+            launch_overhead=measure_launch_overhead(arch, device="cuda"),
+            expert_ffn_curves=curves,
+        )
+    return dataclasses.replace(profile, cpu=cpu, gpu=gpu)
 
 
 def _command_line(args: argparse.Namespace) -> str:

@@ -392,3 +392,52 @@ def test_elementwise_passes_are_charged_after_the_roofline_time(arch, make_cpu_p
     extra = op_seconds(ffn, cpu, "bfloat16", 16) - op_seconds(plain, cpu, "bfloat16", 16)
     assert extra == pytest.approx(ffn.elementwise_elements / 1e9)
     assert ffn.scaled(2).elementwise_elements == 2 * ffn.elementwise_elements
+
+
+def test_a_measured_grouped_ffn_curve_prices_the_gpus_expert_ffn(arch, workload):
+    """T_ffn = 6*T*h*i*k / P_ffn(rows) on the GPU where the profile measured the executor's whole
+    grouped FFN (a flat curve here, so the rate is P at any rows); without one, the GEMM curve."""
+    from hrm.hardware import resolve_hardware
+    from planner.cost import Setting, micro_batch_seconds
+
+    l4 = resolve_hardware("l4")
+    rate = 5e12
+    curves = {"bfloat16": Curve(points=((1.0, rate), (1e6, rate)))}
+    hw = dataclasses.replace(l4, gpu=dataclasses.replace(l4.gpu, expert_ffn_curves=curves))
+    setting = Setting(arch=arch, hardware=hw, workload=workload)
+    measured = micro_batch_seconds(setting, 3)
+    h, i, k = arch.hidden_size, arch.intermediate_size, arch.experts_per_token
+    prefill_tokens = 3 * workload.prefill_len
+    assert measured.gpu_ffn[0] == pytest.approx(6 * prefill_tokens * h * i * k / rate)
+    assert measured.gpu_ffn[1:] == pytest.approx(
+        np.full(workload.gen_len - 1, 6 * 3 * h * i * k / rate)
+    )
+    plain = micro_batch_seconds(Setting(arch=arch, hardware=l4, workload=workload), 3)
+    assert plain.gpu_ffn[1] != pytest.approx(measured.gpu_ffn[1])
+    assert measured.cpu_ffn == pytest.approx(plain.cpu_ffn)  # the CPU keeps its own pricing
+
+
+def test_the_gpu_is_charged_the_launch_time_its_dense_kernels_do_not_hide(arch, workload):
+    """gpu_launch = max(0, per_layer - T_dense): all of a per-layer cost far above the kernels'
+    time, less the kernels; nothing when the kernels outlast it; nothing unmeasured."""
+    from hrm.hardware import resolve_hardware
+    from hrm.hardware_parts import LaunchOverhead
+    from planner.cost import Setting, micro_batch_seconds, queue_terms
+
+    l4 = resolve_hardware("l4")
+
+    def seconds(per_layer_s):
+        overhead = LaunchOverhead(per_layer_s=per_layer_s, per_expert_s=1.0, per_step_s=1.0)
+        gpu = dataclasses.replace(l4.gpu, launch_overhead=overhead)
+        setting = Setting(arch=arch, hardware=dataclasses.replace(l4, gpu=gpu), workload=workload)
+        return setting, micro_batch_seconds(setting, 3)
+
+    setting, slow_host = seconds(1.0)
+    assert slow_host.gpu_launch == pytest.approx(1.0 - slow_host.gpu_dense)
+    assert (slow_host.gpu_launch > 0.99).all()  # the tiny model's kernels take microseconds
+    terms = queue_terms(setting, slow_host).components["gpu"]["launch overhead"]
+    assert np.abs(terms.scaled).sum() > 0  # on the GPU queue
+    assert not seconds(0.0)[1].gpu_launch.any()
+    assert not micro_batch_seconds(
+        Setting(arch=arch, hardware=l4, workload=workload), 3
+    ).gpu_launch.any()
