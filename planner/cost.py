@@ -272,7 +272,7 @@ def micro_batch_seconds(setting: Setting, b: float) -> MicroBatchSeconds:
 
     def on(device: DeviceSpec | None, cpu_gemm: CpuGemmChoice | None = None):
         if device is None:  # no GPU: these entries are multiplied by F_g = 0
-            return {key: np.zeros(steps) for key in ("dense", "ffn", "attention", "head", "launch")}
+            return {key: np.zeros(steps) for key in ("dense", "ffn", "attention", "head")}
 
         def both(name: str, pre_rows: float, dec_rows: float, price=op_seconds) -> np.ndarray:
             if name not in prefill:
@@ -295,11 +295,9 @@ def micro_batch_seconds(setting: Setting, b: float) -> MicroBatchSeconds:
             # many bytes per call (hrm profile): T = bytes / B_attn(bytes)
             kv = np.asarray(decode["attention"].bytes, dtype=float) * np.ones(steps - 1)
             attention[1:] = kv / curve.at_each(kv)
-        dense = sum(both(name, chunk, b) for name in DENSE_OPS)
         return {
-            "dense": dense,
+            "dense": sum(both(name, chunk, b) for name in DENSE_OPS),
             "ffn": both("expert_ffn", *ffn_rows, price=expert_ffn_seconds),
-            "launch": unhidden_gpu_launch(device.launch_overhead, dense, steps),
             "attention": attention,
             "head": op_seconds(head, device, dtype, b, cpu_gemm=cpu_gemm) * np.ones(steps),
         }
@@ -344,7 +342,9 @@ def micro_batch_seconds(setting: Setting, b: float) -> MicroBatchSeconds:
             ]
         ),
         cpu_launch=launch_seconds(hw.cpu.launch_overhead, arch, steps, chunk, b),
-        gpu_launch=gpu["launch"],
+        gpu_launch=unhidden_gpu_launch(
+            hw.gpu.launch_overhead if hw.gpu is not None else None, gpu["dense"], steps
+        ),
         head_gpu=gpu["head"],
         head_cpu=cpu["head"] + step_overhead_seconds(setting),
         embed_to_gpu=h2d(b * arch.hidden_size * adt) * np.ones(steps),

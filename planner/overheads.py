@@ -24,17 +24,16 @@ def launch_seconds(
     steps: int,
     prefill_tokens: float,
     b: float,
-    *,
-    experts: bool = True,
 ) -> np.ndarray:
     """T_launch = per_layer + E_touched(tokens) * per_expert, at prefill's tokens then each
-    decode step's b; 0 where the profile has no measurement. experts=False: per_layer only."""
+    decode step's b; 0 where the profile has no measurement."""
     if overhead is None:
         return np.zeros(steps)
 
     def per_layer(tokens: float) -> float:
-        per_expert = expected_distinct_experts(arch, tokens) * overhead.per_expert_s
-        return overhead.per_layer_s + (per_expert if experts else 0.0)
+        return (
+            overhead.per_layer_s + expected_distinct_experts(arch, tokens) * overhead.per_expert_s
+        )
 
     return np.concatenate([[per_layer(prefill_tokens)], per_layer(b) * np.ones(steps - 1)])
 
