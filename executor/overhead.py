@@ -214,34 +214,25 @@ def measure_expert_ffn_curve(
     counts) on `device` at each token count: the GPU's per-expert cost as the planner charges it.
     Rows: T*k over the expected experts touched (hrm.ops.expected_distinct_experts), FLOP/s:
     expert_ffn_op's FLOPs over the median time, so the planner's lookup at those rows returns
-    the measured time. Each sample runs calls back to back for at least `min_sample_s`."""
-    import statistics
-    import time
-
+    the measured time. Timed by the profile's one loop (hrm.profiling.timing): a warm-up call,
+    then `repeats` samples of calls back to back for at least `min_sample_s` each, the median."""
     from hrm.ops import expected_distinct_experts, expert_ffn_op
+    from hrm.profiling.gpu import cuda_event_clock
+    from hrm.profiling.timing import perf_counter_clock, time_calls
 
     model, layer, layer_arch = _one_layer_model(arch, dtype, device)
-    on_gpu = torch.device(device).type == "cuda"
-
-    def sync() -> None:
-        if on_gpu:
-            torch.cuda.synchronize()
-
+    clock = cuda_event_clock if torch.device(device).type == "cuda" else perf_counter_clock
     points = []
     with torch.inference_mode():
         for n in tokens:
             x = _tokens(layer_arch, n, dtype, device)
-            model.experts(layer, x)  # warm-up: kernel selection and first touch
-            samples = []
-            for _ in range(repeats):
-                sync()
-                calls, t0 = 0, time.perf_counter()
-                while calls == 0 or time.perf_counter() - t0 < min_sample_s:
-                    model.experts(layer, x)
-                    calls += 1
-                sync()
-                samples.append((time.perf_counter() - t0) / calls)
+            timing = time_calls(
+                lambda x=x: model.experts(layer, x),
+                clock=clock,
+                repeats=repeats,
+                min_sample_s=min_sample_s,
+            )
             flops = expert_ffn_op(layer_arch, tokens=n, weight_dtype=dtype).flops
             rows = n * arch.experts_per_token / expected_distinct_experts(arch, n)
-            points.append((rows, flops / statistics.median(samples)))
+            points.append((rows, timing.rate(flops)))
     return points
