@@ -118,7 +118,8 @@ def predict(path: Path, hw, cpu_gemm, dtype: str, batch: int, prompt_len: int, g
     from hrm.arch import resolve_model
     from hrm.workload import Workload
     from planner import predict_resident_run
-    from planner.cost import Setting, micro_batch_seconds, step_overhead_seconds
+    from planner.cost import Setting, micro_batch_seconds
+    from planner.overheads import step_seconds
 
     arch = resolve_model(path / "config.json")
     workload = Workload.from_prompt_lens([prompt_len] * batch, gen_len)
@@ -135,7 +136,7 @@ def predict(path: Path, hw, cpu_gemm, dtype: str, batch: int, prompt_len: int, g
     layers = arch.num_layers
     # the measured fixed costs (hrm profile's launch_overhead) are charged apart from the parts
     # they belong to, so they get a row of their own; the executor's timers hold them in each part
-    step_overhead = step_overhead_seconds(setting)
+    step_overhead = step_seconds(setting.hardware.cpu.launch_overhead)
     parts = {
         "dense": layers * mb.cpu_dense,
         "attention": layers * mb.cpu_attention,

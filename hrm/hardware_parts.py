@@ -216,7 +216,6 @@ def _device_from_dict(data: Any, where: str, is_cpu: bool = False) -> DeviceSpec
         for key in keys:
             if data.get(key) is not None and is_cpu != (only_for == "cpu"):
                 raise HrmError(f"{where}: {key} is measured for the {only_for} only")
-    parse_flops = units.parse_flops
     ffn_curves = check_keys(
         data.get("expert_ffn_curves") or {},
         where=f"{where}: expert_ffn_curves",
@@ -240,7 +239,9 @@ def _device_from_dict(data: Any, where: str, is_cpu: bool = False) -> DeviceSpec
     return DeviceSpec(
         launch_overhead=overhead,
         expert_ffn_curves={
-            dtype: _curve_from_list(points, f"{where}: expert_ffn_curves: {dtype}", parse_flops)
+            dtype: _curve_from_list(
+                points, f"{where}: expert_ffn_curves: {dtype}", units.parse_flops
+            )
             for dtype, points in ffn_curves.items()
         },
         elementwise_rate={

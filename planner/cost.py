@@ -230,11 +230,6 @@ def expert_ffn_seconds(
     return np.asarray(op.flops) / (curve.at(float(rows)) * device.count)
 
 
-def step_overhead_seconds(setting: Setting) -> float:
-    """The executor's fixed cost of a step outside the layers, once per micro-batch on the CPU."""
-    return step_seconds(setting.hardware.cpu.launch_overhead)
-
-
 def micro_batch_seconds(setting: Setting, b: float) -> MicroBatchSeconds:
     """Per-layer seconds of one micro-batch of b sequences at each step, on either device."""
     arch, hw, wl = setting.arch, setting.hardware, setting.workload
@@ -346,7 +341,7 @@ def micro_batch_seconds(setting: Setting, b: float) -> MicroBatchSeconds:
             hw.gpu.launch_overhead if hw.gpu is not None else None, gpu["dense"], steps
         ),
         head_gpu=gpu["head"],
-        head_cpu=cpu["head"] + step_overhead_seconds(setting),
+        head_cpu=cpu["head"] + step_seconds(hw.cpu.launch_overhead),
         embed_to_gpu=h2d(b * arch.hidden_size * adt) * np.ones(steps),
     )
 
