@@ -172,12 +172,6 @@ class Interconnect:
     kind: str  # pcie (peer-to-peer through the host bridge) or nvlink
     bytes_per_s: float
 
-    def h2d_at(self, nbytes: float) -> float:
-        return self.h2d_curve.at(nbytes) if self.h2d_curve else self.h2d_bytes_per_s
-
-    def d2h_at(self, nbytes: float) -> float:
-        return self.d2h_curve.at(nbytes) if self.d2h_curve else self.d2h_bytes_per_s
-
 
 _DEVICE_KEYS = {"name", "memory", "memory_bandwidth", "flops"}
 _DEVICE_OPTIONAL = {
