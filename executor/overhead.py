@@ -139,10 +139,13 @@ ELEMENTWISE_DTYPES = ("float32", "bfloat16", "float16")
 FFN_TOKENS = (1, 4, 16, 64, 256, 1024, 4096, 8192)
 
 
-def _one_layer_model(arch: ModelArch, dtype: str, device: str = "cpu"):
+def _one_layer_model(
+    arch: ModelArch, dtype: str, device: str = "cpu", cpu_gemm: CpuGemmChoice | None = None
+):
     """(model, its layer's weights, the one-layer arch): the real MoEModel at the model's hidden
     size, width, experts and top-k, its experts sharing one set of weights (what is timed is the
-    grouped FFN, not a model's worth of memory)."""
+    grouped FFN, not a model's worth of memory), its CPU GEMMs along `cpu_gemm` (default
+    native)."""
     layer_arch = dataclasses.replace(
         arch, num_layers=1, vocab_size=256, shared_expert_intermediate_size=0, eos_token_ids=(),
     )  # fmt: skip
@@ -157,8 +160,9 @@ def _one_layer_model(arch: ModelArch, dtype: str, device: str = "cpu"):
     )
     weights = dataclasses.replace(one, layers=(layer,))
     checkpoint = Checkpoint(directory=None, arch=layer_arch, weights=weights, dtype=dt)
-    native = CpuGemmChoice(dtype=dtype, buckets=((0.0, "native"),), source="grouped-ffn")
-    return MoEModel(checkpoint, native), layer, layer_arch
+    if cpu_gemm is None:
+        cpu_gemm = CpuGemmChoice(dtype=dtype, buckets=((0.0, "native"),), source="grouped-ffn")
+    return MoEModel(checkpoint, cpu_gemm), layer, layer_arch
 
 
 def _tokens(arch: ModelArch, n: int, dtype: str, device: str) -> torch.Tensor:
@@ -166,17 +170,21 @@ def _tokens(arch: ModelArch, n: int, dtype: str, device: str) -> torch.Tensor:
     return x.to(dtype=getattr(torch, dtype), device=device)
 
 
-def measure_elementwise_rate(arch: ModelArch, dtype: str, repeats: int = 3) -> float:
+def measure_elementwise_rate(
+    arch: ModelArch, dtype: str, repeats: int = 3, cpu_gemm: CpuGemmChoice | None = None
+) -> float:
     """Element passes per second of the executor's grouped expert FFN beyond its GEMMs, on the
     CPU: `_one_layer_model`'s FFN on as many tokens as give each expert about GATE_ROWS rows (a
     prefill chunk), its GEMMs timed apart and taken out, the rest divided into the element passes
-    hrm.ops.expert_ffn_op counts. The median of `repeats`."""
+    hrm.ops.expert_ffn_op counts. The median of `repeats`. The GEMMs take `cpu_gemm`'s paths
+    (the profile's choice): native float16 on a CPU without avx512_fp16 ran at a few GFLOP/s,
+    and these calls then took most of an hour."""
     import statistics
     import time
 
     from hrm.ops import expert_ffn_op
 
-    model, layer, layer_arch = _one_layer_model(arch, dtype)
+    model, layer, layer_arch = _one_layer_model(arch, dtype, cpu_gemm=cpu_gemm)
     tokens = GATE_ROWS * arch.num_experts // arch.experts_per_token
     gemm_s = [0.0]
     linear = model.linear

@@ -97,6 +97,7 @@ def with_launch_overhead(profile: HardwareProfile, arch, *, quick: bool = False)
         measure_expert_ffn_curve,
         measure_launch_overhead,
     )
+    from hrm.cpu_gemm import choose_cpu_gemm
     from hrm.hardware_parts import Curve
     from hrm.profiling import PRESETS, SWEPT_DTYPES
 
@@ -104,7 +105,10 @@ def with_launch_overhead(profile: HardwareProfile, arch, *, quick: bool = False)
         profile.cpu,
         launch_overhead=measure_launch_overhead(arch),
         attention_curve=measure_attention_curve(arch, quick=quick),
-        elementwise_rate={d: measure_elementwise_rate(arch, d) for d in ELEMENTWISE_DTYPES},
+        elementwise_rate={
+            d: measure_elementwise_rate(arch, d, cpu_gemm=choose_cpu_gemm(profile.cpu, d))
+            for d in ELEMENTWISE_DTYPES
+        },
     )
     gpu = profile.gpu
     if gpu is not None:

@@ -120,6 +120,7 @@ def sweep_matmul(
         weights = rotating_weights(shape, on, streamed_bytes)  # each [I, H]
     inputs = torch.randn(max(tokens_grid), shape.hidden, **on)  # [T, H]
     scratch = torch.empty(WIDEN_SLICE_ELEMENTS, dtype=torch.float32) if widen else None
+    label = WIDENED_KEYS[dtype] if widen else dtype
     points: list[tuple[int, Timing]] = []
     stopped = None
     started = time.perf_counter()
@@ -132,7 +133,7 @@ def sweep_matmul(
             spent_s = time.perf_counter() - started
             if spent_s + predicted_s > budget_s:
                 stopped = (
-                    f"{dtype} sweep on {device} stopped before {tokens} tokens: {spent_s:.0f} s "
+                    f"{label} sweep on {device} stopped before {tokens} tokens: {spent_s:.0f} s "
                     f"spent, and that point would take about {predicted_s:.0f} s more, past the "
                     f"{budget_s:.0f} s budget"
                 )
@@ -144,7 +145,6 @@ def sweep_matmul(
             except RuntimeError as exc:  # the device has no kernel for this dtype
                 stopped = f"{dtype} matmul does not run on {device}: {str(exc).splitlines()[0]}"
         tick()
-    label = WIDENED_KEYS[dtype] if widen else dtype
     return MatmulSweep(dtype=label, shape=shape, points=tuple(points), stopped=stopped)
 
 
