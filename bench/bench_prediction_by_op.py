@@ -16,6 +16,7 @@ table; the last line is JSON; the same JSON goes to reports/.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import tempfile
@@ -184,6 +185,12 @@ def main() -> None:
         profile, cpu_gemm = host_cpu_gemm(path, hardware, args.dtype)
         measured = measure(path, prompts, gen_len, args.dtype, cpu_gemm, args.repeats)
         predicted = predict(path, profile, cpu_gemm, args.dtype, batch, prompt_len, gen_len)
+        # the same profile with every GEMM priced at the expert's w1 curve, as before the
+        # profile timed each shape: what the shape curves change, against the same measurement
+        w1_only = dataclasses.replace(
+            profile, cpu=dataclasses.replace(profile.cpu, gemm_shape_curves={})
+        )
+        before = predict(path, w1_only, cpu_gemm, args.dtype, batch, prompt_len, gen_len)
     rows = []
     for ph in ("prefill", "decode"):
         for part in (*PARTS, "overhead"):
@@ -196,10 +203,13 @@ def main() -> None:
                     "measured_s": m,
                     "predicted_s": p,
                     "error": (p - m) / m if m else None,
+                    "w1_curve_only_s": before[ph].get(part, 0.0),
                 }
             )
-    totals = {key: sum(r[key] for r in rows) for key in ("measured_s", "predicted_s")}
+    keys = ("measured_s", "predicted_s", "w1_curve_only_s")
+    totals = {key: sum(r[key] for r in rows) for key in keys}
     totals["error"] = totals["predicted_s"] / totals["measured_s"] - 1
+    totals["w1_curve_only_error"] = totals["w1_curve_only_s"] / totals["measured_s"] - 1
     result = {
         "model": {**shape, "dtype": args.dtype},
         "repeats": args.repeats,
@@ -219,16 +229,20 @@ def format_table(r: dict) -> str:
     lines = [
         f"{r['model']['dtype']}; host: {r['host']}; profile: {r['hardware']}",
         f"CPU GEMM: {CpuGemmChoice.from_dict(r['cpu_gemm']).describe()}",
-        f"{'phase':<9}{'part':<12}{'measured s':>12}{'predicted s':>12}{'error':>8}",
+        f"{'phase':<9}{'part':<12}{'measured s':>12}{'predicted s':>12}{'error':>8}"
+        f"{'w1 curve only s':>17}{'error':>8}",
     ]
     for row in r["rows"]:
+        m, w1 = row["measured_s"], row["w1_curve_only_s"]
         lines.append(
-            f"{row['phase']:<9}{row['part']:<12}{row['measured_s']:>12.3f}"
+            f"{row['phase']:<9}{row['part']:<12}{m:>12.3f}"
             f"{row['predicted_s']:>12.3f}{_pct(row['error']):>8}"
+            f"{w1:>17.3f}{_pct((w1 - m) / m if m else None):>8}"
         )
     t = r["totals"]
     lines.append(
         f"{'total':<21}{t['measured_s']:>12.3f}{t['predicted_s']:>12.3f}{_pct(t['error']):>8}"
+        f"{t['w1_curve_only_s']:>17.3f}{_pct(t['w1_curve_only_error']):>8}"
     )
     return "\n".join(lines)
 

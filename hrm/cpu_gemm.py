@@ -15,12 +15,12 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from hrm.errors import HrmError
 from hrm.gemm_paths import padded_tokens
-from hrm.hardware_parts import HALF_DTYPES, WIDENED_KEYS, Curve
+from hrm.hardware_parts import HALF_DTYPES, WIDENED_KEYS, Curve, gemm_shape_key
 from hrm.schema import check_keys
 
 PATHS = ("native", "widened")
@@ -35,7 +35,8 @@ class GemmRates(Protocol):
     """Measured or datasheet GEMM rates: a DeviceSpec, or a probe's measurement."""
 
     peak_flops_per_s: Mapping[str, float]
-    matmul_curves: Mapping[str, Curve]
+    matmul_curves: Mapping[str, Curve]  # at the expert's w1 shape
+    gemm_shape_curves: Mapping[str, Mapping[str, Curve]]  # other shapes (DeviceSpec)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,6 +44,7 @@ class MeasuredRates:
     """GemmRates from a probe: curves per rate key, peaks their best points."""
 
     matmul_curves: Mapping[str, Curve]
+    gemm_shape_curves: Mapping[str, Mapping[str, Curve]] = field(default_factory=dict)
 
     @property
     def peak_flops_per_s(self) -> dict[str, float]:
@@ -58,9 +60,14 @@ def rate_key(rates: GemmRates, dtype: str, path: str) -> str:
     return key if key in rates.peak_flops_per_s else "float32"
 
 
-def rate_at(rates: GemmRates, key: str, tokens: float) -> float:
-    """FLOP/s at `tokens` rows: the measured curve, else the peak, else float32's."""
+def rate_at(
+    rates: GemmRates, key: str, tokens: float, shape: tuple[int, int] | None = None
+) -> float:
+    """FLOP/s at `tokens` rows: the curve measured at `shape` (d_in, d_out) where there is one,
+    else the w1-shape curve, else the peak, else float32's."""
     curve = rates.matmul_curves.get(key)
+    if shape is not None:
+        curve = rates.gemm_shape_curves.get(gemm_shape_key(*shape), {}).get(key, curve)
     return curve.at(tokens) if curve is not None else peak_at(rates, key)
 
 
@@ -196,12 +203,14 @@ def choose_cpu_gemm(
     return CpuGemmChoice(dtype=dtype, buckets=tuple(buckets), padded=padded, source=source)
 
 
-def gemm_flops_per_s(rates: GemmRates, choice: CpuGemmChoice, tokens: float) -> float:
+def gemm_flops_per_s(
+    rates: GemmRates, choice: CpuGemmChoice, tokens: float, shape: tuple[int, int] | None = None
+) -> float:
     """Useful FLOP/s of a GEMM at `tokens` rows along the chosen path: the path's rate at the rows
-    it runs (padded or not), times the useful share of those rows."""
+    it runs (padded or not) at its shape, times the useful share of those rows."""
     path = choice.path_at(tokens)
     rows = choice.rows_at(tokens)
-    return rate_at(rates, rate_key(rates, choice.dtype, path), rows) * tokens / rows
+    return rate_at(rates, rate_key(rates, choice.dtype, path), rows, shape) * tokens / rows
 
 
 def gemm_peak_flops_per_s(rates: GemmRates, choice: CpuGemmChoice) -> float:

@@ -110,6 +110,10 @@ class DeviceSpec:
     # GPU only: the executor's whole grouped expert FFN, FLOP/s against rows per expert, per
     # dtype (measured by hrm profile); absent: the GEMM curve plus the elementwise passes
     expert_ffn_curves: Mapping[str, Curve] = field(default_factory=dict)
+    # CPU only: GEMM FLOP/s against rows at each other shape the executor runs, keyed by
+    # gemm_shape_key ("d_in x d_out") then by rate key (measured by hrm profile); a shape absent
+    # here is priced at matmul_curves, timed at the expert's w1 shape
+    gemm_shape_curves: Mapping[str, Mapping[str, Curve]] = field(default_factory=dict)
 
     def flops_per_s(self, dtype: str) -> float:
         """Peak FLOP/s of all `count` devices for `dtype`; falls back to float32 when absent.
@@ -162,6 +166,11 @@ class LinkSpec:
     pinnable_bytes: float | None = None
 
 
+def gemm_shape_key(d_in: int, d_out: int) -> str:
+    """The profile's name of a GEMM shape x[T, d_in] @ w[d_out, d_in]^T."""
+    return f"{d_in}x{d_out}"
+
+
 INTERCONNECTS = ("pcie", "nvlink")
 
 
@@ -184,9 +193,10 @@ _DEVICE_OPTIONAL = {
     "attention_curve",
     "elementwise_rate",
     "expert_ffn_curves",
+    "gemm_shape_curves",
 }
 # what hrm profile measures with the executor's own code on one kind of device only
-_CPU_ONLY = ("attention_curve", "elementwise_rate")
+_CPU_ONLY = ("attention_curve", "elementwise_rate", "gemm_shape_curves")
 _GPU_ONLY = ("expert_ffn_curves",)
 
 
@@ -231,6 +241,9 @@ def _device_from_dict(data: Any, where: str, is_cpu: bool = False) -> DeviceSpec
         optional=set(DTYPES),
     )
     return DeviceSpec(
+        gemm_shape_curves=_shape_curves_from_dict(
+            data.get("gemm_shape_curves") or {}, f"{where}: gemm_shape_curves", rate_keys
+        ),
         launch_overhead=overhead,
         expert_ffn_curves={
             dtype: _curve_from_list(
@@ -272,6 +285,22 @@ def _device_from_dict(data: Any, where: str, is_cpu: bool = False) -> DeviceSpec
     )
 
 
+def _shape_curves_from_dict(data: Any, where: str, rate_keys: set[str]) -> dict:
+    if not isinstance(data, dict):
+        raise HrmError(f"{where}: must be a mapping of shapes (like 4096x1024) to curves")
+    out = {}
+    for shape, curves in data.items():
+        d_in, _, d_out = str(shape).partition("x")
+        if not (d_in.isdigit() and d_out.isdigit() and int(d_in) > 0 and int(d_out) > 0):
+            raise HrmError(f"{where}: {shape!r} is not a shape; write d_in x d_out, like 4096x1024")
+        curves = check_keys(curves, where=f"{where}: {shape}", required=set(), optional=rate_keys)
+        out[str(shape)] = {
+            key: _curve_from_list(points, f"{where}: {shape}: {key}", units.parse_flops)
+            for key, points in curves.items()
+        }
+    return out
+
+
 def _device_to_dict(device: DeviceSpec) -> dict[str, Any]:
     out: dict[str, Any] = {"name": device.name}
     if device.count != 1:
@@ -289,6 +318,11 @@ def _device_to_dict(device: DeviceSpec) -> dict[str, Any]:
         }
     if device.matmul_curves:
         out["matmul_curves"] = {d: _curve_to_list(c) for d, c in device.matmul_curves.items()}
+    if device.gemm_shape_curves:
+        out["gemm_shape_curves"] = {
+            shape: {key: _curve_to_list(c) for key, c in curves.items()}
+            for shape, curves in device.gemm_shape_curves.items()
+        }
     if device.launch_overhead is not None:
         out["launch_overhead"] = dataclasses.asdict(device.launch_overhead)
     if device.attention_curve is not None:

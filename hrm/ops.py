@@ -29,6 +29,9 @@ class Op:
     # element reads and writes of the elementwise kernels that run after the op's GEMMs (not
     # under them): charged on top of the roofline time at the device's elementwise rate
     elementwise_elements: float = 0.0
+    # (d_in, d_out) of each GEMM the executor runs for this op, all at the op's rows: the FLOPs
+    # split over them as d_in * d_out, so that each is priced at its own shape's measured curve
+    gemm_shapes: tuple[tuple[int, int], ...] = ()
 
     @property
     def bytes(self) -> float:
@@ -48,7 +51,13 @@ class Op:
             kv_bytes=self.kv_bytes * factor,
             activation_bytes=self.activation_bytes * factor,
             elementwise_elements=self.elementwise_elements * factor,
+            gemm_shapes=self.gemm_shapes,
         )
+
+    def gemm_flops(self) -> list[tuple[tuple[int, int], float]]:
+        """(shape, FLOPs) of each of the op's GEMMs: FLOPs_j = FLOPs * in_j*out_j / sum in*out."""
+        total = sum(d_in * d_out for d_in, d_out in self.gemm_shapes)
+        return [(shape, self.flops * shape[0] * shape[1] / total) for shape in self.gemm_shapes]
 
 
 def expected_distinct_experts(arch: ModelArch, tokens: float) -> float:
@@ -57,13 +66,18 @@ def expected_distinct_experts(arch: ModelArch, tokens: float) -> float:
     return e * (1.0 - (1.0 - k / e) ** max(tokens, 0.0))
 
 
-def _linear(name: str, tokens: float, d_in: int, d_out: int, wdt: float, adt: float) -> Op:
-    # FLOPs = 2 * T * d_in * d_out;  bytes = weights + input + output activations
+def _linear(
+    name: str, tokens: float, shapes: tuple[tuple[int, int], ...], wdt: float, adt: float
+) -> Op:
+    """GEMMs over the same `tokens` rows, one per (d_in, d_out) in `shapes`.
+    FLOPs = 2 * T * sum d_in * d_out;  bytes = weights + input (once) + outputs."""
+    d_in = shapes[0][0]
     return Op(
         name=name,
-        flops=2.0 * tokens * d_in * d_out,
-        weight_bytes=d_in * d_out * wdt,
-        activation_bytes=tokens * (d_in + d_out) * adt,
+        flops=2.0 * tokens * sum(i * o for i, o in shapes),
+        weight_bytes=sum(i * o for i, o in shapes) * wdt,
+        activation_bytes=tokens * (d_in + sum(o for _, o in shapes)) * adt,
+        gemm_shapes=shapes,
     )
 
 
@@ -112,6 +126,7 @@ def expert_ffn_op(
         weight_bytes=groups * expected_distinct_experts(arch, group) * arch.expert_params * wdt,
         activation_bytes=tokens * k * (2 * h + 3 * i) * adt,
         elementwise_elements=tokens * k * (5 * i + 9 * h) + 3 * tokens * h,
+        gemm_shapes=((h, i), (h, i), (i, h)),  # w1, w3, then w2 (executor/model.py, experts)
     )
 
 
@@ -144,15 +159,16 @@ def layer_ops(
             activation_bytes=2 * 2.0 * t * h * adt,
             elementwise_elements=28.0 * t * h + 12.0 * t * (arch.q_size + arch.kv_size),
         ),
-        _linear("qkv_proj", t, h, arch.q_size + 2 * arch.kv_size, wdt, adt),
+        # q, k and v are three GEMMs in the executor (executor/model.py, pre_attention)
+        _linear("qkv_proj", t, ((h, arch.q_size), (h, arch.kv_size), (h, arch.kv_size)), wdt, adt),
         attention_op(arch, batch=batch, new_tokens=new_tokens, context=context, kv_dtype=kv_dtype),
-        _linear("o_proj", t, arch.q_size, h, wdt, adt),
-        _linear("router", t, h, arch.num_experts, wdt, adt),
+        _linear("o_proj", t, ((arch.q_size, h),), wdt, adt),
+        _linear("router", t, ((h, arch.num_experts),), wdt, adt),
         expert_ffn_op(arch, tokens=t, weight_dtype=weight_dtype, group_tokens=ffn_group_tokens),
     ]
     if arch.shared_expert_params:
         ops.append(
-            _linear("shared_expert", t, h, 3 * arch.shared_expert_intermediate_size, wdt, adt)
+            _linear("shared_expert", t, ((h, 3 * arch.shared_expert_intermediate_size),), wdt, adt)
         )
     return ops
 
@@ -160,4 +176,10 @@ def layer_ops(
 def lm_head_op(arch: ModelArch, *, batch: float, weight_dtype: str = "bfloat16") -> Op:
     """Final norm + LM head for the last position of each sequence (once per step)."""
     wdt, adt = dtype_bytes(weight_dtype), dtype_bytes(ACTIVATION_DTYPE)
-    return _linear("lm_head", batch, arch.hidden_size, arch.vocab_size, wdt, adt)
+    return _linear("lm_head", batch, ((arch.hidden_size, arch.vocab_size),), wdt, adt)
+
+
+def gemm_shapes(arch: ModelArch) -> tuple[tuple[int, int], ...]:
+    """Every distinct (d_in, d_out) GEMM shape of a forward pass: what hrm profile times."""
+    ops = [*layer_ops(arch, batch=1, new_tokens=1, context=1), lm_head_op(arch, batch=1)]
+    return tuple(dict.fromkeys(shape for op in ops for shape in op.gemm_shapes))

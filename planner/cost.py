@@ -203,17 +203,20 @@ def op_seconds(
     """T_op = max(FLOPs / P(rows), bytes / B) + N_elementwise / R_elementwise  (paper Eq 13-14,
     plus the op's elementwise passes, which run after its GEMMs), P from the profile's GEMM curve
     at `rows` rows when it has one, else the peak; on the CPU (cpu_gemm given) P is the rate of
-    the path the executor takes at those rows, padded as it pads (hrm.cpu_gemm). R: the measured
+    the path the executor takes at those rows, padded as it pads (hrm.cpu_gemm), and an op of
+    several GEMMs takes sum_j FLOPs_j / P_j(rows), each at its own shape's curve. R: the measured
     elementwise rate in `dtype`, else the memory bandwidth over the element size."""
     rows = float(rows)
     if cpu_gemm is None:
-        rate = device.matmul_flops_per_s(dtype, rows)
+        compute = np.asarray(op.flops) / device.matmul_flops_per_s(dtype, rows)
+    elif op.gemm_shapes:
+        compute = sum(
+            flops / gemm_flops_per_s(device, cpu_gemm, rows, shape)
+            for shape, flops in op.gemm_flops()
+        )
     else:
-        rate = gemm_flops_per_s(device, cpu_gemm, rows)
-    roofline = np.maximum(
-        np.asarray(op.flops) / rate,
-        np.asarray(op.bytes) / device.total_memory_bandwidth_bytes_per_s,
-    )
+        compute = np.asarray(op.flops) / gemm_flops_per_s(device, cpu_gemm, rows)
+    roofline = np.maximum(compute, np.asarray(op.bytes) / device.total_memory_bandwidth_bytes_per_s)
     if not op.elementwise_elements:
         return roofline
     return roofline + np.asarray(op.elementwise_elements) / device.elementwise_elements_per_s(dtype)

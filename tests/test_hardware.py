@@ -202,6 +202,27 @@ def test_expert_ffn_curves_are_the_gpus_checked_and_round_trip(tmp_path):
         HardwareProfile.from_dict(data)
 
 
+def test_gemm_shape_curves_are_the_cpus_checked_and_round_trip(tmp_path):
+    data = resolve_hardware("l4").to_dict()
+    curves = {"4096x1024": {"float32": [[1, 2e9], [64, 9e10]], "bfloat16_widened": [[1, 3e9]]}}
+    data["cpu"]["gemm_shape_curves"] = curves
+    profile = HardwareProfile.from_dict(copy.deepcopy(data))
+    assert profile.cpu.gemm_shape_curves["4096x1024"]["float32"].at(64) == 9e10
+    assert HardwareProfile.load(profile.save(tmp_path / "p.yaml")) == profile
+    for bad, message in (
+        ({"4096x1024": {"float32": [[64, 9e10], [1, 2e9]]}}, "4096x1024: float32"),
+        ({"4096x1024": {"int3": [[1, 2e9]]}}, "int3"),
+        ({"4096 by 1024": {"float32": [[1, 2e9]]}}, "is not a shape"),
+        ({"0x1024": {"float32": [[1, 2e9]]}}, "is not a shape"),
+        ([[1, 2e9]], "mapping of shapes"),
+    ):
+        with pytest.raises(HrmError, match=message):
+            HardwareProfile.from_dict({**data, "cpu": {**data["cpu"], "gemm_shape_curves": bad}})
+    data["gpu"]["gemm_shape_curves"] = data["cpu"].pop("gemm_shape_curves")
+    with pytest.raises(HrmError, match="gemm_shape_curves is measured for the cpu only"):
+        HardwareProfile.from_dict(data)
+
+
 def test_pinnable_host_memory_round_trips_and_is_checked(tmp_path):
     data = resolve_hardware("l4").to_dict()
     data["link"]["pinnable"] = "64 GB"

@@ -10,6 +10,8 @@ import pytest
 
 from hrm.arch import resolve_model
 from hrm.hardware import HardwareProfile
+from hrm.hardware_parts import gemm_shape_key
+from hrm.ops import gemm_shapes
 from hrm.profiling import SweepPlan, measure_profile
 from hrm.profiling.cpu import CpuTimes, measured_others_share, others_cpu_share
 from hrm.profiling.matmul import GemmShape, fit_shape, sweep_matmul
@@ -25,6 +27,8 @@ TINY_PLAN = SweepPlan(
     link_sizes_bytes=(1e6, 8e6),
     both_directions_bytes=8e6,
     device_copy_bytes=64e6,
+    shape_tokens_grid=(1, 8),
+    shape_budget_s=1.0,
 )
 # Mixtral's geometry with small expert matrices, so a real sweep takes a second or two.
 TINY_ARCH = dataclasses.replace(
@@ -182,6 +186,20 @@ def test_a_tiny_run_times_the_executors_widened_path_for_16_bit(tiny_profile):
     for key in ("bfloat16_widened", "float16_widened"):
         assert [x for x, _ in cpu.matmul_curves[key].points] == [1.0, 8.0, 64.0]
     assert set(tiny_profile.provenance["cpu_matmul"]["spread"]) >= {"bfloat16_widened"}
+
+
+def test_a_tiny_run_times_every_other_gemm_shape_on_each_path(tiny_profile):
+    """q, k/v, o, router, w2 and the LM head each get curves of their own (w1's is the main
+    sweep's), for float32 and both bf16 paths, at the plan's shape grid."""
+    curves = tiny_profile.cpu.gemm_shape_curves
+    w1 = gemm_shape_key(TINY_ARCH.hidden_size, TINY_ARCH.intermediate_size)
+    assert set(curves) == {gemm_shape_key(*s) for s in gemm_shapes(TINY_ARCH)} - {w1}
+    for key, by_rate in curves.items():
+        assert set(by_rate) == {"float32", "bfloat16", "bfloat16_widened"}, key
+        assert [x for x, _ in by_rate["float32"].points][0] == 1.0
+    notes = tiny_profile.provenance["cpu_gemm_shapes"]
+    assert notes["tokens"] == [1, 8]
+    assert all(": " in line for line in notes["left_out"])
 
 
 @pytest.mark.parametrize("widen", [False, True])

@@ -21,10 +21,11 @@ from hrm import units
 from hrm.arch import ModelArch
 from hrm.errors import HrmError
 from hrm.hardware import HardwareProfile
-from hrm.hardware_parts import HALF_DTYPES, Curve, DeviceSpec, LinkSpec
+from hrm.hardware_parts import HALF_DTYPES, Curve, DeviceSpec, LinkSpec, gemm_shape_key
 from hrm.host_memory import keep_freed_host_memory
+from hrm.ops import gemm_shapes
 from hrm.profiling import cpu, gpu
-from hrm.profiling.matmul import SWEPT_DTYPES, MatmulSweep, fit_shape, sweep_matmul
+from hrm.profiling.matmul import SWEPT_DTYPES, GemmShape, MatmulSweep, fit_shape, sweep_matmul
 from hrm.profiling.timing import Timing, perf_counter_clock
 from hrm.progress import progress_bar
 
@@ -46,6 +47,10 @@ class SweepPlan:
     link_sizes_bytes: tuple[float, ...]
     both_directions_bytes: float
     device_copy_bytes: float
+    # the other GEMM shapes of a forward pass (q, k/v, o, router, w2, LM head): a shorter grid
+    # and budget per shape and rate key, as together they take a tenth of a decode step's FLOPs
+    shape_tokens_grid: tuple[int, ...] = (1, 16, 256)
+    shape_budget_s: float = 4.0
     # GPU GEMM points: the repeats of one point together span at least this long, so that a long
     # job's clocks (power and thermal limits reached), not a boost-clock burst, are what is timed
     gpu_sustain_s: float = 0.0
@@ -81,8 +86,13 @@ PRESETS = {
         both_directions_bytes=1e9,
         device_copy_bytes=2e9,
         gpu_sustain_s=1.0,
+        shape_tokens_grid=(1, 4, 16, 64, 256, 1024, 4096),
+        shape_budget_s=12.0,
     ),
 }
+# the rate keys timed at the other GEMM shapes: the dtypes runs use on a CPU, each of the
+# executor's paths; float16 keeps the w1 curve at every shape
+SHAPE_SWEPT = (("float32", False), ("bfloat16", False), ("bfloat16", True))
 
 
 def measure_profile(
@@ -107,6 +117,7 @@ def measure_profile(
     torch.set_num_threads(facts.cores)
     cpu_sweeps = len(SWEPT_DTYPES) + len(HALF_DTYPES)  # native, then the executor's widened path
     ticks = len(plan.tokens_grid) * cpu_sweeps + len(cpu.BANDWIDTH_KINDS)
+    ticks += len(plan.shape_tokens_grid) * len(SHAPE_SWEPT) * len(_other_shapes(arch))
     if device == "cuda":
         ticks += len(plan.tokens_grid) * len(SWEPT_DTYPES) + 4 * len(plan.link_sizes_bytes)
     warnings: list[str] = []
@@ -202,6 +213,14 @@ def _measure_cpu(
     sweep = partial(sweep, streamed_bytes=streamed)
     sweeps = [sweep(dtype=dtype) for dtype in SWEPT_DTYPES]
     sweeps += [sweep(dtype=d, widen=True) for d in HALF_DTYPES]
+    shape_curves, shape_notes = _measure_gemm_shapes(
+        plan,
+        arch,
+        sweep,
+        tick,
+        scaled=shape.scale != 1.0,
+        memory_budget_bytes=_MATMUL_MEMORY_FRACTION * available,
+    )
     array_bytes = min(max(plan.min_array_bytes, 8 * cache), available / 8)
     if array_bytes < 4 * cache:
         warnings.append(
@@ -219,8 +238,10 @@ def _measure_cpu(
         available_memory_bytes=facts.available_memory_bytes,
         memory_bandwidth_bytes_per_s=stored_timing.rate(stored_bytes),
         **_flops_fields(sweeps, "cpu", warnings),
+        gemm_shape_curves=shape_curves,
     )
     notes = {
+        "cpu_gemm_shapes": shape_notes,
         "cpu_memory_bandwidth": {
             "stored_as_memory_bandwidth": STORED_CPU_BANDWIDTH,
             "array_bytes": units.format_bytes(array_bytes),
@@ -332,6 +353,50 @@ def _measure_gpu(
         },
     }
     return spec, link, notes
+
+
+def _other_shapes(arch: ModelArch) -> list[tuple[int, int]]:
+    """The forward pass's GEMM shapes other than w1's (timed by the main sweep)."""
+    return [s for s in gemm_shapes(arch) if s != (arch.hidden_size, arch.intermediate_size)]
+
+
+def _measure_gemm_shapes(
+    plan: SweepPlan,
+    arch: ModelArch,
+    sweep: Callable[..., MatmulSweep],
+    tick: Callable[[], None],
+    *,
+    scaled: bool,
+    memory_budget_bytes: float,
+) -> tuple[dict[str, dict[str, Curve]], dict[str, Any]]:
+    """Curves per shape and rate key (SHAPE_SWEPT) for gemm_shape_curves, and what was left out.
+    Each shape's own weights rotate, so that they stream from memory as in a run. A shape the
+    memory share cannot hold, or every shape when w1 had to be scaled down, keeps w1's curve."""
+    curves: dict[str, dict[str, Curve]] = {}
+    notes: dict[str, Any] = {"tokens": list(plan.shape_tokens_grid), "left_out": []}
+    for d_in, d_out in _other_shapes(arch):
+        key = gemm_shape_key(d_in, d_out)
+        # GemmShape's sizes are x's width and the weight's rows: here d_in and d_out
+        shape = GemmShape(model=arch.name, hidden=d_in, intermediate=d_out)
+        fits = shape.buffer_bytes(max(plan.shape_tokens_grid), 4) <= memory_budget_bytes
+        if scaled or not fits:
+            notes["left_out"].append(f"{key}: " + ("w1 scaled down" if scaled else "too large"))
+            for _ in range(len(SHAPE_SWEPT) * len(plan.shape_tokens_grid)):
+                tick()
+            continue
+        done = [
+            sweep(
+                dtype=dtype,
+                widen=widen,
+                shape=shape,
+                tokens_grid=plan.shape_tokens_grid,
+                budget_s=plan.shape_budget_s,
+            )
+            for dtype, widen in SHAPE_SWEPT
+        ]
+        curves[key] = {s.dtype: s.curve() for s in done if s.points}
+        notes["left_out"] += [f"{key}: {s.stopped}" for s in done if s.stopped]
+    return curves, notes
 
 
 def _flops_fields(sweeps: list[MatmulSweep], device: str, warnings: list[str]) -> dict[str, Any]:
