@@ -1,7 +1,8 @@
 """The CPU standing in for a GPU, as a profile: what an offloaded run on a CPU-only host is
 predicted with (`hrm validate` on such a host runs every schedule this way).
 
-The "GPU" is the host's own CPU (its measured GEMM curves, its memory, its launch overhead); the
+The "GPU" is the host's own CPU (its measured GEMM curves along the CPU GEMM paths the executor
+takes there, its attention kernel's curve, its memory, its launch overhead); the
 "link" is a host memcpy, which reads and writes each byte: B_link = B_mem / 2 each way. Every
 queue runs on the same cores over the same memory bus, so the cost model adds them instead of
 overlapping them (planner/cost.py, `stand_in`).

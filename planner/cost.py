@@ -300,7 +300,9 @@ def micro_batch_seconds(setting: Setting, b: float) -> MicroBatchSeconds:
             "head": op_seconds(head, device, dtype, b, cpu_gemm=cpu_gemm) * np.ones(steps),
         }
 
-    gpu, cpu = on(hw.gpu), on(hw.cpu, setting.cpu_gemm_choice)
+    # a CPU standing in for the GPU runs the CPU's GEMM paths and kernels (hrm/stand_in.py)
+    cpu = on(hw.cpu, setting.cpu_gemm_choice)
+    gpu = on(hw.gpu, setting.cpu_gemm_choice if hw.stand_in else None)
     hidden_page = b * s_pre * arch.hidden_size * adt
     qkv = b * (arch.q_size + 2 * arch.kv_size) * adt
     kv_per_token_layer = 2 * arch.kv_size * kdt

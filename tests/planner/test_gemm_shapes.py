@@ -1,4 +1,5 @@
-"""Each CPU GEMM priced at its own shape's measured curve (hrm profile's gemm_shape_curves)."""
+"""Each CPU GEMM priced at its own shape's measured curve (hrm profile's gemm_shape_curves), and
+a CPU standing in for the GPU priced along the CPU's own GEMM paths."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from hrm.arch import resolve_model
 from hrm.cpu_gemm import choose_cpu_gemm
 from hrm.hardware_parts import Curve, gemm_shape_key
 from hrm.ops import expert_ffn_op, gemm_shapes, layer_ops, lm_head_op
-from planner.cost import op_seconds
+from hrm.stand_in import stand_in_profile
+from planner.cost import Setting, micro_batch_seconds, op_seconds
 
 
 def flat(rate: float) -> Curve:
@@ -92,3 +94,20 @@ def test_a_shape_without_a_curve_for_the_path_keeps_w1s_curve_for_it(arch, make_
     assert op_seconds(o_like, cpu, "float16", 2, cpu_gemm=native) == pytest.approx(
         o_like.flops / 2e10
     )
+
+
+def test_a_stand_in_gpu_takes_the_cpus_gemm_paths(arch, make_cpu_profile, workload):
+    """On a CPU-only host the 'GPU' is the CPU and runs the executor's CPU GEMM paths: where
+    widened bf16 is 100x native, the stand-in's GEMM parts cost what the CPU's do."""
+    hw = make_cpu_profile(flops=1e10, bandwidth=1e18)
+    cpu = dataclasses.replace(
+        hw.cpu,
+        peak_flops_per_s={"float32": 1e10, "bfloat16": 1e8, "bfloat16_widened": 1e10},
+        matmul_curves={"bfloat16": flat(1e8), "bfloat16_widened": flat(1e10)},
+    )
+    stand_in = stand_in_profile(dataclasses.replace(hw, cpu=cpu), gpu_memory_bytes=1e9)
+    assert choose_cpu_gemm(stand_in.cpu, "bfloat16").paths == ("widened",)
+    mb = micro_batch_seconds(Setting(arch=arch, hardware=stand_in, workload=workload), 2)
+    assert mb.gpu_ffn == pytest.approx(mb.cpu_ffn)
+    assert mb.gpu_dense == pytest.approx(mb.cpu_dense)
+    assert mb.head_gpu == pytest.approx(mb.head_cpu)
