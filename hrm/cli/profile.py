@@ -29,7 +29,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "-o", "--output", required=True, metavar="FILE.yaml", help="profile to write"
     )
     parser.add_argument(
-        "--quick", action="store_true", help="a shorter sweep: under a minute on a 2-core machine"
+        "--quick", action="store_true", help="a shorter sweep (minutes on a 2-core machine)"
     )
     parser.add_argument(
         "--device",
