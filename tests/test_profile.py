@@ -199,7 +199,7 @@ def test_a_tiny_run_times_every_other_gemm_shape_on_each_path(tiny_profile):
         assert [x for x, _ in by_rate["float32"].points][0] == 1.0
     notes = tiny_profile.provenance["cpu_gemm_shapes"]
     assert notes["tokens"] == [1, 8]
-    assert all(": " in line for line in notes["left_out"])
+    assert all(": " in line for line in notes["points_not_measured"])
 
 
 @pytest.mark.parametrize("widen", [False, True])

@@ -373,14 +373,16 @@ def _measure_gemm_shapes(
     Each shape's own weights rotate, so that they stream from memory as in a run. A shape the
     memory share cannot hold, or every shape when w1 had to be scaled down, keeps w1's curve."""
     curves: dict[str, dict[str, Curve]] = {}
-    notes: dict[str, Any] = {"tokens": list(plan.shape_tokens_grid), "left_out": []}
+    notes: dict[str, Any] = {"tokens": list(plan.shape_tokens_grid), "points_not_measured": []}
     for d_in, d_out in _other_shapes(arch):
         key = gemm_shape_key(d_in, d_out)
         # GemmShape's sizes are x's width and the weight's rows: here d_in and d_out
         shape = GemmShape(model=arch.name, hidden=d_in, intermediate=d_out)
         fits = shape.buffer_bytes(max(plan.shape_tokens_grid), 4) <= memory_budget_bytes
         if scaled or not fits:
-            notes["left_out"].append(f"{key}: " + ("w1 scaled down" if scaled else "too large"))
+            notes["points_not_measured"].append(
+                f"{key}: " + ("w1 scaled down" if scaled else "too large")
+            )
             for _ in range(len(SHAPE_SWEPT) * len(plan.shape_tokens_grid)):
                 tick()
             continue
@@ -395,7 +397,7 @@ def _measure_gemm_shapes(
             for dtype, widen in SHAPE_SWEPT
         ]
         curves[key] = {s.dtype: s.curve() for s in done if s.points}
-        notes["left_out"] += [f"{key}: {s.stopped}" for s in done if s.stopped]
+        notes["points_not_measured"] += [f"{key}: {s.stopped}" for s in done if s.stopped]
     return curves, notes
 
 
