@@ -255,12 +255,14 @@ def test_both_paths_rotate_weight_copies_and_compute_the_executors_gemm(monkeypa
         assert torch.allclose(out.float(), expected.float(), rtol=1e-2, atol=1e-2)
 
 
-def test_the_profile_records_the_cpus_matrix_features(tiny_profile):
-    from hrm.profiling.cpu import MATRIX_FEATURES, matrix_features
+def test_the_profile_records_the_cpus_matrix_features_and_cache(tiny_profile):
+    from hrm.profiling.cpu import MATRIX_FEATURES, host_facts, matrix_features
 
     features = tiny_profile.provenance["cpu_matrix_features"]
     assert features == list(matrix_features())
     assert set(features) <= set(MATRIX_FEATURES)
+    cache = tiny_profile.provenance["cpu_last_level_cache_bytes"]
+    assert cache == (host_facts().last_level_cache_bytes or "unknown")
 
 
 def test_clock_and_power_reads_nvidia_smi_or_says_none():

@@ -39,8 +39,29 @@ def profile_with(curves, *, this_host: bool = True) -> HardwareProfile:
         **base.provenance,
         "cpu_model": facts.cpu_model if this_host else "Some Other CPU",
         "cpu_matrix_features": list(facts.matrix_features),
+        "cpu_last_level_cache_bytes": facts.last_level_cache_bytes or "unknown",
     }
     return dataclasses.replace(base, name="synthetic", cpu=cpu_spec, provenance=provenance)
+
+
+def test_a_cpu_of_the_same_name_and_flags_with_another_cache_is_another_host(monkeypatch):
+    """VMs hide the model: the cache size told two AMX Xeons apart whose GEMMs differ 2.4x."""
+    from hrm.profiling import host_gemm
+
+    facts = dataclasses.replace(cpu.host_facts(), last_level_cache_bytes=110100480.0)
+    monkeypatch.setattr(host_gemm.cpu, "host_facts", lambda: facts)
+    profile = profile_with(MIXED)
+    assert host_gemm.host_differs(profile) is None
+    other = {**profile.provenance, "cpu_last_level_cache_bytes": 503316480}
+    reason = host_gemm.host_differs(dataclasses.replace(profile, provenance=other))
+    assert reason == (
+        "synthetic was measured on a CPU with a 503.3 MB last-level cache; this host's is 110.1 MB"
+    )
+    # a profile made before the size was recorded, or on a host that does not expose it, is
+    # judged by the model and flags alone
+    for unknown in ("unknown", None):
+        older = {**profile.provenance, "cpu_last_level_cache_bytes": unknown}
+        assert host_gemm.host_differs(dataclasses.replace(profile, provenance=older)) is None
 
 
 def record_paths(monkeypatch) -> list[tuple[str, int]]:
