@@ -18,7 +18,7 @@ from collections import Counter
 import torch
 import torch.nn.functional as F
 
-from executor.attention import decode_attention
+from executor.attention import append_and_attend
 from executor.checkpoint import Checkpoint, LayerWeights
 from executor.kv_cache import KVCache
 from hrm.cpu_gemm import CpuGemmChoice
@@ -171,14 +171,13 @@ class MoEModel:
             allowed = causal[None]  # [1, L, L]
         return allowed[:, None].expand(-1, groups, L, L).reshape(allowed.shape[0], 1, groups * L, L)
 
+    @staticmethod
     def decode_attention(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache
+        layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache
     ) -> torch.Tensor:
-        """Append one token per sequence, attend to every cached slot: [B, nq, D] -> [B, nq*D]."""
-        cache.write_step(layer, k, v)
-        end = cache.length + 1
-        keys, values = cache.view(layer, end)  # [B, nkv, S, D]
-        return decode_attention(q, keys, values, cache.mask(end, keys.device))
+        """Append one token per sequence, attend to every cached slot: [B, nq, D] -> [B, nq*D]
+        (the stage `hrm profile` times for the attention curve)."""
+        return append_and_attend(cache, layer, q, k, v)
 
     # -- PostAttn ------------------------------------------------------------------------------
 

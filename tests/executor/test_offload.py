@@ -205,14 +205,25 @@ def test_weights_beyond_the_pinnable_memory_go_through_a_staging_ring(checkpoint
     assert staging == pytest.approx(plan.memory.cpu["weight staging"], rel=0.05)
 
 
-def test_the_attention_curve_times_the_executors_kernel():
-    """hrm profile's CPU attention curve: increasing sizes, positive rates, at the model's heads."""
+def test_the_attention_curve_times_the_executors_kernel(monkeypatch):
+    """hrm profile's CPU attention curve: increasing sizes, positive rates, at the model's heads,
+    each call the executor's own stage (the append into a KVCache, then attention over it)."""
+    from executor import attention
     from executor.attention import QUICK_CURVE_POINTS, measure_attention_curve
     from hrm.arch import resolve_model
 
+    seen = []
+
+    def stage(cache, layer, q, k, v):
+        seen.append((cache.k[layer].shape, cache.length, cache.has_padding))
+        return real_stage(cache, layer, q, k, v)
+
+    real_stage = attention.append_and_attend
+    monkeypatch.setattr(attention, "append_and_attend", stage)
     curve = measure_attention_curve(resolve_model("mixtral-8x7b"), quick=True, rotate_bytes=1e6)
-    assert len(curve.points) == len(QUICK_CURVE_POINTS)
     batch, context = QUICK_CURVE_POINTS[0]
+    assert seen[0] == ((batch, 8, context, 128), context - 1, True)
+    assert len(curve.points) == len(QUICK_CURVE_POINTS)
     assert curve.points[0][0] == 2 * batch * 8 * context * 128 * 2  # K and V, 8 heads of 128, bf16
     assert all(rate > 0 for _, rate in curve.points)
 
