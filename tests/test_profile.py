@@ -262,7 +262,7 @@ def test_the_profile_records_the_cpus_matrix_features_and_cache(tiny_profile):
     assert features == list(matrix_features())
     assert set(features) <= set(MATRIX_FEATURES)
     cache = tiny_profile.provenance["cpu_last_level_cache_bytes"]
-    assert cache == (host_facts().last_level_cache_bytes or "unknown")
+    assert cache == (int(host_facts().last_level_cache_bytes or 0) or "unknown")
 
 
 def test_clock_and_power_reads_nvidia_smi_or_says_none():

@@ -143,7 +143,7 @@ def measure_profile(
         "os": platform.platform(),
         "cpu_model": facts.cpu_model,
         "cpu_matrix_features": list(facts.matrix_features),
-        "cpu_last_level_cache_bytes": facts.last_level_cache_bytes or "unknown",
+        "cpu_last_level_cache_bytes": int(facts.last_level_cache_bytes or 0) or "unknown",
         "cores": facts.cores,
         "torch": str(torch.__version__),
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
