@@ -3,7 +3,9 @@ exit status 1 when the model's error (MAPE) exceeds --max-mape.
 
 The host is profiled first (quick, at the model's own shape) unless --hardware names a profile
 of this very host: a stale or foreign profile would test the profile, not the model. Every
-setting runs `--repeats` times, the passes interleaved, and the run-to-run spread is reported.
+setting runs `--repeats` times, the passes interleaved, and the run-to-run spread is reported;
+before each timed run one GEMM point of the profile is timed again (hrm/profiling/host_speed.py),
+so that a host whose speed moves under the sweep shows as such.
 An untimed warm-up pass runs every setting first: the model predicts a long job's steady state,
 and a setting's first run pays what a long job pays once (oneDNN builds a kernel per new GEMM
 shape, 0.5-3 ms each in bf16 on AMX; first touch of the run's memory). How much slower that pass
@@ -122,8 +124,10 @@ def random_checkpoint(args, tmp: Path) -> Path:
 
 def _validate(args, checkpoint: Path, hardware) -> int:
     from executor.api import execute, prepare_run, torch_threads
+    from hrm.arch import resolve_model
     from hrm.cli.run import build_record
     from hrm.profiling.host_gemm import cpu_gemm_for_run
+    from hrm.profiling.host_speed import HostSpeedCheck
     from hrm.progress import progress_bar
     from hrm.report import load_records, summaries, write_report
 
@@ -150,6 +154,7 @@ def _validate(args, checkpoint: Path, hardware) -> int:
 
     with torch_threads(args.threads):
         hardware = hardware or _profile_host(checkpoint, args.quiet)
+        speed = HostSpeedCheck.for_profile(resolve_model(checkpoint), hardware, DTYPES)
         total = (args.repeats + 1) * (len(settings) + len(offloaded))
         bar = progress_bar(total=total, desc="validate", quiet=args.quiet)
         with bar:
@@ -159,6 +164,9 @@ def _validate(args, checkpoint: Path, hardware) -> int:
                     spec = prepare_run(checkpoint, gen_len=gen, prompt_len=length, batch=batch,
                                        dtype=dtype, device="cpu")  # fmt: skip
                     spec = dataclasses.replace(spec, prompts=_prompts(spec, batch, length, ragged))
+                    name = f"{dtype}-b{batch}-p{length}{'r' if ragged else 'u'}-g{gen}"
+                    if rep is not None:
+                        speed.check(f"{name}-{rep + 1}", dtype)
 
                     def choose(ckpt, spec=spec):
                         return cpu_gemm_for_run(spec.arch, spec.dtype, mode="auto",
@@ -166,12 +174,13 @@ def _validate(args, checkpoint: Path, hardware) -> int:
                                                 warn=lambda m: None)  # fmt: skip
 
                     result = execute(spec, cpu_gemm=choose, ignore_eos=True, quiet=True)
-                    name = f"{dtype}-b{batch}-p{length}{'r' if ragged else 'u'}-g{gen}"
                     keep(name, rep, build_record(result, hardware).to_dict())
                 for dtype, schedule in offloaded:
                     shape = OFFLOADED["quick" if args.quick else "full"]
-                    record = _offloaded_run(checkpoint, hardware, dtype, schedule, shape)
                     name = f"{dtype}-{schedule}-b{shape[0]}-m{shape[1]}-p{shape[2]}r-g{shape[3]}"
+                    if rep is not None:
+                        speed.check(f"{name}-{rep + 1}", dtype)
+                    record = _offloaded_run(checkpoint, hardware, dtype, schedule, shape)
                     keep(name, rep, record)
     out = Path(args.output)
     with tempfile.TemporaryDirectory() as staging:
@@ -182,6 +191,7 @@ def _validate(args, checkpoint: Path, hardware) -> int:
         rows = load_records(sorted(runs.glob("*.json")))
         title = f"{rows[0].model} on {hardware.name}: predicted against measured"
         notes = _spread_notes(spreads, warm_up, hardware)
+        notes += speed.summary({row.name: row.error for row in rows})
         write_report(rows, out, title=title, notes=notes)
         (out / "runs").mkdir(exist_ok=True)
         for path in runs.iterdir():

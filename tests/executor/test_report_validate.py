@@ -93,6 +93,9 @@ def test_validate_quick_runs_end_to_end_and_fails_past_its_mape(run_cli, checkpo
     page = (out_dir / "report.md").read_text()
     # the untimed warm-up pass leaves no records, only its note beside the spread
     assert "Conditions" in page and "untimed warm-up pass" in page
+    # every timed run was preceded by the host speed check, in each dtype the profile timed
+    assert "Host speed during the sweep" in page
+    assert "bfloat16 " in page.split("Host speed during the sweep")[1].split("\n")[0]
     # the same sweep against a threshold it misses: status 1, and it says so
     status, _, err = run_cli(
         "validate", "--checkpoint", checkpoints["mixtral-single"], "--quick", "--repeats", "1",
@@ -133,3 +136,47 @@ def test_validate_refuses_a_profile_of_another_machine(run_cli, checkpoints, tmp
     assert not (tmp_path / "v").exists()
     status, _, err = run_cli("validate", "--model", "dbrx", "-o", tmp_path / "v")
     assert_one_line_error(status, err, "give --checkpoint DIR, or --model M --random-weights")
+
+
+def test_host_speed_summary_by_hand():
+    """Ratios per dtype and their correlation with the runs' errors, from hand-made values."""
+    from hrm.profiling.host_speed import HostSpeedCheck
+    from hrm.profiling.matmul import GemmShape
+
+    check = HostSpeedCheck(
+        shape=GemmShape(model="m", hidden=8, intermediate=16),
+        expected={"bfloat16": 1e11, "float32": 5e10},
+    )
+    check.ratios = {
+        "a-1": ("bfloat16", 1.0), "a-2": ("bfloat16", 2.0), "b-1": ("float32", 0.5),
+    }  # fmt: skip
+    # a host at twice its profile's speed doubles the measured rate: error 1/2 - 1
+    (line, blank) = check.summary({"a-1": 0.0, "a-2": -0.5, "b-1": 1.0})
+    assert blank == ""
+    assert "(8x16, 64 rows)" in line
+    assert "bfloat16 100%-200% (median 150%); float32 50%-50% (median 50%)." in line
+    # Pearson over (1, 2, 0.5) and (0, -0.5, 1): deviations (-1/6, 5/6, -2/3) and
+    # (-1/6, -2/3, 5/6), sum of products -13/12 over sqrt(7/6 * 7/6): -13/14 = -0.93
+    assert "Correlation of each run's error with that share: -0.93" in line
+    # without checks (no curve of the run's dtype) the report says nothing of host speed
+    assert HostSpeedCheck(shape=check.shape, expected={}).summary({}) == []
+
+
+def test_host_speed_check_times_the_profiles_point():
+    """The check's reference is the profile's rate at CHECK_TOKENS for each dtype it timed; a
+    check keeps a positive ratio under the run's name, and a dtype without a curve is skipped."""
+    from hrm.arch import resolve_model
+    from hrm.hardware import resolve_hardware
+    from hrm.profiling.host_speed import CHECK_TOKENS, HostSpeedCheck
+    from hrm.profiling.matmul import GemmShape
+
+    profile = resolve_hardware("ci-cpu")
+    check = HostSpeedCheck.for_profile(resolve_model("mixtral-8x7b"), profile, ["float32", "x"])
+    assert (check.shape.hidden, check.shape.intermediate) == (4096, 14336)
+    assert check.expected == {"float32": profile.cpu.matmul_curves["float32"].at(CHECK_TOKENS)}
+    small = HostSpeedCheck(shape=GemmShape(model="t", hidden=256, intermediate=512),
+                           expected={"float32": 1e10})  # fmt: skip
+    small.check("r-1", "float32")
+    small.check("r-2", "bfloat16")
+    assert list(small.ratios) == ["r-1"] and small.ratios["r-1"][0] == "float32"
+    assert small.ratios["r-1"][1] > 0
