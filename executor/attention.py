@@ -80,7 +80,7 @@ def measure_attention_curve(
     bytes per call (a Curve of bytes -> bytes/s), at the model's heads, a quarter of each batch
     padded to half the context: what the planner charges CPU decode attention at
     (planner/cost.py). Each call is append_and_attend on a KVCache, the append and the strided
-    views included: timing contiguous K/V alone was 8-18% fast on the SPR VM (2026-12-03)."""
+    views included: timing contiguous K/V alone was 8-18% fast on an AMX Xeon VM (2026-12-03)."""
     from hrm.hardware_parts import Curve
 
     torch_dtype = getattr(torch, dtype)

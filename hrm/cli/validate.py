@@ -300,7 +300,8 @@ def _spread_notes(
         "",
         f"Profile: {hardware.name} ({hardware.description}); CPU "
         f"{hardware.provenance.get('cpu_model', '?')}, matrix features "
-        f"{', '.join(hardware.provenance.get('cpu_matrix_features', [])) or 'unknown'}. "
+        f"{', '.join(hardware.provenance.get('cpu_matrix_features', [])) or 'unknown'}, "
+        f"last-level cache {_cache_size(hardware)}. "
         "Schedules: resident (the model held by one device) and, on a CPU-only host, every "
         "offloading schedule at a forced-paging policy (nothing resident, two micro-batches) "
         "with the CPU standing in for the GPU, predicted by the stand-in profile "
@@ -329,3 +330,10 @@ def _spread_notes(
             "",
         ]
     return notes
+
+
+def _cache_size(hardware) -> str:
+    from hrm.units import format_bytes
+
+    size = hardware.provenance.get("cpu_last_level_cache_bytes")
+    return format_bytes(size) if isinstance(size, (int, float)) else "unknown"

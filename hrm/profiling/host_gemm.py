@@ -30,8 +30,8 @@ PROBE_BUDGET_S = 1.0
 def host_differs(profile: HardwareProfile) -> str | None:
     """Why `profile` does not describe this host's CPU (None when it does): a datasheet, or a
     measurement of another CPU model, set of matrix features or last-level cache size. VMs
-    hide the model: two AMX Xeons both named "Intel(R) Xeon(R) Processor" with the same flags,
-    one with a 480 MiB L3 and one with 105 MiB, ran bf16 GEMMs at 1.73 and 0.72 TFLOP/s."""
+    hide the model: two AMX Xeon VMs both named "Intel(R) Xeon(R) Processor" with the same
+    flags had a 480 MiB and a 105 MiB L3 (docs/decisions.md, 2026-12-03)."""
     if profile.source != "measured":
         return f"{profile.name} is a datasheet profile, not a measurement of this host"
     facts = cpu.host_facts()

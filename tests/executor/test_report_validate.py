@@ -95,6 +95,7 @@ def test_validate_quick_runs_end_to_end_and_fails_past_its_mape(run_cli, checkpo
     assert "Conditions" in page and "untimed warm-up pass" in page
     # every timed run was preceded by the host speed check, in each dtype the profile timed
     assert "Host speed during the sweep" in page
+    assert "last-level cache " in page.split("## Conditions")[1].split("\n\n")[1]
     assert "bfloat16 " in page.split("Host speed during the sweep")[1].split("\n")[0]
     # the same sweep against a threshold it misses: status 1, and it says so
     status, _, err = run_cli(
