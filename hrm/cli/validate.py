@@ -152,6 +152,12 @@ def _validate(args, checkpoint: Path, hardware) -> int:
         records[f"{name}-{rep + 1}"] = record
         spreads.setdefault(name, []).append(throughput)
 
+    def check_speed(name: str, rep: int | None, dtype: str) -> None:
+        """Before a timed run (not the warm-up pass): the host's speed now against the profile's,
+        under the name `keep` files the run by."""
+        if rep is not None:
+            speed.check(f"{name}-{rep + 1}", dtype)
+
     with torch_threads(args.threads):
         hardware = hardware or _profile_host(checkpoint, args.quiet)
         speed = HostSpeedCheck.for_profile(resolve_model(checkpoint), hardware, DTYPES)
@@ -165,8 +171,7 @@ def _validate(args, checkpoint: Path, hardware) -> int:
                                        dtype=dtype, device="cpu")  # fmt: skip
                     spec = dataclasses.replace(spec, prompts=_prompts(spec, batch, length, ragged))
                     name = f"{dtype}-b{batch}-p{length}{'r' if ragged else 'u'}-g{gen}"
-                    if rep is not None:
-                        speed.check(f"{name}-{rep + 1}", dtype)
+                    check_speed(name, rep, dtype)
 
                     def choose(ckpt, spec=spec):
                         return cpu_gemm_for_run(spec.arch, spec.dtype, mode="auto",
@@ -178,8 +183,7 @@ def _validate(args, checkpoint: Path, hardware) -> int:
                 for dtype, schedule in offloaded:
                     shape = OFFLOADED["quick" if args.quick else "full"]
                     name = f"{dtype}-{schedule}-b{shape[0]}-m{shape[1]}-p{shape[2]}r-g{shape[3]}"
-                    if rep is not None:
-                        speed.check(f"{name}-{rep + 1}", dtype)
+                    check_speed(name, rep, dtype)
                     record = _offloaded_run(checkpoint, hardware, dtype, schedule, shape)
                     keep(name, rep, record)
     out = Path(args.output)
@@ -333,7 +337,8 @@ def _spread_notes(
 
 
 def _cache_size(hardware) -> str:
+    from hrm.profiling.host_gemm import recorded_cache_bytes
     from hrm.units import format_bytes
 
-    size = hardware.provenance.get("cpu_last_level_cache_bytes")
-    return format_bytes(size) if isinstance(size, (int, float)) else "unknown"
+    size = recorded_cache_bytes(hardware)
+    return format_bytes(size) if size else "unknown"

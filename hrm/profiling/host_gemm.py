@@ -48,14 +48,20 @@ def host_differs(profile: HardwareProfile) -> str | None:
             f"{profile.name} was measured on a CPU with {', '.join(theirs_features) or 'none'}; "
             f"this host has {', '.join(facts.matrix_features) or 'none'}"
         )
-    theirs_cache = profile.provenance.get("cpu_last_level_cache_bytes")
+    theirs_cache = recorded_cache_bytes(profile)
     ours_cache = facts.last_level_cache_bytes
-    if isinstance(theirs_cache, (int, float)) and ours_cache and theirs_cache != ours_cache:
+    if theirs_cache and ours_cache and theirs_cache != ours_cache:
         return (
             f"{profile.name} was measured on a CPU with a {format_bytes(theirs_cache)} "
             f"last-level cache; this host's is {format_bytes(ours_cache)}"
         )
     return None
+
+
+def recorded_cache_bytes(profile: HardwareProfile) -> float | None:
+    """The last-level cache size the profile's host had, or None where it was not recorded."""
+    size = profile.provenance.get("cpu_last_level_cache_bytes")
+    return float(size) if isinstance(size, (int, float)) else None
 
 
 def probe_cpu_gemm(

@@ -45,7 +45,7 @@ def profile_with(curves, *, this_host: bool = True) -> HardwareProfile:
 
 
 def test_a_cpu_of_the_same_name_and_flags_with_another_cache_is_another_host(monkeypatch):
-    """VMs hide the model: the cache size told two AMX Xeons apart whose GEMMs differ 2.4x."""
+    """VMs hide the model: the cache size told apart two AMX Xeon VMs of one name and flags."""
     from hrm.profiling import host_gemm
 
     facts = dataclasses.replace(cpu.host_facts(), last_level_cache_bytes=110100480.0)
