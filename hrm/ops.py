@@ -111,10 +111,8 @@ def expert_ffn_op(
     FLOPs = 6 * T * h * i * k (three projections per active expert, reference section 1).
     Weight bytes = distinct experts touched * 3*h*i*dt; a kernel launched per micro-batch of
     `group_tokens` tokens reads the experts that micro-batch touches, once per micro-batch.
-    Elementwise element passes of the executor's grouped FFN (executor/model.py, experts), over
-    A = T*k assignments: the gate silu(a)*b, 5*A*i (2 for silu, 3 for the product); the gather of
-    inputs, the copy of outputs, the scale by the router weight and its rounding, 2*A*h each, and
-    index_add_'s read, A*h; the zeroed output and its read-modify-write, 3*T*h.
+    Elementwise passes: routed_expert_op's per assignment (A = T*k of them), plus the output's
+    per token (ffn_output_elements).
     """
     wdt, adt = dtype_bytes(weight_dtype), dtype_bytes(ACTIVATION_DTYPE)
     h, i, k = arch.hidden_size, arch.intermediate_size, arch.experts_per_token
@@ -125,9 +123,37 @@ def expert_ffn_op(
         flops=6.0 * tokens * h * i * k,
         weight_bytes=groups * expected_distinct_experts(arch, group) * arch.expert_params * wdt,
         activation_bytes=tokens * k * (2 * h + 3 * i) * adt,
-        elementwise_elements=tokens * k * (5 * i + 9 * h) + 3 * tokens * h,
-        gemm_shapes=((h, i), (h, i), (i, h)),  # w1, w3, then w2 (executor/model.py, experts)
+        elementwise_elements=tokens * k * (5 * i + 9 * h) + ffn_output_elements(arch, tokens),
+        gemm_shapes=expert_gemm_shapes(arch),
     )
+
+
+def expert_gemm_shapes(arch: ModelArch) -> tuple[tuple[int, int], ...]:
+    """(d_in, d_out) of w1, w3, then w2, as the executor runs them (executor/model.py, experts)."""
+    h, i = arch.hidden_size, arch.intermediate_size
+    return ((h, i), (h, i), (i, h))
+
+
+def routed_expert_op(arch: ModelArch, *, rows: float, weight_dtype: str) -> Op:
+    """One expert over the `rows` tokens routed to it: its three GEMMs at those rows, its whole
+    weight read once, and the elementwise passes of the executor's grouped FFN per assignment:
+    the gate silu(a)*b, 5*i (2 for silu, 3 for the product); the gather of inputs, the copy of
+    outputs, the scale by the router weight and its rounding, 2*h each; index_add_'s read, h."""
+    wdt, adt = dtype_bytes(weight_dtype), dtype_bytes(ACTIVATION_DTYPE)
+    h, i = arch.hidden_size, arch.intermediate_size
+    return Op(
+        name="expert_ffn",
+        flops=6.0 * rows * h * i,
+        weight_bytes=arch.expert_params * wdt,
+        activation_bytes=rows * (2 * h + 3 * i) * adt,
+        elementwise_elements=rows * (5 * i + 9 * h),
+        gemm_shapes=expert_gemm_shapes(arch),
+    )
+
+
+def ffn_output_elements(arch: ModelArch, tokens: float) -> float:
+    """The routed FFN's output, zeroed and then read-modify-written: 3*T*h element passes."""
+    return 3 * tokens * arch.hidden_size
 
 
 def layer_ops(

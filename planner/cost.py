@@ -27,20 +27,21 @@ the layers) + the LM head of every micro-batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from hrm.arch import ModelArch
-from hrm.cpu_gemm import CpuGemmChoice, choose_cpu_gemm, gemm_flops_per_s
+from hrm.cpu_gemm import CpuGemmChoice, choose_cpu_gemm
 from hrm.hardware import HardwareProfile
 from hrm.hardware_parts import DeviceSpec
-from hrm.ops import ACTIVATION_DTYPE, Op, expected_distinct_experts, layer_ops, lm_head_op
+from hrm.ops import ACTIVATION_DTYPE, layer_ops, lm_head_op
 from hrm.placement import largest_page_bytes
 from hrm.policy import dtype_bytes
 from hrm.workload import Workload
 from planner.memory import PREFILL_CHUNK_TOKENS, MemoryTerms, WeightBytes, memory_terms
 from planner.memory import placement_vector as vec
+from planner.op_time import expert_ffn_seconds, op_seconds
 from planner.overheads import launch_seconds, step_seconds, unhidden_gpu_launch
 from planner.transfers import all_reduce_seconds, check_tensor_parallel, link_seconds
 
@@ -64,6 +65,10 @@ class Setting:
     # the KV cache is left-padded to the longest prompt (the resident executor's), so decode
     # attends over the padded slots even when prefill packs the prompts
     padded_kv_cache: bool = False
+    # the routed FFN's seconds per group of tokens, by device role (planner.op_time)
+    ffn_memo: dict[str, dict[float, float]] = field(
+        default_factory=dict, init=False, compare=False, repr=False
+    )
 
     def __post_init__(self) -> None:
         check_tensor_parallel(self.arch, self.hardware)
@@ -197,48 +202,11 @@ class MicroBatchSeconds:
     embed_to_gpu: np.ndarray  # next tokens' embeddings, gathered on the CPU
 
 
-def op_seconds(
-    op: Op, device: DeviceSpec, dtype: str, rows, *, cpu_gemm: CpuGemmChoice | None = None
-) -> np.ndarray:
-    """T_op = max(FLOPs / P(rows), bytes / B) + N_elementwise / R_elementwise  (paper Eq 13-14,
-    plus the op's elementwise passes, which run after its GEMMs), P from the profile's GEMM curve
-    at `rows` rows when it has one, else the peak; on the CPU (cpu_gemm given) P is the rate of
-    the path the executor takes at those rows, padded as it pads (hrm.cpu_gemm), and an op of
-    several GEMMs takes sum_j FLOPs_j / P_j(rows), each at its own shape's curve. R: the measured
-    elementwise rate in `dtype`, else the memory bandwidth over the element size."""
-    rows = float(rows)
-    if cpu_gemm is None:
-        compute = np.asarray(op.flops) / device.matmul_flops_per_s(dtype, rows)
-    elif op.gemm_shapes:
-        compute = sum(
-            flops / gemm_flops_per_s(device, cpu_gemm, rows, shape)
-            for shape, flops in op.gemm_flops()
-        )
-    else:
-        compute = np.asarray(op.flops) / gemm_flops_per_s(device, cpu_gemm, rows)
-    roofline = np.maximum(compute, np.asarray(op.bytes) / device.total_memory_bandwidth_bytes_per_s)
-    if not op.elementwise_elements:
-        return roofline
-    return roofline + np.asarray(op.elementwise_elements) / device.elementwise_elements_per_s(dtype)
-
-
-def expert_ffn_seconds(
-    op: Op, device: DeviceSpec, dtype: str, rows, *, cpu_gemm: CpuGemmChoice | None = None
-) -> np.ndarray:
-    """T_ffn = FLOPs / P_ffn(rows) * count where the profile measured the executor's whole
-    grouped FFN on this device (gpu.expert_ffn_curves, executor/overhead.py), else op_seconds."""
-    curve = device.expert_ffn_curves.get(dtype)
-    if curve is None:
-        return op_seconds(op, device, dtype, rows, cpu_gemm=cpu_gemm)
-    return np.asarray(op.flops) / (curve.at(float(rows)) * device.count)
-
-
 def micro_batch_seconds(setting: Setting, b: float) -> MicroBatchSeconds:
     """Per-layer seconds of one micro-batch of b sequences at each step, on either device."""
     arch, hw, wl = setting.arch, setting.hardware, setting.workload
     dtype = setting.compute_dtype
     adt, kdt = dtype_bytes(ACTIVATION_DTYPE), dtype_bytes(setting.kv_dtype)
-    k = arch.experts_per_token
     steps = setting.steps
     s_pre = wl.prefill_len
     chunk = min(b * s_pre, PREFILL_CHUNK_TOKENS)
@@ -268,23 +236,24 @@ def micro_batch_seconds(setting: Setting, b: float) -> MicroBatchSeconds:
     }
     group = arch.num_attention_heads / arch.num_key_value_heads
 
-    def on(device: DeviceSpec | None, cpu_gemm: CpuGemmChoice | None = None):
+    def on(role: str, device: DeviceSpec | None, cpu_gemm: CpuGemmChoice | None = None):
         if device is None:  # no GPU: these entries are multiplied by F_g = 0
             return {key: np.zeros(steps) for key in ("dense", "ffn", "attention", "head")}
 
-        def both(name: str, pre_rows: float, dec_rows: float, price=op_seconds) -> np.ndarray:
+        def both(name: str, pre_rows: float, dec_rows: float) -> np.ndarray:
             if name not in prefill:
                 return np.zeros(steps)
-            pre = price(prefill[name], device, dtype, pre_rows, cpu_gemm=cpu_gemm)
-            dec = price(decode[name], device, dtype, dec_rows, cpu_gemm=cpu_gemm)
+            pre = op_seconds(prefill[name], device, dtype, pre_rows, cpu_gemm=cpu_gemm)
+            dec = op_seconds(decode[name], device, dtype, dec_rows, cpu_gemm=cpu_gemm)
             dec = dec * np.ones(steps - 1)
             return np.concatenate([[pre], dec])
 
-        # expert GEMM rows: tokens * k spread over the distinct experts they touch
-        ffn_rows = (
-            chunk * k / expected_distinct_experts(arch, chunk),
-            b * k / expected_distinct_experts(arch, b),
-        )
+        def ffn(tokens: float, group: float) -> float:
+            wdt = setting.weight_dtype
+            memo = setting.ffn_memo.setdefault(role, {})
+            return expert_ffn_seconds(arch, device, dtype, tokens=tokens, group_tokens=group,
+                                      weight_dtype=wdt, cpu_gemm=cpu_gemm, memo=memo)  # fmt: skip
+
         head = lm_head_op(arch, batch=b, weight_dtype=setting.weight_dtype)
         attention = both("attention", s_pre, group)
         curve = device.attention_curve if cpu_gemm is not None else None
@@ -295,14 +264,14 @@ def micro_batch_seconds(setting: Setting, b: float) -> MicroBatchSeconds:
             attention[1:] = kv / curve.at_each(kv)
         return {
             "dense": sum(both(name, chunk, b) for name in DENSE_OPS),
-            "ffn": both("expert_ffn", *ffn_rows, price=expert_ffn_seconds),
+            "ffn": np.concatenate([[ffn(b * s_pre, chunk)], ffn(b, b) * np.ones(steps - 1)]),
             "attention": attention,
             "head": op_seconds(head, device, dtype, b, cpu_gemm=cpu_gemm) * np.ones(steps),
         }
 
     # a CPU standing in for the GPU runs the CPU's GEMM paths and kernels (hrm/stand_in.py)
-    cpu = on(hw.cpu, setting.cpu_gemm_choice)
-    gpu = on(hw.gpu, setting.cpu_gemm_choice if hw.stand_in else None)
+    cpu = on("cpu", hw.cpu, setting.cpu_gemm_choice)
+    gpu = on("gpu", hw.gpu, setting.cpu_gemm_choice if hw.stand_in else None)
     hidden_page = b * s_pre * arch.hidden_size * adt
     qkv = b * (arch.q_size + 2 * arch.kv_size) * adt
     kv_per_token_layer = 2 * arch.kv_size * kdt

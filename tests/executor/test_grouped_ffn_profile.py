@@ -11,7 +11,7 @@ import torch
 from executor.overhead import measure_expert_ffn_curve, measure_launch_overhead
 from hrm.hardware_parts import Curve
 from hrm.ops import expected_distinct_experts, expert_ffn_op
-from planner.cost import expert_ffn_seconds
+from planner.op_time import expert_ffn_seconds
 from tests.test_profile import TINY_ARCH
 
 DEVICES = [
@@ -43,13 +43,18 @@ def test_the_curve_is_rows_per_expert_against_the_ffns_flop_rate(device):
 
 
 def test_the_planner_reads_back_the_time_that_was_measured():
-    """T = FLOPs(T) / P(rows(T)) returns the measured seconds at a measured token count."""
+    """T = FLOPs(T) / P(rows(T)) returns the measured seconds at a measured token count: the
+    curve already holds the routing's spread, so no expectation over counts is taken."""
     rate = 3e11
+    rows = 64 * TINY_ARCH.experts_per_token / expected_distinct_experts(TINY_ARCH, 64)
     device = dataclasses.replace(
-        _any_device(), expert_ffn_curves={"float32": Curve(points=((1.0, 1e10), (4.0, rate)))}
+        _any_device(), expert_ffn_curves={"float32": Curve(points=((1.0, 1e10), (rows, rate)))}
     )
-    op = expert_ffn_op(TINY_ARCH, tokens=64, weight_dtype="float32")
-    assert expert_ffn_seconds(op, device, "float32", 4.0) == pytest.approx(op.flops / rate)
+    op = expert_ffn_op(TINY_ARCH, tokens=128, weight_dtype="float32", group_tokens=64)
+    seconds = expert_ffn_seconds(
+        TINY_ARCH, device, "float32", tokens=128, group_tokens=64, weight_dtype="float32"
+    )
+    assert seconds == pytest.approx(op.flops / rate)
 
 
 def test_the_launch_overhead_is_measured_on_the_device_asked(monkeypatch):

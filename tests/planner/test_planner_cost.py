@@ -375,7 +375,7 @@ def test_elementwise_passes_are_charged_after_the_roofline_time(arch, make_cpu_p
     """T_op = max(FLOPs / P, bytes / B) + elements / R: the expert FFN's and the norms' element
     passes (counted by hand here) at a measured 1e9 elements/s."""
     from hrm.ops import expert_ffn_op, layer_ops
-    from planner.cost import op_seconds
+    from planner.op_time import op_seconds
 
     hw = make_cpu_profile()
     tokens, k, h, i = 64, arch.experts_per_token, arch.hidden_size, arch.intermediate_size

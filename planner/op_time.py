@@ -1,0 +1,137 @@
+"""One op's time on one device: the roofline of its FLOPs and bytes at the rate the profile
+measured for its shape and row count, plus its elementwise passes (paper Eq 13-14)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from hrm.arch import ModelArch
+from hrm.cpu_gemm import CpuGemmChoice, gemm_flops_per_s
+from hrm.hardware_parts import DeviceSpec
+from hrm.ops import (
+    Op,
+    expected_distinct_experts,
+    expert_ffn_op,
+    ffn_output_elements,
+    routed_expert_op,
+)
+
+
+def op_seconds(
+    op: Op, device: DeviceSpec, dtype: str, rows, *, cpu_gemm: CpuGemmChoice | None = None
+) -> np.ndarray:
+    """T_op = max(FLOPs / P(rows), bytes / B) + N_elementwise / R_elementwise  (paper Eq 13-14,
+    plus the op's elementwise passes, which run after its GEMMs), P from the profile's GEMM curve
+    at `rows` rows when it has one, else the peak; on the CPU (cpu_gemm given) P is the rate of
+    the path the executor takes at those rows, padded as it pads (hrm.cpu_gemm), and an op of
+    several GEMMs takes sum_j FLOPs_j / P_j(rows), each at its own shape's curve. `rows` and the
+    op's sizes may be arrays (one entry per row count). R: the measured
+    elementwise rate in `dtype`, else the memory bandwidth over the element size."""
+
+    def rate(fn) -> np.ndarray:  # one lookup per row count: `rows` may be an array of them
+        return np.vectorize(fn, otypes=[float])(np.asarray(rows, dtype=float))
+
+    if cpu_gemm is None:
+        compute = np.asarray(op.flops) / rate(lambda r: device.matmul_flops_per_s(dtype, r))
+    elif op.gemm_shapes:
+        compute = sum(
+            flops / rate(lambda r, shape=shape: gemm_flops_per_s(device, cpu_gemm, r, shape))
+            for shape, flops in op.gemm_flops()
+        )
+    else:
+        compute = np.asarray(op.flops) / rate(lambda r: gemm_flops_per_s(device, cpu_gemm, r))
+    roofline = np.maximum(compute, np.asarray(op.bytes) / device.total_memory_bandwidth_bytes_per_s)
+    if not np.any(op.elementwise_elements):
+        return roofline
+    return roofline + np.asarray(op.elementwise_elements) / device.elementwise_elements_per_s(dtype)
+
+
+def expert_ffn_seconds(
+    arch: ModelArch,
+    device: DeviceSpec,
+    dtype: str,
+    *,
+    tokens: float,
+    group_tokens: float,
+    weight_dtype: str,
+    cpu_gemm: CpuGemmChoice | None = None,
+    memo: dict[float, float] | None = None,
+) -> float:
+    """The routed FFN over `tokens` tokens, run in groups of `group_tokens` (a prefill chunk, a
+    decode micro-batch).
+
+    Where the profile measured the executor's whole grouped FFN on this device
+    (expert_ffn_curves, executor/overhead.py, real routing included):
+    T = FLOPs / P_ffn(rows), rows = G*k over the experts touched.
+    Else each expert runs its own GEMMs at the rows routed to it, as the executor's loop does, so
+    the expected time is the expectation of the sum over experts (linearity; uniform routing):
+      T = (T/G) * E * sum_n P(n) * T_expert(n) + output passes,  n ~ Binomial(G, k/E),
+    with T_expert(n) the roofline of routed_expert_op at n rows (op_seconds). Pricing the mean
+    count instead misses that the rate curve is not linear in rows: padded fp32 GEMMs at a
+    decode batch of 64 (16 rows per expert on average, half the experts above 16 and padded to
+    32) cost 18% less than at the mean (docs/decisions.md, 2026-12-03). A fractional G
+    interpolates between the integer counts on either side. `memo` keeps each group's expert
+    seconds for the next call on the same device (a search asks for the same prefill chunk at
+    every batch size)."""
+    if tokens <= 0 or group_tokens <= 0:
+        return 0.0
+    curve = device.expert_ffn_curves.get(dtype)
+    if curve is not None:
+        group = group_tokens
+        op = expert_ffn_op(arch, tokens=tokens, weight_dtype=weight_dtype, group_tokens=group)
+        rows = group * arch.experts_per_token / expected_distinct_experts(arch, group)
+        return op.flops / (curve.at(float(rows)) * device.count)
+    if memo is None or group_tokens not in memo:
+        per_group = _group_seconds(arch, device, dtype, group_tokens, weight_dtype, cpu_gemm)
+        if memo is None:
+            return _total(arch, device, dtype, tokens, group_tokens, per_group)
+        memo[group_tokens] = per_group
+    return _total(arch, device, dtype, tokens, group_tokens, memo[group_tokens])
+
+
+def _total(arch, device, dtype, tokens: float, group_tokens: float, per_group: float) -> float:
+    output = ffn_output_elements(arch, tokens) / device.elementwise_elements_per_s(dtype)
+    return tokens / group_tokens * per_group + output
+
+
+def _group_seconds(arch, device, dtype, group_tokens: float, weight_dtype, cpu_gemm) -> float:
+    """One group's experts; a fractional group between the integer groups on either side."""
+    low = max(1, math.floor(group_tokens))
+    share = min(1.0, max(0.0, group_tokens - low))
+    seconds = (1 - share) * _experts_seconds(arch, device, dtype, low, weight_dtype, cpu_gemm)
+    if share:
+        seconds += share * _experts_seconds(arch, device, dtype, low + 1, weight_dtype, cpu_gemm)
+    return seconds
+
+
+def _experts_seconds(
+    arch: ModelArch,
+    device: DeviceSpec,
+    dtype: str,
+    group: int,
+    weight_dtype: str,
+    cpu_gemm: CpuGemmChoice | None,
+) -> float:
+    """E * sum_n P(n) * T_expert(n) for one group of `group` tokens: n ~ Binomial(group, k/E),
+    n = 0 costs nothing."""
+    counts, weights = _binomial(group, arch.experts_per_token / arch.num_experts)
+    expert = routed_expert_op(arch, rows=counts, weight_dtype=weight_dtype)
+    seconds = op_seconds(expert, device, dtype, counts, cpu_gemm=cpu_gemm)
+    return arch.num_experts * float(weights @ seconds)
+
+
+def _binomial(trials: int, p: float) -> tuple[np.ndarray, np.ndarray]:
+    """(counts, P(count)) of Binomial(trials, p) over 1..trials within 8 standard deviations of
+    the mean (all but about 1e-15 of the mass; 0 left out)."""
+    if p >= 1:  # every expert takes every token
+        return np.array([trials]), np.array([1.0])
+    reach = 8 * math.sqrt(trials * p * (1 - p)) + 1
+    lo, hi = max(1, math.floor(trials * p - reach)), min(trials, math.ceil(trials * p + reach))
+    counts = np.arange(lo, hi + 1)
+    log_choose = np.array(
+        [math.lgamma(trials + 1) - math.lgamma(n + 1) - math.lgamma(trials - n + 1) for n in counts]
+    )
+    log_p = counts * math.log(p) + (trials - counts) * math.log1p(-p)
+    return counts, np.exp(log_choose + log_p)
