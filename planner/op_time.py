@@ -70,8 +70,8 @@ def expert_ffn_seconds(
       T = (T/G) * E * sum_n P(n) * T_expert(n) + output passes,  n ~ Binomial(G, k/E),
     with T_expert(n) the roofline of routed_expert_op at n rows (op_seconds). Pricing the mean
     count instead misses that the rate curve is not linear in rows: padded fp32 GEMMs at a
-    decode batch of 64 (16 rows per expert on average, half the experts above 16 and padded to
-    32) cost 18% less than at the mean (docs/decisions.md, 2026-12-03). A fractional G
+    decode batch of 64 (16 rows per expert on average, 43% of the experts above 16 and padded
+    to 32) cost 18% less than at the mean (docs/decisions.md, 2026-12-03). A fractional G
     interpolates between the integer counts on either side. `memo` keeps each group's expert
     seconds for the next call on the same device (a search asks for the same prefill chunk at
     every batch size)."""
@@ -83,17 +83,13 @@ def expert_ffn_seconds(
         op = expert_ffn_op(arch, tokens=tokens, weight_dtype=weight_dtype, group_tokens=group)
         rows = group * arch.experts_per_token / expected_distinct_experts(arch, group)
         return op.flops / (curve.at(float(rows)) * device.count)
-    if memo is None or group_tokens not in memo:
-        per_group = _group_seconds(arch, device, dtype, group_tokens, weight_dtype, cpu_gemm)
-        if memo is None:
-            return _total(arch, device, dtype, tokens, group_tokens, per_group)
-        memo[group_tokens] = per_group
-    return _total(arch, device, dtype, tokens, group_tokens, memo[group_tokens])
-
-
-def _total(arch, device, dtype, tokens: float, group_tokens: float, per_group: float) -> float:
+    memo = {} if memo is None else memo
+    if group_tokens not in memo:
+        memo[group_tokens] = _group_seconds(
+            arch, device, dtype, group_tokens, weight_dtype, cpu_gemm
+        )
     output = ffn_output_elements(arch, tokens) / device.elementwise_elements_per_s(dtype)
-    return tokens / group_tokens * per_group + output
+    return tokens / group_tokens * memo[group_tokens] + output
 
 
 def _group_seconds(arch, device, dtype, group_tokens: float, weight_dtype, cpu_gemm) -> float:
