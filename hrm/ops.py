@@ -11,6 +11,7 @@ V = vocabulary.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from hrm.arch import ModelArch
@@ -114,17 +115,14 @@ def expert_ffn_op(
     Elementwise passes: routed_expert_op's per assignment (A = T*k of them), plus the output's
     per token (ffn_output_elements).
     """
-    wdt, adt = dtype_bytes(weight_dtype), dtype_bytes(ACTIVATION_DTYPE)
-    h, i, k = arch.hidden_size, arch.intermediate_size, arch.experts_per_token
     group = tokens if group_tokens is None else group_tokens
     groups = tokens / group if group else 0.0
-    return Op(
-        name="expert_ffn",
-        flops=6.0 * tokens * h * i * k,
-        weight_bytes=groups * expected_distinct_experts(arch, group) * arch.expert_params * wdt,
-        activation_bytes=tokens * k * (2 * h + 3 * i) * adt,
-        elementwise_elements=tokens * k * (5 * i + 9 * h) + ffn_output_elements(arch, tokens),
-        gemm_shapes=expert_gemm_shapes(arch),
+    # every assignment counts as one row of one expert; each touched expert's weight once
+    rows = routed_expert_op(arch, rows=tokens * arch.experts_per_token, weight_dtype=weight_dtype)
+    return dataclasses.replace(
+        rows,
+        weight_bytes=groups * expected_distinct_experts(arch, group) * rows.weight_bytes,
+        elementwise_elements=rows.elementwise_elements + ffn_output_elements(arch, tokens),
     )
 
 
