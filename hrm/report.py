@@ -40,6 +40,17 @@ class Row:
     record: RunRecord
 
     @property
+    def host_speed(self) -> tuple[float | None, float | None]:
+        """The host's GEMM speed over its profile's, checked right before and after the run
+        (`hrm validate` records them; None where a check was not taken)."""
+        checks = self.record.environment.get("host_speed") or {}
+        return checks.get("before"), checks.get("after")
+
+    @property
+    def host_speed_text(self) -> str:
+        return " → ".join("?" if v is None else f"{v:.0%}" for v in self.host_speed)
+
+    @property
     def error(self) -> float:
         """Signed relative error (predicted - measured) / measured, as RunRecord has it."""
         return (self.predicted_tok_s - self.measured_tok_s) / self.measured_tok_s
@@ -143,6 +154,8 @@ def _write_all(rows: Sequence[Row], tmp: Path, title: str, notes: Sequence[str])
                 "measured_prefill_s": r.record.measured.prefill_s,
                 "predicted_decode_s": r.record.predicted["decode_s"],
                 "measured_decode_s": r.record.measured.decode_s,
+                "host_speed_before": r.host_speed[0],
+                "host_speed_after": r.host_speed[1],
             }
             for r in rows
         ]
@@ -156,6 +169,7 @@ def _write_all(rows: Sequence[Row], tmp: Path, title: str, notes: Sequence[str])
 
 def markdown(rows: Sequence[Row], title: str, notes: Sequence[str] = ()) -> str:
     lines = [f"# {title}", "", "![predicted against measured](scatter.png)", "", *notes]
+    checked = any(r.host_speed != (None, None) for r in rows)
     for version, by_schedule in summaries(rows).items():
         lines += [
             f"## Cost model version {version}",
@@ -164,23 +178,33 @@ def markdown(rows: Sequence[Row], title: str, notes: Sequence[str] = ()) -> str:
             "|---|---:|---:|---:|---|",
         ]
         for schedule, s in by_schedule.items():
+            host = f" (host speed {s.worst.host_speed_text})" if checked else ""
             lines.append(
                 f"| {schedule} | {s.runs} | {s.mape:.1%} | {s.worst.error:+.1%} | "
-                f"{s.worst.name}: {s.worst.setting} |"
+                f"{s.worst.name}: {s.worst.setting}{host} |"
             )
         lines.append("")
+    speed_head, speed_rule = (" host speed |", "---:|") if checked else ("", "")
     lines += [
         "## Runs",
         "",
-        "| run | model | schedule | setting | predicted tok/s | measured tok/s | error | detail |",
-        "|---|---|---|---|---:|---:|---:|---|",
+        "| run | model | schedule | setting | predicted tok/s | measured tok/s | error |"
+        f"{speed_head} detail |",
+        f"|---|---|---|---|---:|---:|---:|{speed_rule}---|",
     ]
     for i, r in enumerate(rows):
+        speed = f" {r.host_speed_text} |" if checked else ""
         lines.append(
             f"| {r.name} | {r.model} | {r.schedule} | {r.setting} | {r.predicted_tok_s:.1f} | "
-            f"{r.measured_tok_s:.1f} | {r.error:+.1%} | [bars](run-{i + 1}.png) |"
+            f"{r.measured_tok_s:.1f} | {r.error:+.1%} |{speed} [bars](run-{i + 1}.png) |"
         )
-    lines += ["", "Error = (predicted - measured) / measured. Data: `runs.csv`.", ""]
+    lines += ["", "Error = (predicted - measured) / measured. Data: `runs.csv`."]
+    if checked:
+        lines.append(
+            "Host speed: the host's rate at one GEMM point of its profile, timed right before "
+            "and right after the run, over the profile's rate there."
+        )
+    lines.append("")
     return "\n".join(lines)
 
 

@@ -4,8 +4,9 @@ exit status 1 when the model's error (MAPE) exceeds --max-mape.
 The host is profiled first (quick, at the model's own shape) unless --hardware names a profile
 of this very host: a stale or foreign profile would test the profile, not the model. Every
 setting runs `--repeats` times, the passes interleaved, and the run-to-run spread is reported;
-before each timed run one GEMM point of the profile is timed again (hrm/profiling/host_speed.py),
-so that a host whose speed moves under the sweep shows as such.
+before and after each timed run one GEMM point of the profile is timed again
+(hrm/profiling/host_speed.py), so that a host whose speed moves under the sweep shows as such: each
+record keeps both shares, and the report gives them beside the run's error.
 An untimed warm-up pass runs every setting first: the model predicts a long job's steady state,
 and a setting's first run pays what a long job pays once (oneDNN builds a kernel per new GEMM
 shape, 0.5-3 ms each in bf16 on AMX; first touch of the run's memory). How much slower that pass
@@ -152,14 +153,18 @@ def _validate(args, checkpoint: Path, hardware) -> int:
         if rep is None:
             warm_up[name] = throughput
             return
+        run = f"{name}-{rep + 1}"
+        speed.check(run, record["environment"]["dtype"], after=True)
         if args.random_weights:
             record["environment"]["weights"] = "random"
-        records[f"{name}-{rep + 1}"] = record
+        if host_speed := speed.of_run(run):
+            record["environment"]["host_speed"] = host_speed
+        records[run] = record
         spreads.setdefault(name, []).append(throughput)
 
     def check_speed(name: str, rep: int | None, dtype: str) -> None:
         """Before a timed run (not the warm-up pass): the host's speed now against the profile's,
-        under the name `keep` files the run by."""
+        under the name `keep` files the run by; `keep` checks it again right after the run."""
         if rep is not None:
             speed.check(f"{name}-{rep + 1}", dtype)
 

@@ -13,8 +13,11 @@ from tests.conftest import assert_one_line_error
 ARGS = ["--prompt-len", "5", "--batch", "3", "--gen-len", "3", "--ignore-eos", "--quiet"]
 
 
-def hand_record(path, predicted: float, measured: float, *, version="v1", schedule=None):
+def hand_record(
+    path, predicted: float, measured: float, *, version="v1", schedule=None, host_speed=None
+):
     """A record whose throughputs are `predicted` and `measured` tok/s (1 s prefill + decode)."""
+    extra = {"host_speed": host_speed} if host_speed else {}
     record = RunRecord(
         model="m",
         hardware="h",
@@ -27,7 +30,7 @@ def hand_record(path, predicted: float, measured: float, *, version="v1", schedu
             "generated_tokens": int(predicted),
         },  # fmt: skip
         measured=Measurement(prefill_s=0.5, decode_s=0.5, generated_tokens=int(measured)),
-        environment={"model_version": version, "batch_size": 1, "dtype": "float32"},
+        environment={"model_version": version, "batch_size": 1, "dtype": "float32", **extra},
     )
     record.save(path)
     return path
@@ -46,6 +49,25 @@ def test_mape_and_worst_case_by_hand(tmp_path):
     assert v1.worst.error == pytest.approx(-0.2)
     assert by_version["v2"]["all"].mape == pytest.approx(0.5)
     assert set(by_version["v1"]) == {"resident", "all"}
+
+
+def test_report_gives_each_runs_host_speed_where_validate_checked_it(tmp_path):
+    from hrm.report import markdown
+
+    around = {"dtype": "float32", "before": 0.95, "after": 0.71}
+    checked = hand_record(tmp_path / "a.json", 130, 100, host_speed=around)
+    only_before = {"dtype": "float32", "before": 1.2}
+    half = hand_record(tmp_path / "b.json", 100, 100, host_speed=only_before)
+    plain = hand_record(tmp_path / "c.json", 100, 100)
+    page = markdown(load_records([checked, half, plain]), "t")
+    assert "| error | host speed | detail |" in page
+    assert "| +30.0% | 95% → 71% | [bars](run-1.png) |" in page
+    assert "| +0.0% | 120% → ? | [bars](run-2.png) |" in page
+    assert "| +0.0% | ? → ? | [bars](run-3.png) |" in page
+    # the worst run names the host's speed around it
+    assert "a: N=1 prompts 4/4 gen 2 float32 ? (host speed 95% → 71%) |" in page
+    # records without checks (hrm run's own) keep the table as it was
+    assert "host speed" not in markdown(load_records([plain]), "t")
 
 
 def test_report_writes_figures_page_and_csv_from_real_runs(run_cli, checkpoints, tmp_path):
@@ -99,6 +121,12 @@ def test_validate_quick_runs_end_to_end_and_fails_past_its_mape(run_cli, checkpo
     assert "Host speed during the sweep" in page
     assert "last-level cache " in page.split("## Conditions")[1].split("\n\n")[1]
     assert "bfloat16 " in page.split("Host speed during the sweep")[1].split("\n")[0]
+    # and followed by it: each record keeps both checks, the page shows them beside the error
+    for r in records:
+        assert r["environment"]["host_speed"]["dtype"] == r["environment"]["dtype"]
+        assert r["environment"]["host_speed"]["before"] > 0
+        assert r["environment"]["host_speed"]["after"] > 0
+    assert "| error | host speed | detail |" in page
     # the same sweep against a threshold it misses: status 1, and it says so
     status, _, err = run_cli(
         "validate", "--checkpoint", checkpoints["mixtral-single"], "--quick", "--repeats", "1",
@@ -160,7 +188,17 @@ def test_host_speed_summary_by_hand():
     assert "bfloat16 100%-200% (median 150%); float32 50%-50% (median 50%)." in line
     # Pearson over (1, 2, 0.5) and (0, -0.5, 1): deviations (-1/6, 5/6, -2/3) and
     # (-1/6, -2/3, 5/6), sum of products -13/12 over sqrt(7/6 * 7/6): -13/14 = -0.93
-    assert "Correlation of each run's error with that share: -0.93" in line
+    assert "Correlation of each run's error with its share (before and after it): -0.93" in line
+    # with a check after a run, its share is the mean of the two around it: here (2 + 1) / 2.
+    # Pearson over (1, 1.5, 0.5) and (0, -0.5, 1): deviations (0, 1/2, -1/2) and
+    # (-1/6, -2/3, 5/6), sum of products -3/4 over sqrt(1/2 * 7/6): -0.98
+    check.after = {"a-2": 1.0}
+    assert check.share("a-2") == 1.5 and check.share("a-1") == 1.0
+    assert check.of_run("a-2") == {"dtype": "bfloat16", "before": 2.0, "after": 1.0}
+    assert check.of_run("a-1") == {"dtype": "bfloat16", "before": 1.0}
+    assert check.of_run("z-1") is None
+    (line, _) = check.summary({"a-1": 0.0, "a-2": -0.5, "b-1": 1.0})
+    assert "bfloat16 100%-200%" in line and "(before and after it): -0.98" in line
     # without checks (no curve of the run's dtype) the report says nothing of host speed
     assert HostSpeedCheck(shape=check.shape, expected={}).summary({}) == []
 
@@ -181,5 +219,6 @@ def test_host_speed_check_times_the_profiles_point():
                            expected={"float32": 1e10})  # fmt: skip
     small.check("r-1", "float32")
     small.check("r-2", "bfloat16")
+    small.check("r-1", "float32", after=True)
     assert list(small.ratios) == ["r-1"] and small.ratios["r-1"][0] == "float32"
-    assert small.ratios["r-1"][1] > 0
+    assert small.ratios["r-1"][1] > 0 and list(small.after) == ["r-1"] and small.after["r-1"] > 0
