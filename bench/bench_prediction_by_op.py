@@ -37,6 +37,7 @@ from bench_cpu_vs_transformers import (
 )
 
 from hrm.cpu_gemm import CpuGemmChoice
+from planner import MODEL_VERSION
 
 PARTS = ("dense", "attention", "expert ffn", "lm head", "other")
 
@@ -215,6 +216,7 @@ def main() -> None:
     result = {
         "model": {**shape, "dtype": args.dtype},
         "repeats": args.repeats,
+        "model_version": MODEL_VERSION,
         "hardware": args.hardware or "this host, profiled quickly at the bench model's shape",
         "host": host_description(),
         "cpu_gemm": cpu_gemm.to_dict(),
