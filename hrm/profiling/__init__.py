@@ -48,8 +48,10 @@ class SweepPlan:
     both_directions_bytes: float
     device_copy_bytes: float
     # the other GEMM shapes of a forward pass (q, k/v, o, router, w2, LM head): a shorter grid
-    # and budget per shape and rate key, as together they take a tenth of a decode step's FLOPs
-    shape_tokens_grid: tuple[int, ...] = (1, 16, 256)
+    # and budget per shape and rate key, as together they take a tenth of a decode step's FLOPs.
+    # It reaches 4096 rows because prefill runs q, k/v and o at batch x prompt rows (2048-8192
+    # in hrm validate's sweep), where a curve held flat from 256 rows understated bf16 by up to 2x
+    shape_tokens_grid: tuple[int, ...] = (1, 16, 256, 1024, 4096)
     shape_budget_s: float = 4.0
     # GPU GEMM points: the repeats of one point together span at least this long, so that a long
     # job's clocks (power and thermal limits reached), not a boost-clock burst, are what is timed
