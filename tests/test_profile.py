@@ -100,6 +100,58 @@ def test_sweep_stops_before_a_point_that_would_overrun_its_budget():
     assert len(ticks) == 3  # the progress bar still reaches the end
 
 
+def test_sweep_takes_its_samples_in_rounds_over_the_points():
+    """Warm-up and first sample of each point in turn, then one sample of every point per round:
+    a host that slows down for one stretch costs each point one sample, not all of one point's."""
+    seen = []
+    slow = {"from": 6, "to": 8}  # the 7th and 8th clock calls run at half speed
+
+    def clock(fn, calls):
+        seen.append((fn.args[0].shape[0], calls))
+        slowdown = 2.0 if slow["from"] <= len(seen) <= slow["to"] else 1.0
+        return 1e-3 * calls * slowdown
+
+    sweep = sweep_matmul(
+        dtype="float32",
+        shape=GemmShape(model="t", hidden=64, intermediate=64),
+        tokens_grid=(1, 4, 16),
+        device="cpu",
+        clock=clock,
+        repeats=3,
+        min_sample_s=0.0,
+        budget_s=10.0,
+        tick=lambda: None,
+    )
+    # (tokens, calls): warm-up and first sample per point, then two rounds over all three
+    first_pass = [(1, 1), (1, 1), (4, 1), (4, 1), (16, 1), (16, 1)]
+    assert seen == first_pass + [(1, 1), (4, 1), (16, 1)] * 2
+    # the slow stretch (calls 6-8: 16's first sample, then 1's and 4's second) costs each of
+    # those points one of three samples, so every median is the fast 1 ms
+    assert [t for t, _ in sweep.points] == [1, 4, 16]
+    assert all(timing.median_s == pytest.approx(1e-3) for _, timing in sweep.points)
+    assert [max(t.samples_s) for _, t in sweep.points] == pytest.approx([2e-3] * 3)
+
+
+def test_sweep_counts_the_later_rounds_in_its_budget():
+    # each call 0.25 s: point 1 costs 0.5 s now and owes 2 x 0.25 s; point 2 would take about
+    # 0.5 + 3 x 0.5 = 2 s: 0.5 owed + 2 > 2 s of budget, so it is left out (without what is
+    # owed, 2 s would just fit)
+    sweep = sweep_matmul(
+        dtype="float32",
+        shape=GemmShape(model="t", hidden=64, intermediate=64),
+        tokens_grid=(1, 2),
+        device="cpu",
+        clock=lambda fn, calls: 0.25 * calls,
+        repeats=3,
+        min_sample_s=0.0,
+        budget_s=2.0,
+        tick=lambda: None,
+    )
+    assert [t for t, _ in sweep.points] == [1]
+    assert "0.5 s owed to the later rounds" in sweep.stopped
+    assert len(sweep.points[0][1].samples_s) == 3
+
+
 def test_a_dtype_without_a_kernel_is_left_out_not_guessed():
     def failing_clock(fn, calls):
         raise RuntimeError("\"addmm\" not implemented for 'Half'\nmore detail")

@@ -160,7 +160,8 @@ def measure_profile(
         "other_processes_cpu_share": round(busy, 3) if busy is not None else "unknown",
         "how_measured": (
             f"median of {plan.repeats} timed samples after one warm-up call, each sample at least "
-            f"{plan.min_sample_s:g} s; spreads are the slowest and fastest sample; CPU timed with "
+            f"{plan.min_sample_s:g} s (a GEMM sweep's samples in rounds, one of each point per "
+            "round); spreads are the slowest and fastest sample; CPU timed with "
             "time.perf_counter on all cores, GPU with CUDA events after a synchronize"
         ),
         **cpu_notes,

@@ -103,8 +103,15 @@ def sweep_matmul(
 ) -> MatmulSweep:
     """Time the GEMM at each token count; stop before a point that would overrun `budget_s`.
 
+    The samples are taken in rounds, one of every point per round after the first pass (which
+    warms each point up and takes its first sample), so that a point's samples are spread over
+    the whole sweep rather than one window of `repeats` back-to-back samples: a VM whose speed
+    drifts over seconds then moves every point alike, and the median outvotes a slow moment
+    (docs/decisions.md, 2026-12-03).
+
     The next point's call time is extrapolated linearly in tokens from the last one, which
-    overestimates it (efficiency grows with tokens), so the budget holds. `tick` is called once
+    overestimates it (efficiency grows with tokens), and the later rounds' samples of the points
+    already taken are counted in, so the budget holds. `tick` is called once
     per grid point, measured or not, to drive the progress bar. Both paths run the executor's
     own functions (hrm.gemm_paths), unpadded: native (reported as `dtype`) or, with widen, the
     widened path of a 16-bit dtype (reported as `<dtype>_widened`). Each call takes the next of
@@ -121,31 +128,42 @@ def sweep_matmul(
     inputs = torch.randn(max(tokens_grid), shape.hidden, **on)  # [T, H]
     scratch = torch.empty(WIDEN_SLICE_ELEMENTS, dtype=torch.float32) if widen else None
     label = WIDENED_KEYS[dtype] if widen else dtype
-    points: list[tuple[int, Timing]] = []
+    taken: dict[int, tuple[Callable[[], object], Timing]] = {}  # tokens -> (GEMM, first sample)
+    owed_s = 0.0  # what the later rounds will spend on the points taken so far
     stopped = None
     started = time.perf_counter()
     for tokens in tokens_grid:
-        if stopped is None and points:
-            last_tokens, last = points[-1]
+        if stopped is None and taken:
+            last_tokens, (_, last) = next(reversed(taken.items()))
             predicted_s = estimated_duration_s(
                 last.median_s * tokens / last_tokens, repeats=repeats, min_sample_s=min_sample_s
             )
             spent_s = time.perf_counter() - started
-            if spent_s + predicted_s > budget_s:
+            if spent_s + owed_s + predicted_s > budget_s:
                 stopped = (
                     f"{label} sweep on {device} stopped before {tokens} tokens: {spent_s:.0f} s "
-                    f"spent, and that point would take about {predicted_s:.0f} s more, past the "
-                    f"{budget_s:.0f} s budget"
+                    f"spent and {owed_s:.1f} s owed to the later rounds, and that point would take "
+                    f"about {predicted_s:.0f} s more, past the {budget_s:.0f} s budget"
                 )
         if stopped is None:
             gemm = partial(_rotating_gemm, inputs[:tokens], weights, scratch, [0])
             try:
-                timing = time_calls(gemm, clock=clock, repeats=repeats, min_sample_s=min_sample_s)
-                points.append((tokens, timing))
+                first = time_calls(gemm, clock=clock, repeats=1, min_sample_s=min_sample_s)
+                taken[tokens] = (gemm, first)
+                owed_s += (repeats - 1) * first.calls_per_sample * first.median_s
             except RuntimeError as exc:  # the device has no kernel for this dtype
                 stopped = f"{dtype} matmul does not run on {device}: {str(exc).splitlines()[0]}"
         tick()
-    return MatmulSweep(dtype=label, shape=shape, points=tuple(points), stopped=stopped)
+    samples = {tokens: [first.samples_s[0]] for tokens, (_, first) in taken.items()}
+    for _ in range(repeats - 1):  # the later rounds: one sample of every point per round
+        for tokens, (gemm, first) in taken.items():
+            calls = first.calls_per_sample
+            samples[tokens].append(clock(gemm, calls) / calls)
+    points = tuple(
+        (tokens, Timing(samples_s=tuple(samples[tokens]), calls_per_sample=first.calls_per_sample))
+        for tokens, (_, first) in taken.items()
+    )
+    return MatmulSweep(dtype=label, shape=shape, points=points, stopped=stopped)
 
 
 def rotating_weights(shape: GemmShape, on: dict, streamed_bytes: float) -> list:
