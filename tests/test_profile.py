@@ -76,24 +76,30 @@ def test_fit_shape_keeps_the_model_size_when_it_fits_and_halves_when_not():
     assert "scaled" in small.describe()
 
 
+def tiny_sweep(clock, *, tokens_grid, repeats, budget_s, dtype="float32", tick=lambda: None):
+    """sweep_matmul on a 64x64 CPU GEMM with a fake clock and no minimum sample length."""
+    return sweep_matmul(
+        dtype=dtype,
+        shape=GemmShape(model="t", hidden=64, intermediate=64),
+        tokens_grid=tokens_grid,
+        device="cpu",
+        clock=clock,
+        repeats=repeats,
+        min_sample_s=0.0,
+        budget_s=budget_s,
+        tick=tick,
+    )
+
+
 def test_sweep_stops_before_a_point_that_would_overrun_its_budget():
     ticks = []
-    shape = GemmShape(model="t", hidden=64, intermediate=64)
 
     def slow_clock(fn, calls):
         fn()
         return 0.5 * calls  # pretend every call takes half a second
 
-    sweep = sweep_matmul(
-        dtype="float32",
-        shape=shape,
-        tokens_grid=(1, 2, 4),
-        device="cpu",
-        clock=slow_clock,
-        repeats=2,
-        min_sample_s=0.0,
-        budget_s=1.0,
-        tick=lambda: ticks.append(1),
+    sweep = tiny_sweep(
+        slow_clock, tokens_grid=(1, 2, 4), repeats=2, budget_s=1.0, tick=lambda: ticks.append(1)
     )
     assert [tokens for tokens, _ in sweep.points] == [1]
     assert "stopped before 2 tokens" in sweep.stopped
@@ -104,24 +110,13 @@ def test_sweep_takes_its_samples_in_rounds_over_the_points():
     """Warm-up and first sample of each point in turn, then one sample of every point per round:
     a host that slows down for one stretch costs each point one sample, not all of one point's."""
     seen = []
-    slow = {"from": 6, "to": 8}  # the 7th and 8th clock calls run at half speed
 
     def clock(fn, calls):
         seen.append((fn.args[0].shape[0], calls))
-        slowdown = 2.0 if slow["from"] <= len(seen) <= slow["to"] else 1.0
+        slowdown = 2.0 if 6 <= len(seen) <= 8 else 1.0  # the 6th to 8th calls run at half speed
         return 1e-3 * calls * slowdown
 
-    sweep = sweep_matmul(
-        dtype="float32",
-        shape=GemmShape(model="t", hidden=64, intermediate=64),
-        tokens_grid=(1, 4, 16),
-        device="cpu",
-        clock=clock,
-        repeats=3,
-        min_sample_s=0.0,
-        budget_s=10.0,
-        tick=lambda: None,
-    )
+    sweep = tiny_sweep(clock, tokens_grid=(1, 4, 16), repeats=3, budget_s=10.0)
     # (tokens, calls): warm-up and first sample per point, then two rounds over all three
     first_pass = [(1, 1), (1, 1), (4, 1), (4, 1), (16, 1), (16, 1)]
     assert seen == first_pass + [(1, 1), (4, 1), (16, 1)] * 2
@@ -136,17 +131,7 @@ def test_sweep_counts_the_later_rounds_in_its_budget():
     # each call 0.25 s: point 1 costs 0.5 s now and owes 2 x 0.25 s; point 2 would take about
     # 0.5 + 3 x 0.5 = 2 s: 0.5 owed + 2 > 2 s of budget, so it is left out (without what is
     # owed, 2 s would just fit)
-    sweep = sweep_matmul(
-        dtype="float32",
-        shape=GemmShape(model="t", hidden=64, intermediate=64),
-        tokens_grid=(1, 2),
-        device="cpu",
-        clock=lambda fn, calls: 0.25 * calls,
-        repeats=3,
-        min_sample_s=0.0,
-        budget_s=2.0,
-        tick=lambda: None,
-    )
+    sweep = tiny_sweep(lambda fn, calls: 0.25 * calls, tokens_grid=(1, 2), repeats=3, budget_s=2.0)
     assert [t for t, _ in sweep.points] == [1]
     assert "0.5 s owed to the later rounds" in sweep.stopped
     assert len(sweep.points[0][1].samples_s) == 3
@@ -156,17 +141,7 @@ def test_a_dtype_without_a_kernel_is_left_out_not_guessed():
     def failing_clock(fn, calls):
         raise RuntimeError("\"addmm\" not implemented for 'Half'\nmore detail")
 
-    sweep = sweep_matmul(
-        dtype="float16",
-        shape=GemmShape(model="t", hidden=64, intermediate=64),
-        tokens_grid=(1, 2),
-        device="cpu",
-        clock=failing_clock,
-        repeats=2,
-        min_sample_s=0.0,
-        budget_s=10.0,
-        tick=lambda: None,
-    )
+    sweep = tiny_sweep(failing_clock, tokens_grid=(1, 2), repeats=2, budget_s=10.0, dtype="float16")
     assert sweep.points == ()
     assert (
         sweep.stopped == "float16 matmul does not run on cpu: \"addmm\" not implemented for 'Half'"
