@@ -2,8 +2,11 @@
 exit status 1 when the model's error (MAPE) exceeds --max-mape.
 
 The host is profiled first (quick, at the model's own shape) unless --hardware names a profile
-of this very host: a stale or foreign profile would test the profile, not the model. Every
-setting runs `--repeats` times, the passes interleaved, and the run-to-run spread is reported;
+of this very host: a stale or foreign profile would test the profile, not the model. The full
+sweep profiles the host again before each timed pass (--profile-every pass), so that no
+prediction uses a profile more than one pass old: on a VM whose speed moves by a quarter over
+minutes, one profile was 25% off the whole of a 20-minute sweep (docs/decisions.md, 2026-12-03).
+Every setting runs `--repeats` times, the passes interleaved, and the run-to-run spread is reported;
 before and after each timed run one GEMM point of the profile is timed again
 (hrm/profiling/host_speed.py), so that a host whose speed moves under the sweep shows as such: each
 record keeps both shares, and the report gives them beside the run's error.
@@ -41,6 +44,9 @@ OFFLOADED = {"quick": (16, 8, 32, 8), "full": (32, 16, 64, 16)}
 # minutes on 2 cores (the offloaded runs took half of a 196 s quick sweep at hidden 1024);
 # float32 is in its resident runs and in the full sweep's offloaded ones
 OFFLOADED_DTYPES = {"quick": ("bfloat16",), "full": DTYPES}
+# how often the host is profiled, by default per sweep: the quick sweep's passes take half a
+# minute, and profiling before each would take it past 3 minutes on 2 cores
+PROFILE_EVERY = {"quick": "sweep", "full": "pass"}
 
 
 def add_parser(subparsers) -> None:
@@ -61,6 +67,12 @@ def add_parser(subparsers) -> None:
     p.add_argument("--layers", type=int, help="with --random-weights: this many layers")
     p.add_argument("--quick", action="store_true", help="a small sweep (minutes on 2 cores)")
     p.add_argument("--repeats", type=int, default=2, help="runs of each setting, interleaved (2)")
+    p.add_argument(
+        "--profile-every",
+        choices=("sweep", "pass"),
+        help="profile this host once before the sweep, or again before each timed pass (default: "
+        "pass for the full sweep, sweep for --quick, whose passes take half a minute)",
+    )
     p.add_argument("--max-mape", type=float, default=0.15, help="fail above this MAPE (0.15)")
     p.add_argument("--threads", type=int, help="CPU threads for the runs (default: torch's)")
     p.add_argument("-o", "--output", required=True, metavar="DIR", help="directory to write")
@@ -87,6 +99,11 @@ def run(args: argparse.Namespace) -> int:
         raise HrmError("--random-weights needs --model (a bundled name or a config.json)")
     if args.layers is not None and (not args.random_weights or args.layers < 1):
         raise HrmError("--layers is a positive layer count for --random-weights")
+    if args.profile_every == "pass" and args.hardware:
+        raise HrmError(
+            "--profile-every pass profiles this host before each pass; leave out --hardware, or "
+            "give --profile-every sweep"
+        )
     hardware = resolve_hardware(args.hardware) if args.hardware else None
     if hardware is not None:
         differs = host_differs(hardware)
@@ -159,6 +176,8 @@ def _validate(args, checkpoint: Path, hardware) -> int:
             record["environment"]["weights"] = "random"
         if host_speed := speed.of_run(run):
             record["environment"]["host_speed"] = host_speed
+        if every_pass:
+            record["environment"]["profile"] = _profile_file(rep, every_pass)
         records[run] = record
         spreads.setdefault(name, []).append(throughput)
 
@@ -168,6 +187,8 @@ def _validate(args, checkpoint: Path, hardware) -> int:
         if rep is not None:
             speed.check(f"{name}-{rep + 1}", dtype)
 
+    every_pass = hardware is None and (args.profile_every or PROFILE_EVERY[sweep]) == "pass"
+    profiles: dict[int, object] = {}  # timed pass -> the profile that predicted its runs
     with torch_threads(args.threads):
         hardware = hardware or _profile_host(checkpoint, args.quiet)
         speed = HostSpeedCheck.for_profile(resolve_model(checkpoint), hardware, DTYPES)
@@ -176,6 +197,13 @@ def _validate(args, checkpoint: Path, hardware) -> int:
         with bar:
             # the warm-up pass, then the timed passes interleaved: drift hits every setting
             for rep in (None, *range(args.repeats)):
+                if rep is not None and every_pass:
+                    bar.set_description(f"validate (profiling for pass {rep + 1})")
+                    hardware = _profile_host(checkpoint, quiet=True)
+                    speed = speed.against(hardware)
+                    bar.set_description("validate")
+                if rep is not None:
+                    profiles[rep] = hardware
                 for dtype, batch, (length, ragged), gen in settings:
                     spec = prepare_run(checkpoint, gen_len=gen, prompt_len=length, batch=batch,
                                        dtype=dtype, device="cpu")  # fmt: skip
@@ -183,7 +211,7 @@ def _validate(args, checkpoint: Path, hardware) -> int:
                     name = f"{dtype}-b{batch}-p{length}{'r' if ragged else 'u'}-g{gen}"
                     check_speed(name, rep, dtype)
 
-                    def choose(ckpt, spec=spec):
+                    def choose(ckpt, spec=spec, hardware=hardware):
                         return cpu_gemm_for_run(spec.arch, spec.dtype, mode="auto",
                                                 hardware=hardware, weights=ckpt.expert_gate_weights,
                                                 warn=lambda m: None)  # fmt: skip
@@ -205,12 +233,14 @@ def _validate(args, checkpoint: Path, hardware) -> int:
         rows = load_records(sorted(runs.glob("*.json")))
         title = f"{rows[0].model} on {hardware.name}: predicted against measured"
         notes = _spread_notes(spreads, warm_up, hardware)
+        notes += _profile_notes(profiles, speed) if every_pass else []
         notes += speed.summary({row.name: row.error for row in rows})
         write_report(rows, out, title=title, notes=notes)
         (out / "runs").mkdir(exist_ok=True)
         for path in runs.iterdir():
             path.replace(out / "runs" / path.name)
-        hardware.save(out / "hardware.yaml")
+        for rep, profile in profiles.items():
+            profile.save(out / _profile_file(rep, every_pass))
     overall = list(summaries(rows).values())[-1]["all"]
     print(
         f"{overall.runs} runs: MAPE {overall.mape:.1%}, worst {overall.worst.error:+.1%} "
@@ -264,6 +294,30 @@ def _offloaded_run(checkpoint: Path, hardware, dtype: str, schedule: str, shape)
                           partial=None, decode_text=lambda ids: None, cpu_gemm=choice,
                           quiet=True)  # fmt: skip
     return plan_record(spec, plan, result, stand_in, choice, lambda m: None).to_dict()
+
+
+def _profile_file(rep: int, every_pass: bool) -> str:
+    """Where the profile that predicted timed pass `rep` is written in the output directory."""
+    return f"hardware-pass{rep + 1}.yaml" if every_pass else "hardware.yaml"
+
+
+def _profile_notes(profiles: dict, speed) -> list[str]:
+    """How far the profiles of the timed passes moved from one another: each pass's rate at the
+    host check's GEMM point, per dtype, and its memory bandwidth."""
+    from hrm.units import format_bandwidth, format_flops
+
+    parts = []
+    for rep, profile in profiles.items():
+        rates = ", ".join(
+            f"{dtype} {format_flops(rate)}" for dtype, rate in speed.rates_of(profile).items()
+        )
+        bandwidth = format_bandwidth(profile.cpu.memory_bandwidth_bytes_per_s)
+        parts.append(f"pass {rep + 1} ({_profile_file(rep, True)}): {rates}; read {bandwidth}")
+    return [
+        "Each timed pass was predicted by a quick profile taken right before it "
+        f"(--profile-every pass). At the host check's GEMM point: {'; '.join(parts)}.",
+        "",
+    ]
 
 
 def _prompts(spec, batch: int, length: int, ragged: bool) -> tuple[tuple[int, ...], ...]:

@@ -12,7 +12,7 @@ Each run's record keeps both checks.
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from hrm.arch import ModelArch
 from hrm.hardware import HardwareProfile
@@ -39,12 +39,20 @@ class HostSpeedCheck:
 
     @classmethod
     def for_profile(cls, arch: ModelArch, hardware: HardwareProfile, dtypes) -> HostSpeedCheck:
-        curves = hardware.cpu.matmul_curves
         shape = GemmShape(
             model=arch.name, hidden=arch.hidden_size, intermediate=arch.intermediate_size
         )
-        expected = {d: curves[d].at(CHECK_TOKENS) for d in dtypes if d in curves}
-        return cls(shape=shape, expected=expected)
+        return cls(shape=shape, expected=dict.fromkeys(dtypes, 0.0)).against(hardware)
+
+    def rates_of(self, hardware: HardwareProfile) -> dict[str, float]:
+        """`hardware`'s FLOP/s at the checked point, for the dtypes this check times."""
+        curves = hardware.cpu.matmul_curves
+        return {d: curves[d].at(CHECK_TOKENS) for d in self.expected if d in curves}
+
+    def against(self, hardware: HardwareProfile) -> HostSpeedCheck:
+        """The same check, its ratios so far kept, measuring later runs against `hardware` (a
+        fresh profile taken in the middle of a sweep)."""
+        return replace(self, expected=self.rates_of(hardware))
 
     def check(self, run: str, dtype: str, *, after: bool = False) -> None:
         """Time the GEMM now (about CHECK_BUDGET_S) and keep its ratio under `run`: as the check
@@ -105,7 +113,7 @@ class HostSpeedCheck:
         lines = [
             f"Host speed during the sweep: the native GEMM at the model's expert shape "
             f"({self.shape.hidden}x{self.shape.intermediate}, {CHECK_TOKENS} rows), timed before "
-            f"each run, ran at this share of the profile's rate for it: {'; '.join(parts)}."
+            f"each run, ran at this share of its profile's rate for it: {'; '.join(parts)}."
         ]
         paired = [(self.share(n), errors[n]) for n in self.ratios if n in errors]
         if len(paired) > 2 and len({r for r, _ in paired}) > 1 and len({e for _, e in paired}) > 1:

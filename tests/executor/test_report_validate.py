@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -97,7 +98,7 @@ def test_validate_quick_runs_end_to_end_and_fails_past_its_mape(run_cli, checkpo
     out_dir = tmp_path / "val"
     status, out, err = run_cli(
         "validate", "--checkpoint", checkpoints["mixtral-single"], "--quick", "--repeats", "1",
-        "--max-mape", "9.9", "--quiet", "-o", out_dir,
+        "--max-mape", "9.9", "--quiet", "--profile-every", "pass", "-o", out_dir,
     )  # fmt: skip
     assert status == 0, err
     runs = sorted((out_dir / "runs").glob("*.json"))
@@ -113,8 +114,13 @@ def test_validate_quick_runs_end_to_end_and_fails_past_its_mape(run_cli, checkpo
     assert all(r["predicted"]["throughput_tok_s"] > 0 for r in records)
     record = records[0]
     assert record["predicted"]["throughput_tok_s"] > 0 and record["measured"]["generated_tokens"]
-    assert (out_dir / "hardware.yaml").is_file() and (out_dir / "scatter.png").is_file()
+    # profiled before the sweep (the warm-up pass's GEMM paths) and again before the timed pass,
+    # which its records name; the page gives each timed pass's profile
+    assert {r["environment"]["profile"] for r in records} == {"hardware-pass1.yaml"}
+    assert (out_dir / "hardware-pass1.yaml").is_file() and (out_dir / "scatter.png").is_file()
+    assert not (out_dir / "hardware.yaml").exists()
     page = (out_dir / "report.md").read_text()
+    assert "pass 1 (hardware-pass1.yaml): bfloat16 " in page
     # the untimed warm-up pass leaves no records, only its note beside the spread
     assert "Conditions" in page and "untimed warm-up pass" in page
     # every timed run was preceded by the host speed check, in each dtype the profile timed
@@ -130,10 +136,18 @@ def test_validate_quick_runs_end_to_end_and_fails_past_its_mape(run_cli, checkpo
     # the same sweep against a threshold it misses: status 1, and it says so
     status, _, err = run_cli(
         "validate", "--checkpoint", checkpoints["mixtral-single"], "--quick", "--repeats", "1",
-        "--max-mape", "0.0001", "--quiet", "--hardware", out_dir / "hardware.yaml",
+        "--max-mape", "0.0001", "--quiet", "--hardware", out_dir / "hardware-pass1.yaml",
         "-o", tmp_path / "val2",
     )  # fmt: skip
     assert status == 1 and "exceeds --max-mape" in err
+    # the one profile it was given, and no profile named in its records
+    assert (tmp_path / "val2" / "hardware.yaml").is_file()
+    assert (
+        "profile"
+        not in json.loads(next((tmp_path / "val2" / "runs").glob("*.json")).read_text())[
+            "environment"
+        ]
+    )
 
 
 def test_bad_report_inputs_are_one_line_and_write_nothing(run_cli, tmp_path):
@@ -167,6 +181,12 @@ def test_validate_refuses_a_profile_of_another_machine(run_cli, checkpoints, tmp
     assert not (tmp_path / "v").exists()
     status, _, err = run_cli("validate", "--model", "dbrx", "-o", tmp_path / "v")
     assert_one_line_error(status, err, "give --checkpoint DIR, or --model M --random-weights")
+    status, _, err = run_cli(
+        "validate", "--checkpoint", checkpoints["dbrx"], "--hardware", "l4",
+        "--profile-every", "pass", "-o", tmp_path / "v",
+    )  # fmt: skip
+    assert_one_line_error(status, err, "--profile-every pass profiles this host before each pass")
+    assert not (tmp_path / "v").exists()
 
 
 def test_host_speed_summary_by_hand():
@@ -208,6 +228,7 @@ def test_host_speed_check_times_the_profiles_point():
     check keeps a positive ratio under the run's name, and a dtype without a curve is skipped."""
     from hrm.arch import resolve_model
     from hrm.hardware import resolve_hardware
+    from hrm.hardware_parts import Curve
     from hrm.profiling.host_speed import CHECK_TOKENS, HostSpeedCheck
     from hrm.profiling.matmul import GemmShape
 
@@ -222,3 +243,17 @@ def test_host_speed_check_times_the_profiles_point():
     small.check("r-1", "float32", after=True)
     assert list(small.ratios) == ["r-1"] and small.ratios["r-1"][0] == "float32"
     assert small.ratios["r-1"][1] > 0 and list(small.after) == ["r-1"] and small.after["r-1"] > 0
+    # against a fresh profile (--profile-every pass): later checks use its rates, the ratios
+    # taken so far stay
+    slower = dataclasses.replace(
+        profile,
+        cpu=dataclasses.replace(
+            profile.cpu,
+            matmul_curves={"float32": Curve(points=((1, 1e9), (CHECK_TOKENS, 2e9)))},
+        ),
+    )
+    moved = small.against(slower)
+    assert moved.expected == {"float32": 2e9} and moved.rates_of(slower) == {"float32": 2e9}
+    assert moved.ratios == small.ratios and moved.after == small.after
+    moved.check("r-3", "float32")
+    assert "r-3" in small.ratios  # one record of the sweep's checks, whichever profile
