@@ -1,10 +1,12 @@
-"""Grouped-query decode attention: one new query per sequence against its cached keys.
+"""The executor's CPU attention stages: decode (one new query per sequence against its cached
+keys) and prefill (each prompt against itself, causally), and their measurement for hrm profile.
 
-Many sequences per call, no repeated K/V: the G query heads that share a K/V head are the rows of
-one small matrix product ([B, nkv, G, D] against [B, nkv, S, D]), and ragged sequences' padding
-slots are masked. Two kernels compute it; bench/bench_cpu_attention.py times both on the host's
-data and shapes, and DECODE_KERNEL names the one kept (with the numbers behind the choice).
-The thread budget is torch's intra-op threads of the calling thread (`hrm run --threads`).
+Decode takes many sequences per call, no repeated K/V: the G query heads that share a K/V
+head are the rows of one small matrix product ([B, nkv, G, D] against [B, nkv, S, D]), and
+ragged sequences' padding slots are masked. Two kernels compute it; bench/bench_cpu_attention.py
+times both on the host's data and shapes, and DECODE_KERNEL names the one kept (with the numbers
+behind the choice). The thread budget is torch's intra-op threads of the calling thread
+(`hrm run --threads`).
 """
 
 from __future__ import annotations
@@ -64,6 +66,51 @@ def append_and_attend(
     return decode_attention(q, keys, values, cache.mask(end, keys.device))
 
 
+def store_and_attend_prompts(
+    cache: KVCache,
+    layer: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    batch_idx: torch.Tensor,
+    slot_idx: torch.Tensor,
+) -> torch.Tensor:
+    """The executor's prefill attention stage: store the packed prompts' K/V at (batch_idx,
+    slot_idx) and attend causally, packed q [T, nq, D] -> [T, nq*D].
+
+    Grouped-query attention without repeating K/V: the G query heads that share a K/V head are
+    stacked along the query axis ([B, nkv, G*L, D]) with the causal mask repeated per group, so
+    one SDPA call reads each K/V head once. With an explicit mask SDPA computes every (query,
+    key) pair of the padded L x L square (hrm.ops.prefill_attention_flops counts that).
+    """
+    cache.write_prompts(layer, k, v, batch_idx, slot_idx)
+    B, L = cache.key_valid.shape[0], cache.length
+    nkv, D = k.shape[1], q.shape[-1]
+    G = q.shape[1] // nkv
+    q_pad = q.new_zeros(B, L, nkv, G, D)
+    q_pad[batch_idx, slot_idx] = q.view(-1, nkv, G, D)  # [B, L, nkv, G, D]
+    q_pad = q_pad.permute(0, 2, 3, 1, 4).reshape(B, nkv, G * L, D)  # [B, nkv, G*L, D]
+    keys, values = cache.view(layer, L)  # [B, nkv, L, D]
+    out = F.scaled_dot_product_attention(
+        q_pad, keys, values, attn_mask=_prefill_mask(cache, G, keys.device)
+    )  # [B, nkv, G*L, D]
+    out = out.view(B, nkv, G, L, D).permute(0, 3, 1, 2, 4)  # [B, L, nkv, G, D]
+    return out[batch_idx, slot_idx].reshape(q.shape[0], -1)  # [T, nq*D]
+
+
+def _prefill_mask(cache: KVCache, groups: int, device: torch.device) -> torch.Tensor:
+    """[B or 1, 1, G*L, L]: causal, padding keys hidden; padding queries see themselves."""
+    L = cache.length
+    slots = torch.arange(L, device=device)
+    causal = slots[None, :] <= slots[:, None]  # [L, L]
+    if cache.has_padding:
+        diagonal = slots[None, :] == slots[:, None]
+        allowed = causal & (cache.valid_on(device)[:, None, :L] | diagonal)  # [B, L, L]
+    else:
+        allowed = causal[None]  # [1, L, L]
+    return allowed[:, None].expand(-1, groups, L, L).reshape(allowed.shape[0], 1, groups * L, L)
+
+
 # (batch, context) of the points `hrm profile` times: K and V read per call from about half a
 # megabyte to a quarter of a gigabyte at Mixtral's 8 KV heads of 128 in bf16
 CURVE_POINTS = ((1, 128), (1, 1024), (8, 1024), (8, 4096), (16, 4096))
@@ -115,12 +162,60 @@ def measure_attention_curve(
 
 def _seconds_per_call(cache: KVCache, step: tuple) -> float:
     """Median seconds of one decode attention stage, cycling over the cache's layers."""
-    from hrm.profiling.timing import perf_counter_clock, time_calls
-
     turn = [0]
 
     def call() -> None:
         append_and_attend(cache, turn[0] % len(cache.k), *step)
         turn[0] += 1
 
+    return _median_seconds(call)
+
+
+def _median_seconds(call) -> float:
+    """Median seconds of one call: warm-up, then 5 samples of at least 0.05 s."""
+    from hrm.profiling.timing import perf_counter_clock, time_calls
+
     return time_calls(call, clock=perf_counter_clock, repeats=5, min_sample_s=0.05).median_s
+
+
+# (batch, padded prompt length) of the prefill points `hrm profile` times: from a few MFLOP to
+# about 140 GFLOP per call at Mixtral's 32 heads of 128, spanning hrm validate's prefills
+PREFILL_CURVE_POINTS = ((1, 32), (4, 128), (16, 256), (8, 1024))
+
+
+def measure_prefill_attention_curve(arch, dtype: str = "bfloat16"):
+    """The achieved FLOP/s of the executor's prefill attention stage on this CPU against the
+    FLOPs it computes per call (hrm.ops.prefill_attention_flops), at the model's heads, a
+    quarter of each batch's prompts half as long: what the planner charges CPU prefill attention
+    at (planner/cost.py). Each call is store_and_attend_prompts on a KVCache, the K/V store, the
+    query scatter and the mask included."""
+    from hrm.hardware_parts import Curve
+    from hrm.ops import prefill_attention_flops
+
+    torch_dtype = getattr(torch, dtype)
+    nq, nkv, d = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
+    g = torch.Generator().manual_seed(0)
+    points = []
+    with torch.inference_mode():
+        for batch, length in PREFILL_CURVE_POINTS:
+            cache = KVCache(num_layers=1, batch_size=batch, kv_heads=nkv, max_len=length,
+                            head_dim=d, dtype=torch_dtype)  # fmt: skip
+            lens = torch.full((batch,), length)
+            lens[: batch // 4] = length // 2
+            cache.start(lens, length)
+            batch_idx = torch.repeat_interleave(torch.arange(batch), lens)
+            # left padding: a prompt of n tokens fills the last n slots
+            slot_idx = torch.cat([torch.arange(length - n, length) for n in lens.tolist()])
+            tokens = int(lens.sum())
+
+            def tensor(*size):
+                return torch.randn(size, generator=g).to(torch_dtype)
+
+            step = (tensor(tokens, nq, d), tensor(tokens, nkv, d), tensor(tokens, nkv, d))
+
+            def call(cache=cache, step=step, batch_idx=batch_idx, slot_idx=slot_idx) -> None:
+                store_and_attend_prompts(cache, 0, *step, batch_idx, slot_idx)
+
+            flops = prefill_attention_flops(arch, batch=batch, length=length)
+            points.append((flops, flops / _median_seconds(call)))
+    return Curve(points=tuple(points))

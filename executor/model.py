@@ -18,7 +18,7 @@ from collections import Counter
 import torch
 import torch.nn.functional as F
 
-from executor.attention import append_and_attend
+from executor.attention import append_and_attend, store_and_attend_prompts
 from executor.checkpoint import Checkpoint, LayerWeights
 from executor.kv_cache import KVCache
 from hrm.cpu_gemm import CpuGemmChoice
@@ -138,38 +138,9 @@ class MoEModel:
         batch_idx: torch.Tensor,
         slot_idx: torch.Tensor,
     ) -> torch.Tensor:
-        """Store the prompts' K/V and attend causally: packed q [T, nq, D] -> [T, nq*D].
-
-        Grouped-query attention without repeating K/V: the G query heads that share a K/V head
-        are stacked along the query axis ([B, nkv, G*L, D]), with the causal mask repeated per
-        group, so one SDPA call reads each K/V head once.
-        """
-        cache.write_prompts(layer, k, v, batch_idx, slot_idx)
-        B, L = cache.key_valid.shape[0], cache.length
-        nkv, D = self.arch.num_key_value_heads, self.arch.head_dim
-        G = q.shape[1] // nkv
-        q_pad = q.new_zeros(B, L, nkv, G, D)
-        q_pad[batch_idx, slot_idx] = q.view(-1, nkv, G, D)  # [B, L, nkv, G, D]
-        q_pad = q_pad.permute(0, 2, 3, 1, 4).reshape(B, nkv, G * L, D)  # [B, nkv, G*L, D]
-        keys, values = cache.view(layer, L)  # [B, nkv, L, D]
-        out = F.scaled_dot_product_attention(
-            q_pad, keys, values, attn_mask=self._prefill_mask(cache, G, keys.device)
-        )  # [B, nkv, G*L, D]
-        out = out.view(B, nkv, G, L, D).permute(0, 3, 1, 2, 4)  # [B, L, nkv, G, D]
-        return out[batch_idx, slot_idx].reshape(q.shape[0], -1)  # [T, nq*D]
-
-    @staticmethod
-    def _prefill_mask(cache: KVCache, groups: int, device: torch.device) -> torch.Tensor:
-        """[B or 1, 1, G*L, L]: causal, padding keys hidden; padding queries see themselves."""
-        L = cache.length
-        slots = torch.arange(L, device=device)
-        causal = slots[None, :] <= slots[:, None]  # [L, L]
-        if cache.has_padding:
-            diagonal = slots[None, :] == slots[:, None]
-            allowed = causal & (cache.valid_on(device)[:, None, :L] | diagonal)  # [B, L, L]
-        else:
-            allowed = causal[None]  # [1, L, L]
-        return allowed[:, None].expand(-1, groups, L, L).reshape(allowed.shape[0], 1, groups * L, L)
+        """Store the prompts' K/V and attend causally: packed q [T, nq, D] -> [T, nq*D] (the
+        stage `hrm profile` times for the prefill attention curve)."""
+        return store_and_attend_prompts(cache, layer, q, k, v, batch_idx, slot_idx)
 
     @staticmethod
     def decode_attention(

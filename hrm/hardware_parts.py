@@ -101,9 +101,15 @@ class DeviceSpec:
     # What long GEMMs sustain (a published measurement, cited in the file): the planner's rate
     # where no curve was measured; the peak stays the roofline's top roof.
     sustained_flops_per_s: Mapping[str, float] = field(default_factory=dict)
-    # CPU only: the executor's decode-attention kernel, K/V bytes read per call -> bytes/s
-    # (measured by hrm profile); None: attention is priced by FLOPs and memory bandwidth
-    attention_curve: Curve | None = None
+    # CPU only: the executor's decode-attention stage, K/V bytes read per call -> bytes/s, per
+    # KV dtype (measured by hrm profile); a dtype absent here is priced by FLOPs and memory
+    # bandwidth. Per dtype because the rate is: float32 read K/V 1.5x as fast as bfloat16
+    # (bench_prediction_by_op, 2026-12-03)
+    attention_curves: Mapping[str, Curve] = field(default_factory=dict)
+    # CPU only: the executor's prefill attention stage, FLOPs per call (hrm.ops.
+    # prefill_attention_flops) -> FLOP/s, per dtype (measured by hrm profile); a dtype absent
+    # here is priced at the GEMM curve with the causal FLOP count
+    prefill_attention_curves: Mapping[str, Curve] = field(default_factory=dict)
     # CPU only: elements read or written per second by the executor's elementwise kernels, per
     # dtype (measured by hrm profile); absent: memory bandwidth / element size
     elementwise_rate: Mapping[str, float] = field(default_factory=dict)
@@ -190,13 +196,21 @@ _DEVICE_OPTIONAL = {
     "available_memory",
     "launch_overhead",
     "sustained_flops",
-    "attention_curve",
+    "attention_curves",
+    "attention_curve",  # before 2026-12-03: one curve, measured in bfloat16
+    "prefill_attention_curves",
     "elementwise_rate",
     "expert_ffn_curves",
     "gemm_shape_curves",
 }
 # what hrm profile measures with the executor's own code on one kind of device only
-_CPU_ONLY = ("attention_curve", "elementwise_rate", "gemm_shape_curves")
+_CPU_ONLY = (
+    "attention_curves",
+    "attention_curve",
+    "prefill_attention_curves",
+    "elementwise_rate",
+    "gemm_shape_curves",
+)
 _GPU_ONLY = ("expert_ffn_curves",)
 
 
@@ -229,7 +243,22 @@ def _device_from_dict(data: Any, where: str, is_cpu: bool = False) -> DeviceSpec
     overhead = data.get("launch_overhead")
     if overhead is not None:
         overhead = _overhead_from_dict(overhead, f"{where}: launch_overhead")
-    attention = data.get("attention_curve")
+    attention = check_keys(
+        data.get("attention_curves") or {},
+        where=f"{where}: attention_curves",
+        required=set(),
+        optional=set(DTYPES),
+    )
+    if data.get("attention_curve") is not None:  # a profile from before 2026-12-03
+        if attention:
+            raise HrmError(f"{where}: give attention_curves only (attention_curve is its old name)")
+        attention = {"bfloat16": data["attention_curve"]}
+    prefill_attention = check_keys(
+        data.get("prefill_attention_curves") or {},
+        where=f"{where}: prefill_attention_curves",
+        required=set(),
+        optional=set(DTYPES),
+    )
     elementwise = data.get("elementwise_rate")
     elementwise = check_keys(
         elementwise or {}, where=f"{where}: elementwise_rate", required=set(), optional=set(DTYPES)
@@ -255,11 +284,18 @@ def _device_from_dict(data: Any, where: str, is_cpu: bool = False) -> DeviceSpec
             dtype: positive_float(rate, where=f"{where}: elementwise_rate: {dtype}")
             for dtype, rate in elementwise.items()
         },
-        attention_curve=_curve_from_list(
-            attention, f"{where}: attention_curve", units.parse_bandwidth
-        )
-        if attention is not None
-        else None,
+        attention_curves={
+            dtype: _curve_from_list(
+                points, f"{where}: attention_curves: {dtype}", units.parse_bandwidth
+            )
+            for dtype, points in attention.items()
+        },
+        prefill_attention_curves={
+            dtype: _curve_from_list(
+                points, f"{where}: prefill_attention_curves: {dtype}", units.parse_flops
+            )
+            for dtype, points in prefill_attention.items()
+        },
         sustained_flops_per_s={
             dtype: units.parse_flops(rate, f"{where}: sustained_flops: {dtype}")
             for dtype, rate in sustained.items()
@@ -325,8 +361,12 @@ def _device_to_dict(device: DeviceSpec) -> dict[str, Any]:
         }
     if device.launch_overhead is not None:
         out["launch_overhead"] = dataclasses.asdict(device.launch_overhead)
-    if device.attention_curve is not None:
-        out["attention_curve"] = _curve_to_list(device.attention_curve)
+    if device.attention_curves:
+        out["attention_curves"] = {d: _curve_to_list(c) for d, c in device.attention_curves.items()}
+    if device.prefill_attention_curves:
+        out["prefill_attention_curves"] = {
+            d: _curve_to_list(c) for d, c in device.prefill_attention_curves.items()
+        }
     if device.elementwise_rate:
         out["elementwise_rate"] = dict(device.elementwise_rate)
     if device.expert_ffn_curves:

@@ -104,6 +104,20 @@ def attention_op(
     )
 
 
+def prefill_attention_flops(arch: ModelArch, *, batch: float, length: float) -> float:
+    """FLOPs the executor's prefill attention computes for `batch` prompts padded to `length`:
+    with an explicit causal-and-padding mask SDPA computes every (query, key) pair of the L x L
+    square (executor/attention.py, store_and_attend_prompts), 4*b*L^2*nq*d for QK^T and PV (2
+    per MAC) + 5*b*L^2*nq for the softmax, as attention_op counts a pair. The causal count
+    attention_op gives is about half of this at uniform prompts, and a ragged batch pads to its
+    longest prompt."""
+    pairs = batch * length * length
+    return (
+        4.0 * pairs * arch.num_attention_heads * arch.head_dim
+        + 5.0 * pairs * arch.num_attention_heads
+    )
+
+
 def expert_ffn_op(
     arch: ModelArch, *, tokens: float, weight_dtype: str, group_tokens: float | None = None
 ) -> Op:

@@ -35,7 +35,7 @@ from hrm.arch import ModelArch
 from hrm.cpu_gemm import CpuGemmChoice, choose_cpu_gemm
 from hrm.hardware import HardwareProfile
 from hrm.hardware_parts import DeviceSpec
-from hrm.ops import ACTIVATION_DTYPE, layer_ops, lm_head_op
+from hrm.ops import ACTIVATION_DTYPE, layer_ops, lm_head_op, prefill_attention_flops
 from hrm.placement import largest_page_bytes
 from hrm.policy import dtype_bytes
 from hrm.workload import Workload
@@ -256,10 +256,18 @@ def micro_batch_seconds(setting: Setting, b: float) -> MicroBatchSeconds:
 
         head = lm_head_op(arch, batch=b, weight_dtype=setting.weight_dtype)
         attention = both("attention", s_pre, group)
-        curve = device.attention_curve if cpu_gemm is not None else None
+        on_cpu = cpu_gemm is not None
+        prefill_curve = device.prefill_attention_curves.get(setting.kv_dtype) if on_cpu else None
+        if prefill_curve is not None:
+            # prefill attention on the CPU at the executor's measured rate for the FLOPs it
+            # computes, the micro-batch padded to the longest prompt (hrm profile):
+            # T = F_exec / R(F_exec)
+            flops = prefill_attention_flops(arch, batch=b, length=wl.prompt_len_max)
+            attention[0] = flops / prefill_curve.at(flops)
+        curve = device.attention_curves.get(setting.kv_dtype) if on_cpu else None
         if curve is not None and steps > 1:
-            # decode attention on the CPU at the executor's measured K/V read rate for this
-            # many bytes per call (hrm profile): T = bytes / B_attn(bytes)
+            # decode attention on the CPU at the executor's measured K/V read rate in the KV
+            # dtype for this many bytes per call (hrm profile): T = bytes / B_attn(bytes)
             kv = np.asarray(decode["attention"].bytes, dtype=float) * np.ones(steps - 1)
             attention[1:] = kv / curve.at_each(kv)
         return {

@@ -257,14 +257,43 @@ def test_bundled_gpus_state_sustained_rates_that_the_planner_charges(tmp_path):
         HardwareProfile.from_dict(data)
 
 
-def test_attention_curve_is_the_cpus_and_round_trips(tmp_path):
+def test_attention_curves_are_the_cpus_per_dtype_and_round_trip(tmp_path):
+    """Decode (K/V bytes -> bytes/s) and prefill (FLOPs -> FLOP/s) attention curves per dtype."""
     data = resolve_hardware("l4").to_dict()
-    data["cpu"]["attention_curve"] = [[1e6, "20 GB/s"], [1e8, "15 GB/s"]]
+    data["cpu"]["attention_curves"] = {
+        "bfloat16": [[1e6, "20 GB/s"], [1e8, "15 GB/s"]],
+        "float32": [[1e6, "30 GB/s"]],
+    }
+    data["cpu"]["prefill_attention_curves"] = {"float32": [[1e6, "1 TFLOP/s"], [1e9, "2 TFLOP/s"]]}
     profile = HardwareProfile.from_dict(copy.deepcopy(data))
-    assert profile.cpu.attention_curve.at(1e6) == 20e9
+    assert profile.cpu.prefill_attention_curves["float32"].at(1e9) == 2e12
+    assert profile.cpu.attention_curves["bfloat16"].at(1e6) == 20e9
+    assert profile.cpu.attention_curves["float32"].at(1e8) == 30e9
     assert HardwareProfile.load(profile.save(tmp_path / "p.yaml")) == profile
-    data["gpu"]["attention_curve"] = [[1e6, "20 GB/s"]]
-    with pytest.raises(HrmError, match="attention_curve is measured for the cpu only"):
+    # a profile from before 2026-12-03 has one curve, measured in bfloat16
+    old = copy.deepcopy(data)
+    old["cpu"]["attention_curve"] = old["cpu"].pop("attention_curves")["bfloat16"]
+    assert HardwareProfile.from_dict(old).cpu.attention_curves == {
+        "bfloat16": profile.cpu.attention_curves["bfloat16"]
+    }
+    both = copy.deepcopy(data)
+    both["cpu"]["attention_curve"] = [[1e6, "20 GB/s"]]
+    with pytest.raises(HrmError, match="give attention_curves only"):
+        HardwareProfile.from_dict(both)
+    bad_dtype = copy.deepcopy(data)
+    bad_dtype["cpu"]["attention_curves"]["float128"] = [[1e6, "1 GB/s"]]
+    with pytest.raises(HrmError, match="float128"):
+        HardwareProfile.from_dict(bad_dtype)
+    unsorted = copy.deepcopy(data)
+    unsorted["cpu"]["prefill_attention_curves"]["float32"].reverse()
+    with pytest.raises(HrmError, match="prefill_attention_curves: float32"):
+        HardwareProfile.from_dict(unsorted)
+    on_gpu = copy.deepcopy(data)
+    on_gpu["gpu"]["prefill_attention_curves"] = {"bfloat16": [[1e6, "1 TFLOP/s"]]}
+    with pytest.raises(HrmError, match="prefill_attention_curves is measured for the cpu only"):
+        HardwareProfile.from_dict(on_gpu)
+    data["gpu"]["attention_curves"] = {"bfloat16": [[1e6, "20 GB/s"]]}
+    with pytest.raises(HrmError, match="attention_curves is measured for the cpu only"):
         HardwareProfile.from_dict(data)
 
 

@@ -84,15 +84,16 @@ def run(args: argparse.Namespace) -> int:
 def with_launch_overhead(profile: HardwareProfile, arch, *, quick: bool = False) -> HardwareProfile:
     """The profile with what only the executor's own code shows: on the CPU its fixed cost per
     layer, expert and step (executor/overhead.py: the real forward on a miniature of the model,
-    in float32), its decode-attention kernel's K/V read rate (executor/attention.py) and, per
-    dtype, the element passes per second of its grouped expert FFN beyond the GEMMs; on a GPU
-    the same fixed costs and the whole grouped expert FFN's rate at decode and prefill token
-    counts, each point held for the sweep's sustain time."""
+    in float32) and, per dtype, its decode-attention stage's K/V read rate, its prefill attention
+    stage's FLOP/s (executor/attention.py) and the element passes per second of its grouped
+    expert FFN beyond the GEMMs; on a GPU the same fixed costs and the whole grouped expert
+    FFN's rate at decode and prefill token counts, each point held for the sweep's sustain
+    time."""
     import dataclasses
 
-    from executor.attention import measure_attention_curve
+    from executor.attention import measure_attention_curve, measure_prefill_attention_curve
     from executor.overhead import (
-        ELEMENTWISE_DTYPES,
+        CPU_RUN_DTYPES,
         measure_elementwise_rate,
         measure_expert_ffn_curve,
         measure_launch_overhead,
@@ -104,10 +105,13 @@ def with_launch_overhead(profile: HardwareProfile, arch, *, quick: bool = False)
     cpu = dataclasses.replace(
         profile.cpu,
         launch_overhead=measure_launch_overhead(arch),
-        attention_curve=measure_attention_curve(arch, quick=quick),
+        attention_curves={d: measure_attention_curve(arch, d, quick=quick) for d in CPU_RUN_DTYPES},
+        prefill_attention_curves={
+            d: measure_prefill_attention_curve(arch, d) for d in CPU_RUN_DTYPES
+        },
         elementwise_rate={
             d: measure_elementwise_rate(arch, d, cpu_gemm=choose_cpu_gemm(profile.cpu, d))
-            for d in ELEMENTWISE_DTYPES
+            for d in CPU_RUN_DTYPES
         },
     )
     gpu = profile.gpu

@@ -226,6 +226,42 @@ def test_the_attention_curve_times_the_executors_kernel(monkeypatch):
     assert len(curve.points) == len(QUICK_CURVE_POINTS)
     assert curve.points[0][0] == 2 * batch * 8 * context * 128 * 2  # K and V, 8 heads of 128, bf16
     assert all(rate > 0 for _, rate in curve.points)
+    # in float32 the stage reads 4-byte K/V, and the curve's sizes say so
+    seen.clear()
+    fp32 = measure_attention_curve(resolve_model("mixtral-8x7b"), "float32", quick=True,
+                                   rotate_bytes=1e6)  # fmt: skip
+    assert fp32.points[0][0] == 2 * curve.points[0][0]
+    assert seen[0][0] == (batch, 8, context, 128)
+
+
+def test_the_prefill_attention_curve_times_the_executors_stage(monkeypatch):
+    """hrm profile's CPU prefill attention curve: one point per (batch, length), at the FLOPs the
+    stage computes there, a quarter of each batch's prompts half as long, positive rates, each
+    call the executor's own stage (the K/V store, then masked SDPA over the padded square)."""
+    from executor import attention
+    from executor.attention import PREFILL_CURVE_POINTS, measure_prefill_attention_curve
+    from hrm.arch import resolve_model
+    from hrm.ops import prefill_attention_flops
+
+    seen = []
+
+    def stage(cache, layer, q, k, v, batch_idx, slot_idx):
+        seen.append((cache.length, cache.has_padding, q.shape[0], int(slot_idx.min())))
+        return real_stage(cache, layer, q, k, v, batch_idx, slot_idx)
+
+    real_stage = attention.store_and_attend_prompts
+    monkeypatch.setattr(attention, "store_and_attend_prompts", stage)
+    small = dataclasses.replace(
+        resolve_model("mixtral-8x7b"), num_attention_heads=4, num_key_value_heads=2, head_dim=16
+    )
+    curve = measure_prefill_attention_curve(small, "float32")
+    assert [x for x, _ in curve.points] == [
+        prefill_attention_flops(small, batch=b, length=n) for b, n in PREFILL_CURVE_POINTS
+    ]
+    assert all(rate > 0 for _, rate in curve.points)
+    # (4, 128): one prompt of 64 tokens, left-padded, and three of 128
+    length, padded, tokens, first_slot = next(s for s in seen if s[0] == 128)
+    assert padded and tokens == 64 + 3 * 128 and first_slot == 0
 
 
 def test_the_elementwise_rate_times_the_executors_expert_ffn():

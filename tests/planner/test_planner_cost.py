@@ -342,24 +342,66 @@ def test_kv_prefetch_buffer_by_hand(arch, make_gpu_profile):
 
 
 def test_cpu_decode_attention_is_charged_at_the_measured_kv_read_rate(arch, workload):
-    """With an attention curve of 1 GB/s everywhere, CPU decode attention costs bytes / 1e9."""
+    """With attention curves of 1 GB/s in bfloat16 and 3 GB/s in float32, CPU decode attention
+    costs bytes / 1e9 with a bfloat16 KV cache and bytes / 3e9 with a float32 one; a KV dtype
+    without its curve keeps the FLOPs-and-bandwidth model."""
     from hrm.hardware_parts import Curve
     from hrm.ops import layer_ops
     from planner.cost import micro_batch_seconds
     from tests.planner.tiny_setup import cpu_only_profile
 
     hw = cpu_only_profile()
+    curves = {"bfloat16": Curve(points=((1.0, 1e9),)), "float32": Curve(points=((1.0, 3e9),))}
+    curved = dataclasses.replace(hw, cpu=dataclasses.replace(hw.cpu, attention_curves=curves))
+    for kv_dtype, rate in (("bfloat16", 1e9), ("float32", 3e9)):
+        plain = micro_batch_seconds(
+            Setting(arch=arch, hardware=hw, workload=workload, kv_dtype=kv_dtype), 2
+        )
+        setting = Setting(arch=arch, hardware=curved, workload=workload, kv_dtype=kv_dtype)
+        mb = micro_batch_seconds(setting, 2)
+        ops = layer_ops(arch, batch=2, new_tokens=1, context=setting.decode_contexts,
+                        weight_dtype="bfloat16", kv_dtype=kv_dtype, ffn_group_tokens=2)  # fmt: skip
+        attention = next(op for op in ops if op.name == "attention")
+        assert mb.cpu_attention[1:] == pytest.approx(np.asarray(attention.bytes) / rate)
+        assert mb.cpu_attention[0] == plain.cpu_attention[0]  # prefill keeps the GEMM model
+    # a float16 cache: no curve of its own, so the FLOPs-and-bandwidth model in prefill and decode
+    fp16 = Setting(arch=arch, hardware=curved, workload=workload, kv_dtype="float16")
+    plain = Setting(arch=arch, hardware=hw, workload=workload, kv_dtype="float16")
+    assert micro_batch_seconds(fp16, 2).cpu_attention == pytest.approx(
+        micro_batch_seconds(plain, 2).cpu_attention
+    )
+
+
+def test_cpu_prefill_attention_is_charged_at_its_measured_rate_over_the_padded_square(
+    arch, workload
+):
+    """With a prefill attention curve of 1 TFLOP/s, CPU prefill attention costs the FLOPs the
+    executor computes, every pair of the square padded to the longest prompt, over 1e12; decode
+    keeps its own model. By hand for b = 2 at prompt_len_max 32: 2 * 32^2 = 2048 pairs per head,
+    4 * 2048 * nq * d + 5 * 2048 * nq FLOPs."""
+    from hrm.hardware_parts import Curve
+    from hrm.ops import prefill_attention_flops
+    from planner.cost import micro_batch_seconds
+    from tests.planner.tiny_setup import cpu_only_profile
+
+    hw = cpu_only_profile()
+    curve = {"bfloat16": Curve(points=((1.0, 1e12),))}
     curved = dataclasses.replace(
-        hw, cpu=dataclasses.replace(hw.cpu, attention_curve=Curve(points=((1.0, 1e9),)))
+        hw, cpu=dataclasses.replace(hw.cpu, prefill_attention_curves=curve)
     )
     plain = micro_batch_seconds(Setting(arch=arch, hardware=hw, workload=workload), 2)
-    setting = Setting(arch=arch, hardware=curved, workload=workload)
-    mb = micro_batch_seconds(setting, 2)
-    ops = layer_ops(arch, batch=2, new_tokens=1, context=setting.decode_contexts,
-                    weight_dtype="bfloat16", kv_dtype="bfloat16", ffn_group_tokens=2)  # fmt: skip
-    attention = next(op for op in ops if op.name == "attention")
-    assert mb.cpu_attention[1:] == pytest.approx(np.asarray(attention.bytes) / 1e9)
-    assert mb.cpu_attention[0] == plain.cpu_attention[0]  # prefill keeps the GEMM model
+    mb = micro_batch_seconds(Setting(arch=arch, hardware=curved, workload=workload), 2)
+    nq, d = arch.num_attention_heads, arch.head_dim
+    by_hand = 4.0 * 2048 * nq * d + 5.0 * 2048 * nq
+    assert prefill_attention_flops(arch, batch=2, length=32) == by_hand
+    assert mb.cpu_attention[0] == pytest.approx(by_hand / 1e12)
+    assert mb.cpu_attention[1:] == pytest.approx(plain.cpu_attention[1:])
+    # a float32 run has no curve here: the GEMM model, as without the curve
+    fp32 = Setting(arch=arch, hardware=curved, workload=workload, kv_dtype="float32")
+    fp32_plain = Setting(arch=arch, hardware=hw, workload=workload, kv_dtype="float32")
+    assert micro_batch_seconds(fp32, 2).cpu_attention[0] == pytest.approx(
+        micro_batch_seconds(fp32_plain, 2).cpu_attention[0]
+    )
 
 
 def test_the_cost_models_array_lookup_is_curve_at():
