@@ -178,9 +178,11 @@ def _median_seconds(call) -> float:
     return time_calls(call, clock=perf_counter_clock, repeats=5, min_sample_s=0.05).median_s
 
 
-# (batch, padded prompt length) of the prefill points `hrm profile` times: from a few MFLOP to
-# about 140 GFLOP per call at Mixtral's 32 heads of 128, spanning hrm validate's prefills
-PREFILL_CURVE_POINTS = ((1, 32), (4, 128), (16, 256), (8, 1024))
+# (batch, padded prompt length) of the prefill points `hrm profile` times, by FLOPs per call:
+# from a few MFLOP to about 140 GFLOP at Mixtral's 32 heads of 128. Many short prompts run
+# slower per FLOP than a few longer ones (64 x 64 at 48 GFLOP/s, 4 x 128 at 69, in bf16 at the
+# bench model, 2026-12-03), so the batches hrm validate runs (64 prompts of 32-192) have points
+PREFILL_CURVE_POINTS = ((1, 32), (4, 128), (64, 64), (16, 256), (64, 192), (8, 1024))
 
 
 def measure_prefill_attention_curve(arch, dtype: str = "bfloat16"):
