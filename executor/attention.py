@@ -191,6 +191,7 @@ def measure_prefill_attention_curve(arch, dtype: str = "bfloat16"):
     quarter of each batch's prompts half as long: what the planner charges CPU prefill attention
     at (planner/cost.py). Each call is store_and_attend_prompts on a KVCache, the K/V store, the
     query scatter and the mask included."""
+    from executor.runtime import packed_layout  # runtime imports this module
     from hrm.hardware_parts import Curve
     from hrm.ops import prefill_attention_flops
 
@@ -205,9 +206,9 @@ def measure_prefill_attention_curve(arch, dtype: str = "bfloat16"):
             lens = torch.full((batch,), length)
             lens[: batch // 4] = length // 2
             cache.start(lens, length)
-            batch_idx = torch.repeat_interleave(torch.arange(batch), lens)
-            # left padding: a prompt of n tokens fills the last n slots
-            slot_idx = torch.cat([torch.arange(length - n, length) for n in lens.tolist()])
+            # the executor's own packed layout (left-padded: a prompt of n fills the last n slots)
+            packed = packed_layout([[0] * n for n in lens.tolist()], lens, length, "cpu")
+            batch_idx, slot_idx = packed["batch_idx"], packed["slot_idx"]
             tokens = int(lens.sum())
 
             def tensor(*size):

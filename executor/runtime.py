@@ -155,7 +155,7 @@ class Runtime(TaskBuilder):
             cache = self.model_cache(len(group), padded + gen_len, kv_home, layer_devices)
             cache.start(lens.to(kv_home), padded)
             mb = MicroBatch(index=j, lens=lens, padded_len=padded, cache=cache)
-            mb.packed = _packed(group, lens, padded, home)
+            mb.packed = packed_layout(group, lens, padded, home)
             self.micro_batches.append(mb)
         self._allocate_staging(mu, max(mb.cache.max_len for mb in self.micro_batches))
 
@@ -269,7 +269,7 @@ def placed_runtime(
     )
 
 
-def _packed(group, lens: torch.Tensor, padded: int, device) -> dict[str, torch.Tensor]:
+def packed_layout(group, lens: torch.Tensor, padded: int, device) -> dict[str, torch.Tensor]:
     """Packed prompt layout of a micro-batch: token t is (sequence batch_idx, slot slot_idx)."""
     token_ids = torch.tensor([t for p in group for t in p], device=device)
     b = len(group)

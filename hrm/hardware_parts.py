@@ -234,31 +234,14 @@ def _device_from_dict(data: Any, where: str, is_cpu: bool = False) -> DeviceSpec
         for key in keys:
             if data.get(key) is not None and is_cpu != (only_for == "cpu"):
                 raise HrmError(f"{where}: {key} is measured for the {only_for} only")
-    ffn_curves = check_keys(
-        data.get("expert_ffn_curves") or {},
-        where=f"{where}: expert_ffn_curves",
-        required=set(),
-        optional=set(DTYPES),
-    )
     overhead = data.get("launch_overhead")
     if overhead is not None:
         overhead = _overhead_from_dict(overhead, f"{where}: launch_overhead")
-    attention = check_keys(
-        data.get("attention_curves") or {},
-        where=f"{where}: attention_curves",
-        required=set(),
-        optional=set(DTYPES),
-    )
+    attention = data.get("attention_curves") or {}
     if data.get("attention_curve") is not None:  # a profile from before 2026-12-03
         if attention:
             raise HrmError(f"{where}: give attention_curves only (attention_curve is its old name)")
         attention = {"bfloat16": data["attention_curve"]}
-    prefill_attention = check_keys(
-        data.get("prefill_attention_curves") or {},
-        where=f"{where}: prefill_attention_curves",
-        required=set(),
-        optional=set(DTYPES),
-    )
     elementwise = data.get("elementwise_rate")
     elementwise = check_keys(
         elementwise or {}, where=f"{where}: elementwise_rate", required=set(), optional=set(DTYPES)
@@ -274,28 +257,21 @@ def _device_from_dict(data: Any, where: str, is_cpu: bool = False) -> DeviceSpec
             data.get("gemm_shape_curves") or {}, f"{where}: gemm_shape_curves", rate_keys
         ),
         launch_overhead=overhead,
-        expert_ffn_curves={
-            dtype: _curve_from_list(
-                points, f"{where}: expert_ffn_curves: {dtype}", units.parse_flops
-            )
-            for dtype, points in ffn_curves.items()
-        },
+        expert_ffn_curves=_dtype_curves(
+            data.get("expert_ffn_curves"), f"{where}: expert_ffn_curves", units.parse_flops
+        ),
         elementwise_rate={
             dtype: positive_float(rate, where=f"{where}: elementwise_rate: {dtype}")
             for dtype, rate in elementwise.items()
         },
-        attention_curves={
-            dtype: _curve_from_list(
-                points, f"{where}: attention_curves: {dtype}", units.parse_bandwidth
-            )
-            for dtype, points in attention.items()
-        },
-        prefill_attention_curves={
-            dtype: _curve_from_list(
-                points, f"{where}: prefill_attention_curves: {dtype}", units.parse_flops
-            )
-            for dtype, points in prefill_attention.items()
-        },
+        attention_curves=_dtype_curves(
+            attention, f"{where}: attention_curves", units.parse_bandwidth
+        ),
+        prefill_attention_curves=_dtype_curves(
+            data.get("prefill_attention_curves"),
+            f"{where}: prefill_attention_curves",
+            units.parse_flops,
+        ),
         sustained_flops_per_s={
             dtype: units.parse_flops(rate, f"{where}: sustained_flops: {dtype}")
             for dtype, rate in sustained.items()
@@ -319,6 +295,15 @@ def _device_from_dict(data: Any, where: str, is_cpu: bool = False) -> DeviceSpec
         if available is not None
         else None,
     )
+
+
+def _dtype_curves(data: Any, where: str, parse_rate) -> dict[str, Curve]:
+    """A mapping of dtype -> [size, rate] pairs (absent: empty), checked and parsed."""
+    curves = check_keys(data or {}, where=where, required=set(), optional=set(DTYPES))
+    return {
+        dtype: _curve_from_list(points, f"{where}: {dtype}", parse_rate)
+        for dtype, points in curves.items()
+    }
 
 
 def _shape_curves_from_dict(data: Any, where: str, rate_keys: set[str]) -> dict:

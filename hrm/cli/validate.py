@@ -239,8 +239,10 @@ def _validate(args, checkpoint: Path, hardware) -> int:
         (out / "runs").mkdir(exist_ok=True)
         for path in runs.iterdir():
             path.replace(out / "runs" / path.name)
-        for rep, profile in profiles.items():
-            profile.save(out / _profile_file(rep, every_pass))
+        # one file per profile: with --profile-every sweep every pass has the same one
+        saved = {_profile_file(rep, every_pass): profile for rep, profile in profiles.items()}
+        for name, profile in saved.items():
+            profile.save(out / name)
     overall = list(summaries(rows).values())[-1]["all"]
     print(
         f"{overall.runs} runs: MAPE {overall.mape:.1%}, worst {overall.worst.error:+.1%} "
