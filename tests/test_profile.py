@@ -324,3 +324,17 @@ def test_gpu_gemm_points_span_the_sustain_time():
     for name, least in (("full", 1.0), ("quick", 0.3)):
         plan = PRESETS[name]
         assert plan.gpu_gemm_sample_s * plan.repeats >= least - 1e-9
+
+
+def test_presets_time_every_small_row_count_decode_gives_one_expert():
+    """fp32 sgemm is not smooth at 1-4 rows (two and three GEMVs, then a GEMM kernel), so no
+    curve may interpolate there: each preset times every row count of SMALL_ROWS, at the w1
+    shape and at every other shape."""
+    from hrm.profiling import PRESETS, SMALL_ROWS
+
+    assert SMALL_ROWS == (1, 2, 3, 4, 8)
+    for plan in PRESETS.values():
+        assert set(SMALL_ROWS) <= set(plan.tokens_grid), plan.name
+        assert set(SMALL_ROWS) <= set(plan.shape_tokens_grid), plan.name
+        for grid in (plan.tokens_grid, plan.shape_tokens_grid):
+            assert list(grid) == sorted(set(grid)), plan.name

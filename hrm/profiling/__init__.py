@@ -32,6 +32,12 @@ from hrm.progress import progress_bar
 STORED_CPU_BANDWIDTH = "read"  # decode streams weights and KV cache: a read, not a copy
 BUSY_WARNING_SHARE = 0.1  # other processes' share of CPU time above which figures are suspect
 _MATMUL_MEMORY_FRACTION = 0.25  # of available memory, for one sweep's weight, input and output
+# The rows one expert gets in decode (Binomial(batch, k/E): 1-3 at a batch of 8) and a small
+# batch's dense GEMMs. A CPU's rate is not smooth there: float32 sgemm on an AVX-512 EPYC took
+# 0.95, 1.91, 2.69 and 1.93 ms at 1, 2, 3 and 4 rows of 1024x3584 (two and three GEMVs, then a
+# GEMM kernel), so a curve through 1 and 4 (or 16) priced 2-3 rows at half their time and
+# fp32 decode at a batch of 8 was predicted 11-53% fast (docs/decisions.md, 2026-12-04).
+SMALL_ROWS = (1, 2, 3, 4, 8)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,7 +57,7 @@ class SweepPlan:
     # and budget per shape and rate key, as together they take a tenth of a decode step's FLOPs.
     # It reaches 4096 rows because prefill runs q, k/v and o at batch x prompt rows (2048-8192
     # in hrm validate's sweep), where a curve held flat from 256 rows understated bf16 by up to 2x
-    shape_tokens_grid: tuple[int, ...] = (1, 16, 256, 1024, 4096)
+    shape_tokens_grid: tuple[int, ...] = (*SMALL_ROWS, 16, 256, 1024, 4096)
     shape_budget_s: float = 4.0
     # GPU GEMM points: the repeats of one point together span at least this long, so that a long
     # job's clocks (power and thermal limits reached), not a boost-clock burst, are what is timed
@@ -67,7 +73,7 @@ class SweepPlan:
 PRESETS = {
     "quick": SweepPlan(
         name="quick",
-        tokens_grid=(1, 4, 12, 16, 64, 256, 1024),
+        tokens_grid=(*SMALL_ROWS, 12, 16, 64, 256, 1024),
         repeats=3,
         min_sample_s=0.05,
         matmul_budget_s=12.0,
@@ -79,7 +85,7 @@ PRESETS = {
     ),
     "full": SweepPlan(
         name="full",
-        tokens_grid=(1, 2, 4, 8, 12, *(2**i for i in range(4, 13))),
+        tokens_grid=(*SMALL_ROWS[:-1], 6, 8, 12, *(2**i for i in range(4, 13))),
         repeats=5,
         min_sample_s=0.1,
         matmul_budget_s=110.0,
@@ -88,7 +94,7 @@ PRESETS = {
         both_directions_bytes=1e9,
         device_copy_bytes=2e9,
         gpu_sustain_s=1.0,
-        shape_tokens_grid=(1, 4, 16, 64, 256, 1024, 4096),
+        shape_tokens_grid=(*SMALL_ROWS, 16, 64, 256, 1024, 4096),
         shape_budget_s=12.0,
     ),
 }
