@@ -123,6 +123,7 @@ def random_checkpoint(args, tmp: Path) -> Path:
     """The model's real architecture with random weights, saved by transformers into `tmp`."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
     from hrm.arch import resolve_model
     from hrm.io import load_json
@@ -140,6 +141,8 @@ def random_checkpoint(args, tmp: Path) -> Path:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16)
     out = tmp / f"{arch.name}-random"
+    if args.quiet:  # transformers' own shard-writing bar ignores our --quiet otherwise
+        hf_logging.disable_progress_bar()
     model.save_pretrained(out)
     return out
 
