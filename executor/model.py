@@ -86,12 +86,13 @@ class MoEModel:
         if self.cpu_gemm is None:
             self.gemm_calls["native"] += 1
             return native_linear(x, w)
-        path = self.cpu_gemm.path_at(x.shape[0])
+        tokens = x.shape[0]
+        path = self.cpu_gemm.path_at(tokens)
         self.gemm_calls[path] += 1
-        pad = self.cpu_gemm.pads(path)
+        rows = int(self.cpu_gemm.rows_at(tokens, (w.shape[1], w.shape[0])))
         if path == "widened":
-            return widened_linear(x, w, self._scratch, pad=pad)
-        return native_linear(x, w, pad=pad)
+            return widened_linear(x, w, self._scratch, rows=rows)
+        return native_linear(x, w, rows=rows)
 
     def new_cache(self, batch_size: int, max_len: int) -> KVCache:
         a = self.arch

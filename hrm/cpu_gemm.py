@@ -7,7 +7,9 @@ count, so the choice is made per token bucket from measured curves: the profile'
 `<dtype>_widened` matmul curves, or the executor's short probe at the model's shapes. The
 executor runs `path_at(tokens)`; the planner prices exactly that path with `gemm_flops_per_s`.
 A path pads its rows (hrm.gemm_paths.padded_tokens) where its measured time at 16 rows is clearly
-below its time at 12: the dip of sgemm at 9-15 rows on AVX2.
+below its time at 12: the dip of sgemm at 9-15 rows on AVX2. Below SMALL_PAD_LIMIT rows it pads a
+token count to a larger measured one where that shape's curve says the larger runs in clearly
+less time: sgemm ran 2 and 3 rows as GEMVs on an AVX-512 EPYC, slower than 4 or 8.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from hrm.schema import check_keys
 PATHS = ("native", "widened")
 MODES = ("auto", *PATHS)
 PAD_CHECK_TOKENS = (12, 16)  # padding pays when 16 rows take less time than 12
+SMALL_PAD_LIMIT = 8  # up to this many rows, a GEMM may pad to a larger measured row count
+ANY_SHAPE = "*"  # small pads read off the w1-shape curve: shapes without a curve of their own
 # A path is taken over native, and padding over none, only when it saves at least this share of
 # the time: two profiles of one host differ by about 5%, so a smaller gain is timing noise.
 NOISE_FLOOR = 0.1
@@ -114,12 +118,15 @@ class CpuGemmChoice:
         starts = [start for start, _ in self.buckets]
         return self.buckets[bisect.bisect_right(starts, tokens) - 1][1]
 
+    # path -> shape key (or ANY_SHAPE) -> {tokens: rows run} up to SMALL_PAD_LIMIT
+    small_pads: Mapping[str, Mapping[str, Mapping[int, int]]] = field(default_factory=dict)
+
     def pads(self, path: str) -> bool:
         return path in self.padded
 
-    def rows_at(self, tokens: float) -> float:
-        """The rows the GEMM runs at: padded when the chosen path pads."""
-        return padded_tokens(tokens) if self.pads(self.path_at(tokens)) else tokens
+    def rows_at(self, tokens: float, shape: tuple[int, int] | None = None) -> float:
+        """The rows the GEMM (d_in, d_out) runs at: padded where the chosen path pads."""
+        return _rows_run(self.small_pads, self.padded, self.path_at(tokens), tokens, shape)
 
     @property
     def paths(self) -> tuple[str, ...]:
@@ -131,7 +138,11 @@ class CpuGemmChoice:
             first = max(1, math.ceil(start))
             end = self.buckets[i + 1][0] if i + 1 < len(self.buckets) else None
             span = f"{first}+" if end is None else f"{first}-{math.ceil(end) - 1}"
-            parts.append(f"{path} at {span} tokens" + (" (padded)" if self.pads(path) else ""))
+            small = self.small_pads.get(path, {}).get(ANY_SHAPE, {})
+            notes = ["padded"] if self.pads(path) else []
+            if small:
+                notes.append("rows " + ", ".join(f"{t}->{r}" for t, r in sorted(small.items())))
+            parts.append(f"{path} at {span} tokens" + (f" ({'; '.join(notes)})" if notes else ""))
         return f"{self.dtype}: " + ", ".join(parts) + f" [{self.source}]"
 
     def to_dict(self) -> dict[str, Any]:
@@ -139,6 +150,10 @@ class CpuGemmChoice:
             "dtype": self.dtype,
             "buckets": [[start, path] for start, path in self.buckets],
             "padded": list(self.padded),
+            "small_pads": {
+                path: {shape: {str(t): r for t, r in pads.items()} for shape, pads in by.items()}
+                for path, by in self.small_pads.items()
+            },
             "source": self.source,
         }
 
@@ -146,8 +161,12 @@ class CpuGemmChoice:
     def from_dict(cls, data: Any, where: str = "cpu_gemm") -> CpuGemmChoice:
         """The choice as to_dict wrote it (a RunRecord's environment); extra keys (the run's
         `calls`) are not the choice's and are left to the caller."""
+        # records made before small_pads existed ran without it
         data = check_keys(
-            data, where=where, required=set(cls.__dataclass_fields__), optional={"calls"}
+            data,
+            where=where,
+            required=set(cls.__dataclass_fields__) - {"small_pads"},
+            optional={"calls", "small_pads"},
         )
         buckets = data["buckets"]
         if (
@@ -160,6 +179,7 @@ class CpuGemmChoice:
             dtype=str(data["dtype"]),
             buckets=tuple((float(start), path) for start, path in buckets),
             padded=tuple(data["padded"]),
+            small_pads=_small_pads_from(data.get("small_pads", {}), where),
             source=str(data["source"]),
         )
 
@@ -175,17 +195,22 @@ def choose_cpu_gemm(
     paths = PATHS if dtype in HALF_DTYPES else ("native",)
     keys = {path: rate_key(rates, dtype, path) for path in paths}
     padded = tuple(p for p in paths if pays_to_pad(rates.matmul_curves.get(keys[p])))
+    small = {path: small_pads_by_shape(rates, keys[path]) for path in paths}
     if mode != "auto" and dtype not in HALF_DTYPES:
         source = f"{dtype} runs natively; --cpu-gemm {mode} applies to 16-bit dtypes"
         mode = "auto"
     if mode != "auto":
         return CpuGemmChoice(
-            dtype=dtype, buckets=((0.0, mode),), padded=padded, source=f"--cpu-gemm {mode}"
+            dtype=dtype,
+            buckets=((0.0, mode),),
+            padded=padded,
+            small_pads={mode: small[mode]},
+            source=f"--cpu-gemm {mode}",
         )
 
     def seconds_per_row(path: str, tokens: float) -> float:
         # t(T) = rows_run / rate(rows_run), per useful row
-        rows = padded_tokens(tokens) if path in padded else tokens
+        rows = _rows_run(small, padded, path, tokens, None)
         return rows / rate_at(rates, keys[path], rows) / tokens
 
     curves = [rates.matmul_curves[k] for k in keys.values() if k in rates.matmul_curves]
@@ -200,7 +225,68 @@ def choose_cpu_gemm(
             # a bucket starts half way (in log tokens) from the previous grid point
             start = 0.0 if i == 0 else math.sqrt(grid[i - 1] * tokens)
             buckets.append((start, best))
-    return CpuGemmChoice(dtype=dtype, buckets=tuple(buckets), padded=padded, source=source)
+    taken = {path for _, path in buckets}
+    small = {path: pads for path, pads in small.items() if path in taken}
+    return CpuGemmChoice(
+        dtype=dtype, buckets=tuple(buckets), padded=padded, small_pads=small, source=source
+    )
+
+
+def small_row_pads(curve: Curve | None) -> dict[int, int]:
+    """{tokens: rows} for measured row counts below SMALL_PAD_LIMIT that run in clearly less time
+    zero-padded to a larger measured count (t = rows / rate): the fastest such count, the
+    smallest within NOISE_FLOOR of it, where it saves at least NOISE_FLOOR of the time. Only
+    measured points count: padding is measured, not assumed."""
+    if curve is None:
+        return {}
+    measured = {
+        int(x): x / rate for x, rate in curve.points if x <= SMALL_PAD_LIMIT and x == int(x)
+    }
+    pads = {}
+    for tokens, own in measured.items():
+        faster = {r: t for r, t in measured.items() if r > tokens and t < (1 - NOISE_FLOOR) * own}
+        if faster:
+            best = min(faster.values())
+            pads[tokens] = min(r for r, t in faster.items() if t <= (1 + NOISE_FLOOR) * best)
+    return pads
+
+
+def small_pads_by_shape(rates: GemmRates, key: str) -> dict[str, dict[int, int]]:
+    """small_row_pads of a rate key at the w1 shape (ANY_SHAPE) and at each shape measured in
+    it: a shape's own curve decides its padding, as its own curve prices it (rate_at)."""
+    shapes = getattr(rates, "gemm_shape_curves", {})
+    return {
+        ANY_SHAPE: small_row_pads(rates.matmul_curves.get(key)),
+        **{name: small_row_pads(curves[key]) for name, curves in shapes.items() if key in curves},
+    }
+
+
+def _rows_run(small_pads, padded, path: str, tokens: float, shape) -> float:
+    """The rows a GEMM of `tokens` rows runs at on `path`: below SMALL_PAD_LIMIT its shape's
+    small pad (a fractional count, the planner's, at its next whole count), above it the next
+    multiple of TOKEN_PAD where the path pads."""
+    if tokens <= SMALL_PAD_LIMIT:
+        by_shape = small_pads.get(path, {})
+        pads = by_shape.get(gemm_shape_key(*shape), None) if shape is not None else None
+        pads = by_shape.get(ANY_SHAPE, {}) if pads is None else pads
+        return float(pads.get(math.ceil(tokens), tokens))
+    return padded_tokens(tokens) if path in padded else tokens
+
+
+def _small_pads_from(data: Any, where: str) -> dict[str, dict[str, dict[int, int]]]:
+    """small_pads as to_dict wrote it: {path: {shape: {tokens: rows}}}."""
+    try:
+        return {
+            str(path): {
+                str(shape): {int(t): int(r) for t, r in pads.items()}
+                for shape, pads in shapes.items()
+            }
+            for path, shapes in data.items()
+        }
+    except (AttributeError, TypeError, ValueError):
+        raise HrmError(
+            f"{where}: small_pads must map each path to shapes to {{tokens: rows}}"
+        ) from None
 
 
 def gemm_flops_per_s(
@@ -209,7 +295,7 @@ def gemm_flops_per_s(
     """Useful FLOP/s of a GEMM at `tokens` rows along the chosen path: the path's rate at the rows
     it runs (padded or not) at its shape, times the useful share of those rows."""
     path = choice.path_at(tokens)
-    rows = choice.rows_at(tokens)
+    rows = choice.rows_at(tokens, shape)
     return rate_at(rates, rate_key(rates, choice.dtype, path), rows, shape) * tokens / rows
 
 

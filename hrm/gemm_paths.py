@@ -5,8 +5,8 @@ AVX-512 BF16/FP16), 4-8x slower than float32 on CPUs without them (AVX2). `widen
 16-bit weight to float32 one cache-sized slice at a time and multiplies each slice at once.
 Which one a run takes is chosen in hrm.cpu_gemm from measured curves; the executor runs these
 functions and `hrm profile` times these very functions, so the profile's rates are the
-executor's. Either may pad its rows with zeros (`pad`) where that was measured to pay. torch is
-imported inside: `import hrm` stays light.
+executor's. Either may run at more rows than it has, zero-padded (`rows`), where hrm.cpu_gemm
+measured that to pay. torch is imported inside: `import hrm` stays light.
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ def padded_tokens(tokens: float) -> float:
     return tokens if tokens <= 8 else -(-tokens // TOKEN_PAD) * TOKEN_PAD
 
 
-def _rows(x, dtype, pad: bool):
-    """x in `dtype`, with zero rows appended up to padded_tokens when `pad`."""
+def _rows(x, dtype, rows: int | None):
+    """x in `dtype`, with zero rows appended up to `rows` (none when None)."""
     import torch
 
     tokens = x.shape[0]
-    rows = int(padded_tokens(tokens)) if pad else tokens
+    rows = tokens if rows is None else max(tokens, int(rows))
     if rows == tokens:
         return x.to(dtype)
     out = torch.zeros(rows, x.shape[1], dtype=dtype, device=x.device)  # [T_pad, in]
@@ -38,21 +38,22 @@ def _rows(x, dtype, pad: bool):
     return out
 
 
-def native_linear(x, w, *, pad: bool = False):
-    """x [T, in] @ w [out, in].T by torch in w's dtype; the result in x's dtype."""
+def native_linear(x, w, *, rows: int | None = None):
+    """x [T, in] @ w [out, in].T by torch in w's dtype, run at `rows` rows; the result in x's
+    dtype."""
     import torch.nn.functional as F
 
     tokens = x.shape[0]
-    return F.linear(_rows(x, w.dtype, pad), w)[:tokens].to(x.dtype)
+    return F.linear(_rows(x, w.dtype, rows), w)[:tokens].to(x.dtype)
 
 
-def widened_linear(x, w, scratch, *, pad: bool = False):
-    """x [T, in] @ w [out, in].T in float32, the result in x's dtype. `scratch` is a float32
-    buffer of WIDEN_SLICE_ELEMENTS, reused call after call."""
+def widened_linear(x, w, scratch, *, rows: int | None = None):
+    """x [T, in] @ w [out, in].T in float32 at `rows` rows, the result in x's dtype. `scratch`
+    is a float32 buffer of WIDEN_SLICE_ELEMENTS, reused call after call."""
     import torch
 
     tokens = x.shape[0]
-    xg = _rows(x, torch.float32, pad)  # [T_pad, in]
+    xg = _rows(x, torch.float32, rows)  # [T_pad, in]
     out_t = torch.empty(w.shape[0], xg.shape[0], dtype=torch.float32)  # [out, T_pad]
     rows = max(1, WIDEN_SLICE_ELEMENTS // w.shape[1])
     for start in range(0, w.shape[0], rows):

@@ -124,3 +124,57 @@ def test_a_path_within_timing_noise_of_native_is_not_taken():
     assert choose_cpu_gemm(rates(near), "bfloat16").paths == ("native",)
     clear = {"bfloat16": native, "bfloat16_widened": scaled(native, 1.2)}
     assert choose_cpu_gemm(rates(clear), "bfloat16").paths == ("widened",)
+
+
+# fp32 sgemm at 1024x3584 on the AVX-512 EPYC VM, ms per call: 2 and 3 rows run as GEMVs
+EPYC_FP32_MS = {1: 0.95, 2: 1.91, 3: 2.69, 4: 1.93, 8: 1.79, 16: 2.19}
+
+
+def timed(ms: dict[int, float]) -> Curve:
+    """A curve whose time per call at x rows is ms[x] (rate = rows / time, in rows per ms)."""
+    return Curve(points=tuple((float(x), x / t) for x, t in sorted(ms.items())))
+
+
+def test_a_small_row_count_pads_to_a_measured_one_that_runs_clearly_faster():
+    """3 rows (2.69 ms) -> 4 (1.93) and 8 (1.79) both save over 10%; 8 is fastest, and 4 is
+    within 10% of it (1.93 <= 1.969), so the smaller, 4. 2 rows (1.91): 8 saves 6%, noise. 4
+    rows: 8 saves 7%. Unmeasured counts (5-7) never pad."""
+    from hrm.cpu_gemm import small_row_pads
+
+    assert small_row_pads(timed(EPYC_FP32_MS)) == {3: 4}
+    assert small_row_pads(scaled(AMX["bfloat16"], 1e9)) == {}  # rate grows faster than rows
+    assert small_row_pads(None) == {}
+
+
+def test_each_shape_pads_by_its_own_curve_and_the_planner_prices_the_rows_run():
+    w1 = timed(EPYC_FP32_MS)
+    # the LM head: 3 rows (28.6 ms) -> 4 (23.0), not 8 (25.0: within 10% of 4, larger)
+    head = timed({1: 8.1, 2: 18.8, 3: 28.6, 4: 23.0, 8: 25.0})
+    flat = timed({1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0, 8: 1.0})  # memory-bound: never pads
+    r = MeasuredRates(
+        matmul_curves={"float32": w1},
+        gemm_shape_curves={"1024x32000": {"float32": head}, "1024x256": {"float32": flat}},
+    )
+    choice = choose_cpu_gemm(r, "float32")
+    assert choice.small_pads == {
+        "native": {"*": {3: 4}, "1024x32000": {3: 4}, "1024x256": {}}
+    }
+    assert choice.rows_at(3) == 4 and choice.rows_at(2) == 2 and choice.rows_at(2.5) == 4
+    assert choice.rows_at(3, (1024, 32000)) == 4 and choice.rows_at(3, (1024, 256)) == 3
+    assert choice.rows_at(3, (3584, 1024)) == 4  # no curve of its own: the w1 curve's pad
+    # 3 useful rows run as 4, at the 4-row rate
+    assert gemm_flops_per_s(r, choice, 3) == pytest.approx(w1.at(4) * 3 / 4)
+    assert gemm_flops_per_s(r, choice, 3, (1024, 256)) == pytest.approx(flat.at(3))
+    assert "rows 3->4" in choice.describe()
+
+
+def test_a_choice_with_small_pads_round_trips_and_old_records_read_without_them():
+    r = MeasuredRates(matmul_curves={"float32": timed(EPYC_FP32_MS)})
+    choice = choose_cpu_gemm(r, "float32", source="profile x")
+    record = choice.to_dict()
+    assert record["small_pads"] == {"native": {"*": {"3": 4}}}
+    assert CpuGemmChoice.from_dict(record) == choice
+    old = {k: v for k, v in record.items() if k != "small_pads"}
+    assert CpuGemmChoice.from_dict(old).rows_at(3) == 3
+    with pytest.raises(HrmError, match="small_pads must map"):
+        CpuGemmChoice.from_dict({**record, "small_pads": {"native": {"*": {"three": 4}}}})

@@ -227,3 +227,24 @@ def test_the_executors_fixed_costs_are_measured_on_its_own_forward():
     assert all(0 <= v < 0.1 for v in values)
     # a layer of a real forward costs something beyond its arithmetic
     assert overhead.per_layer_s + arch.experts_per_token * overhead.per_expert_s > 0
+
+
+def test_small_row_counts_run_zero_padded_to_the_rows_the_choice_says(checkpoints, monkeypatch):
+    """Pads of 1-3 rows to 4 (as where sgemm runs 2-3 rows as GEMVs): every GEMM of at most 3
+    tokens runs at 4 rows, the rest unpadded, and the tokens are those of the unpadded run."""
+    plain = CpuGemmChoice(dtype="float32", buckets=((0.0, "native"),), source="test")
+    padded = dataclasses.replace(plain, small_pads={"native": {"*": {1: 4, 2: 4, 3: 4}}})
+    prompts = ragged_prompts((5, 7, 6), seed=2)  # decode at 3 rows: dense and expert GEMMs pad
+    checkpoint = open_checkpoint(checkpoints["mixtral-single"], "float32")
+    expected = generate(MoEModel(checkpoint, plain), prompts, 3).output_token_ids
+    calls: list[tuple[int, int | None]] = []
+    inner = executor.model.native_linear
+
+    def recorder(x, w, **kwargs):
+        calls.append((x.shape[0], kwargs.get("rows")))
+        return inner(x, w, **kwargs)
+
+    monkeypatch.setattr(executor.model, "native_linear", recorder)
+    assert generate(MoEModel(checkpoint, padded), prompts, 3).output_token_ids == expected
+    assert any(tokens <= 3 for tokens, _ in calls)
+    assert all(rows == (4 if tokens <= 3 else tokens) for tokens, rows in calls)
