@@ -156,9 +156,7 @@ def test_each_shape_pads_by_its_own_curve_and_the_planner_prices_the_rows_run():
         gemm_shape_curves={"1024x32000": {"float32": head}, "1024x256": {"float32": flat}},
     )
     choice = choose_cpu_gemm(r, "float32")
-    assert choice.small_pads == {
-        "native": {"*": {3: 4}, "1024x32000": {3: 4}, "1024x256": {}}
-    }
+    assert choice.small_pads == {"native": {"*": {3: 4}, "1024x32000": {3: 4}, "1024x256": {}}}
     assert choice.rows_at(3) == 4 and choice.rows_at(2) == 2 and choice.rows_at(2.5) == 4
     assert choice.rows_at(3, (1024, 32000)) == 4 and choice.rows_at(3, (1024, 256)) == 3
     assert choice.rows_at(3, (3584, 1024)) == 4  # no curve of its own: the w1 curve's pad
