@@ -112,14 +112,13 @@ class CpuGemmChoice:
     dtype: str
     buckets: tuple[tuple[float, str], ...]  # (first token count, path), ascending from 0
     padded: tuple[str, ...] = ()
+    # path -> shape key (or ANY_SHAPE) -> {tokens: rows run} up to SMALL_PAD_LIMIT
+    small_pads: Mapping[str, Mapping[str, Mapping[int, int]]] = field(default_factory=dict)
     source: str
 
     def path_at(self, tokens: float) -> str:
         starts = [start for start, _ in self.buckets]
         return self.buckets[bisect.bisect_right(starts, tokens) - 1][1]
-
-    # path -> shape key (or ANY_SHAPE) -> {tokens: rows run} up to SMALL_PAD_LIMIT
-    small_pads: Mapping[str, Mapping[str, Mapping[int, int]]] = field(default_factory=dict)
 
     def pads(self, path: str) -> bool:
         return path in self.padded
@@ -254,7 +253,7 @@ def small_row_pads(curve: Curve | None) -> dict[int, int]:
 def small_pads_by_shape(rates: GemmRates, key: str) -> dict[str, dict[int, int]]:
     """small_row_pads of a rate key at the w1 shape (ANY_SHAPE) and at each shape measured in
     it: a shape's own curve decides its padding, as its own curve prices it (rate_at)."""
-    shapes = getattr(rates, "gemm_shape_curves", {})
+    shapes = rates.gemm_shape_curves
     return {
         ANY_SHAPE: small_row_pads(rates.matmul_curves.get(key)),
         **{name: small_row_pads(curves[key]) for name, curves in shapes.items() if key in curves},
