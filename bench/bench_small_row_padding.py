@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 from bench_cpu_vs_transformers import (
+    ROOT,
     host_cpu_gemm,
     host_description,
     mixtral_config,
@@ -30,7 +31,6 @@ from bench_cpu_vs_transformers import (
     save_checkpoint,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
 MODEL = dict(hidden=1024, width=3584, layers=4)
 BATCHES = (1, 2, 4, 8)
 PROMPT_LEN, GEN_LEN = 32, 32

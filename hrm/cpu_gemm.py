@@ -265,9 +265,11 @@ def _rows_run(small_pads, padded, path: str, tokens: float, shape) -> float:
     small pad (a fractional count, the planner's, at its next whole count), above it the next
     multiple of TOKEN_PAD where the path pads."""
     if tokens <= SMALL_PAD_LIMIT:
-        by_shape = small_pads.get(path, {})
-        pads = by_shape.get(gemm_shape_key(*shape), None) if shape is not None else None
-        pads = by_shape.get(ANY_SHAPE, {}) if pads is None else pads
+        by_shape = small_pads.get(path)
+        if not by_shape:
+            return float(tokens)
+        key = gemm_shape_key(*shape) if shape is not None else ANY_SHAPE
+        pads = by_shape.get(key, by_shape.get(ANY_SHAPE, {}))
         return float(pads.get(math.ceil(tokens), tokens))
     return padded_tokens(tokens) if path in padded else tokens
 
