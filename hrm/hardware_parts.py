@@ -110,6 +110,10 @@ class DeviceSpec:
     # prefill_attention_flops) -> FLOP/s, per dtype (measured by hrm profile); a dtype absent
     # here is priced at the GEMM curve with the causal FLOP count
     prefill_attention_curves: Mapping[str, Curve] = field(default_factory=dict)
+    # CPU only: bytes a host memcpy copies per second, each byte read once and written once
+    # (STREAM's copy figure counts twice this), measured by hrm profile; what the CPU standing in
+    # for a GPU moves its pages at (hrm/stand_in.py). None: not measured
+    copy_bandwidth_bytes_per_s: float | None = None
     # CPU only: elements read or written per second by the executor's elementwise kernels, per
     # dtype (measured by hrm profile); absent: memory bandwidth / element size
     elementwise_rate: Mapping[str, float] = field(default_factory=dict)
@@ -202,6 +206,7 @@ _DEVICE_OPTIONAL = {
     "elementwise_rate",
     "expert_ffn_curves",
     "gemm_shape_curves",
+    "copy_bandwidth",
 }
 # what hrm profile measures with the executor's own code on one kind of device only
 _CPU_ONLY = (
@@ -210,6 +215,7 @@ _CPU_ONLY = (
     "prefill_attention_curves",
     "elementwise_rate",
     "gemm_shape_curves",
+    "copy_bandwidth",
 )
 _GPU_ONLY = ("expert_ffn_curves",)
 
@@ -246,6 +252,7 @@ def _device_from_dict(data: Any, where: str, is_cpu: bool = False) -> DeviceSpec
     elementwise = check_keys(
         elementwise or {}, where=f"{where}: elementwise_rate", required=set(), optional=set(DTYPES)
     )
+    copy = data.get("copy_bandwidth")
     sustained = check_keys(
         data.get("sustained_flops") or {},
         where=f"{where}: sustained_flops",
@@ -283,6 +290,9 @@ def _device_from_dict(data: Any, where: str, is_cpu: bool = False) -> DeviceSpec
         memory_bandwidth_bytes_per_s=units.parse_bandwidth(
             data["memory_bandwidth"], f"{where}: memory_bandwidth"
         ),
+        copy_bandwidth_bytes_per_s=units.parse_bandwidth(copy, f"{where}: copy_bandwidth")
+        if copy is not None
+        else None,
         peak_flops_per_s={
             dtype: units.parse_flops(rate, f"{where}: flops: {dtype}")
             for dtype, rate in flops.items()
@@ -332,6 +342,8 @@ def _device_to_dict(device: DeviceSpec) -> dict[str, Any]:
     if device.available_memory_bytes is not None:
         out["available_memory"] = units.format_bytes(device.available_memory_bytes, None)
     out["memory_bandwidth"] = units.format_bandwidth(device.memory_bandwidth_bytes_per_s, None)
+    if device.copy_bandwidth_bytes_per_s is not None:
+        out["copy_bandwidth"] = units.format_bandwidth(device.copy_bandwidth_bytes_per_s, None)
     out["flops"] = {d: units.format_flops(r, None) for d, r in device.peak_flops_per_s.items()}
     if device.sustained_flops_per_s:
         out["sustained_flops"] = {

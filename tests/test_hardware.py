@@ -3,6 +3,7 @@ import copy
 import pytest
 import yaml
 
+from hrm import units
 from hrm.errors import HrmError
 from hrm.hardware import HardwareProfile, bundled_profile_names, resolve_hardware
 from hrm.hardware_parts import Curve
@@ -318,3 +319,28 @@ def test_elementwise_rate_is_the_cpus_positive_and_round_trips(tmp_path):
     data["gpu"]["elementwise_rate"] = {"bfloat16": 4e9}
     with pytest.raises(HrmError, match="elementwise_rate is measured for the cpu only"):
         HardwareProfile.from_dict(data)
+
+
+def test_copy_bandwidth_is_the_cpus_positive_and_round_trips(tmp_path):
+    data = resolve_hardware("l4").to_dict()
+    assert HardwareProfile.from_dict(copy.deepcopy(data)).cpu.copy_bandwidth_bytes_per_s is None
+    data["cpu"]["copy_bandwidth"] = "12.5 GB/s"
+    profile = HardwareProfile.from_dict(copy.deepcopy(data))
+    assert profile.cpu.copy_bandwidth_bytes_per_s == 12.5e9
+    assert HardwareProfile.load(profile.save(tmp_path / "p.yaml")) == profile
+    for bad in (0, -1, "fast"):
+        data["cpu"]["copy_bandwidth"] = bad
+        with pytest.raises(HrmError, match="copy_bandwidth"):
+            HardwareProfile.from_dict(copy.deepcopy(data))
+    data["cpu"].pop("copy_bandwidth")
+    data["gpu"]["copy_bandwidth"] = "100 GB/s"
+    with pytest.raises(HrmError, match="copy_bandwidth is measured for the cpu only"):
+        HardwareProfile.from_dict(data)
+
+
+def test_the_bundled_cpu_profiles_copy_at_half_their_recorded_stream_copy():
+    """The field was added to each from its own measurement (provenance), not estimated."""
+    for name in ("ci-cpu", "ci-cpu-amx", "ci-cpu-amx-l3-105mb", "ci-cpu-avx512"):
+        profile = resolve_hardware(name)
+        stream = profile.provenance["cpu_memory_bandwidth"]["copy"]["median"]
+        assert profile.cpu.copy_bandwidth_bytes_per_s == units.parse_bandwidth(stream) / 2, name

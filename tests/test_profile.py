@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from hrm import units
 from hrm.arch import resolve_model
 from hrm.hardware import HardwareProfile
 from hrm.hardware_parts import gemm_shape_key
@@ -198,6 +199,9 @@ def test_a_tiny_run_records_its_provenance(tiny_profile):
     assert bandwidth["stored_as_memory_bandwidth"] == "read"
     assert set(bandwidth) >= {"read", "copy", "triad"}
     assert set(bandwidth["read"]) == {"median", "slowest", "fastest"}
+    # the copy it stores is bytes copied: half of STREAM's count, which reads and writes each
+    copied = tiny_profile.cpu.copy_bandwidth_bytes_per_s
+    assert units.format_bandwidth(2 * copied) == bandwidth["copy"]["median"]
     assert "512" in provenance["cpu_matmul"]["shape"]
 
 

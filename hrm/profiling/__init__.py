@@ -241,12 +241,15 @@ def _measure_cpu(
         array_bytes=array_bytes, repeats=plan.repeats, min_sample_s=plan.min_sample_s, tick=tick
     )
     stored_timing, stored_bytes = bandwidth[STORED_CPU_BANDWIDTH]
+    copy_timing, copy_moved = bandwidth["copy"]
     spec = DeviceSpec(
         name=facts.cpu_model,
         cores=facts.cores,
         memory_bytes=facts.memory_bytes,
         available_memory_bytes=facts.available_memory_bytes,
         memory_bandwidth_bytes_per_s=stored_timing.rate(stored_bytes),
+        # bytes copied, not moved: the STREAM count reads and writes each byte
+        copy_bandwidth_bytes_per_s=copy_timing.rate(copy_moved) / 2,
         **_flops_fields(sweeps, "cpu", warnings),
         gemm_shape_curves=shape_curves,
     )

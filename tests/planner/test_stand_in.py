@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -21,8 +23,12 @@ def test_the_stand_in_profile_is_the_host_with_a_memcpy_link(tmp_path):
     s = stand_in_profile(host, gpu_memory_bytes=1e6)
     assert s.stand_in and s.gpu.memory_bytes == 1e6
     assert s.gpu.peak_flops_per_s == host.cpu.peak_flops_per_s
-    assert s.link.h2d_bytes_per_s == s.link.d2h_bytes_per_s == 4e9  # a copy reads and writes
+    # no measured copy: a copy reads and writes each byte, at the read bandwidth
+    assert s.link.h2d_bytes_per_s == s.link.d2h_bytes_per_s == 4e9
     assert HardwareProfile.load(s.save(tmp_path / "s.yaml")) == s
+    measured = dataclasses.replace(host.cpu, copy_bandwidth_bytes_per_s=11e9)
+    s = stand_in_profile(dataclasses.replace(host, cpu=measured), gpu_memory_bytes=1e6)
+    assert s.link.h2d_bytes_per_s == s.link.d2h_bytes_per_s == 11e9  # the measured copy
     with pytest.raises(HrmError, match="has a GPU"):
         stand_in_profile(resolve_hardware("l4"), 1e9)
 
