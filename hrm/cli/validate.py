@@ -190,8 +190,29 @@ def _validate(args, checkpoint: Path, hardware) -> int:
         if rep is not None:
             speed.check(f"{name}-{rep + 1}", dtype)
 
+    def resident(setting, hardware) -> dict:
+        """One resident run of `setting` on the CPU, predicted with `hardware`: its record."""
+        dtype, batch, (length, ragged), gen = setting
+        spec = prepare_run(checkpoint, gen_len=gen, prompt_len=length, batch=batch, dtype=dtype,
+                           device="cpu")  # fmt: skip
+        spec = dataclasses.replace(spec, prompts=_prompts(spec, batch, length, ragged))
+
+        def choose(ckpt):
+            return cpu_gemm_for_run(
+                spec.arch,
+                spec.dtype,
+                mode="auto",
+                hardware=hardware,
+                weights=ckpt.expert_gate_weights,
+                warn=lambda m: None,
+            )
+
+        result = execute(spec, cpu_gemm=choose, ignore_eos=True, quiet=True)
+        return build_record(result, hardware).to_dict()
+
     every_pass = hardware is None and (args.profile_every or PROFILE_EVERY[sweep]) == "pass"
     profiles: dict[int, object] = {}  # timed pass -> the profile that predicted its runs
+    settle: dict[int, float] = {}  # timed pass -> throughput of the untimed run after its profile
     with torch_threads(args.threads):
         hardware = hardware or _profile_host(checkpoint, args.quiet)
         speed = HostSpeedCheck.for_profile(resolve_model(checkpoint), hardware, DTYPES)
@@ -204,23 +225,15 @@ def _validate(args, checkpoint: Path, hardware) -> int:
                     bar.set_description(f"validate (profiling for pass {rep + 1})")
                     hardware = _profile_host(checkpoint, quiet=True)
                     speed = speed.against(hardware)
+                    # the first run after a profile is not steady (_settle_notes): one untimed
+                    settle[rep] = resident(settings[0], hardware)["measured"]["throughput_tok_s"]
                     bar.set_description("validate")
                 if rep is not None:
                     profiles[rep] = hardware
-                for dtype, batch, (length, ragged), gen in settings:
-                    spec = prepare_run(checkpoint, gen_len=gen, prompt_len=length, batch=batch,
-                                       dtype=dtype, device="cpu")  # fmt: skip
-                    spec = dataclasses.replace(spec, prompts=_prompts(spec, batch, length, ragged))
-                    name = f"{dtype}-b{batch}-p{length}{'r' if ragged else 'u'}-g{gen}"
-                    check_speed(name, rep, dtype)
-
-                    def choose(ckpt, spec=spec, hardware=hardware):
-                        return cpu_gemm_for_run(spec.arch, spec.dtype, mode="auto",
-                                                hardware=hardware, weights=ckpt.expert_gate_weights,
-                                                warn=lambda m: None)  # fmt: skip
-
-                    result = execute(spec, cpu_gemm=choose, ignore_eos=True, quiet=True)
-                    keep(name, rep, build_record(result, hardware).to_dict())
+                for setting in settings:
+                    name = _setting_name(*setting)
+                    check_speed(name, rep, setting[0])
+                    keep(name, rep, resident(setting, hardware))
                 for dtype, schedule in offloaded:
                     shape = OFFLOADED[sweep]
                     name = f"{dtype}-{schedule}-b{shape[0]}-m{shape[1]}-p{shape[2]}r-g{shape[3]}"
@@ -237,6 +250,7 @@ def _validate(args, checkpoint: Path, hardware) -> int:
         title = f"{rows[0].model} on {hardware.name}: predicted against measured"
         notes = _spread_notes(spreads, warm_up, hardware)
         notes += _profile_notes(profiles, speed) if every_pass else []
+        notes += _settle_notes(settle, _setting_name(*settings[0]), spreads)
         notes += speed.summary({row.name: row.error for row in rows})
         write_report(rows, out, title=title, notes=notes)
         (out / "runs").mkdir(exist_ok=True)
@@ -321,6 +335,30 @@ def _profile_notes(profiles: dict, speed) -> list[str]:
     return [
         "Each timed pass was predicted by a quick profile taken right before it "
         f"(--profile-every pass). At the host check's GEMM point: {'; '.join(parts)}.",
+        "",
+    ]
+
+
+def _setting_name(dtype: str, batch: int, prompt: tuple[int, bool], gen: int) -> str:
+    length, ragged = prompt
+    return f"{dtype}-b{batch}-p{length}{'r' if ragged else 'u'}-g{gen}"
+
+
+def _settle_notes(settle: dict[int, float], name: str, spreads: dict[str, list[float]]) -> list:
+    """How much slower the untimed run right after each pass's profile was than the timed runs
+    of its setting (`name`): what that run would have cost the pass's first timed run."""
+    import statistics
+
+    if not settle or name not in spreads:
+        return []
+    timed = statistics.median(spreads[name])
+    parts = ", ".join(f"pass {rep + 1} {1 - t / timed:+.1%}" for rep, t in settle.items())
+    return [
+        f"After each pass's profile one untimed run of {name} came before the timed ones: the "
+        "first run after a profile pays again what the warm-up pass paid (a VM that pages out "
+        "memory left idle for a minute, as the profile leaves the checkpoint's pages, has the "
+        "next run that maps them read them from disk; docs/decisions.md, 2026-12-04). It was "
+        f"slower than that setting's timed runs by: {parts}.",
         "",
     ]
 

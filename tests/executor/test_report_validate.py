@@ -121,6 +121,9 @@ def test_validate_quick_runs_end_to_end_and_fails_past_its_mape(run_cli, checkpo
     assert not (out_dir / "hardware.yaml").exists()
     page = (out_dir / "report.md").read_text()
     assert "pass 1 (hardware-pass1.yaml): bfloat16 " in page
+    # after that profile, one untimed run of the first setting, and how much slower it ran
+    assert "untimed run of bfloat16-b1-p16u-g8 came before the timed ones" in page
+    assert "slower than that setting's timed runs by: pass 1 " in page
     # the untimed warm-up pass leaves no records, only its note beside the spread
     assert "Conditions" in page and "untimed warm-up pass" in page
     # every timed run was preceded by the host speed check, in each dtype the profile timed
