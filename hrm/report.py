@@ -247,6 +247,7 @@ def plot_scatter(rows: Sequence[Row], path: Path, title: str) -> None:
     ax.set_yscale("log")
     ax.set_xlim(lo, hi)
     ax.set_ylim(lo, hi)
+    _plain_log_labels(ax)
     ax.set_xlabel("measured throughput (tok/s)")
     ax.set_ylabel("predicted throughput (tok/s)")
     ax.set_title(title, fontsize=10)
@@ -255,6 +256,24 @@ def plot_scatter(rows: Sequence[Row], path: Path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, format="png")
     plt.close(fig)
+
+
+def _plain_log_labels(ax) -> None:
+    """Log axes labelled 1, 2, 5, 10, 20, ...: matplotlib's default labels every minor tick in
+    scientific notation when a plot spans under two decades, and they ran into each other."""
+    import math
+
+    from matplotlib.ticker import FuncFormatter
+
+    def label(value, _position) -> str:
+        if value <= 0:
+            return ""
+        lead = value / 10 ** math.floor(math.log10(value))
+        return f"{value:g}" if round(lead, 6) in (1, 2, 5) else ""
+
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_formatter(FuncFormatter(label))
+        axis.set_minor_formatter(FuncFormatter(label))
 
 
 def plot_run(row: Row, path: Path) -> None:

@@ -52,6 +52,27 @@ def test_mape_and_worst_case_by_hand(tmp_path):
     assert set(by_version["v1"]) == {"resident", "all"}
 
 
+def test_the_scatters_log_axes_are_labelled_1_2_5_in_plain_numbers():
+    """Not matplotlib's scientific labels on every minor tick, which overlapped under two
+    decades."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from hrm.report import _plain_log_labels
+
+    fig, ax = plt.subplots()
+    ax.set_xscale("log")
+    ax.set_xlim(15, 700)
+    _plain_log_labels(ax)
+    fig.canvas.draw()
+    ticks = ax.xaxis.get_major_ticks() + ax.xaxis.get_minor_ticks()
+    labels = {t.label1.get_text() for t in ticks if 15 <= t.get_loc() <= 700}
+    plt.close(fig)
+    assert labels - {""} == {"20", "50", "100", "200", "500"}
+
+
 def test_report_gives_each_runs_host_speed_where_validate_checked_it(tmp_path):
     from hrm.report import markdown
 
