@@ -3,16 +3,26 @@
 `hrm report RUN.json ...` and `hrm validate` read RunRecords and write, into one directory:
 `scatter.png` (predicted against measured throughput, log-log, y = x and a +-10% band, a colour per
 schedule, a marker per model), `run-N.png` (per run: prefill and decode seconds and each queue's
-busy seconds, predicted beside measured), `runs.csv` (one row per run) and `report.md` linking them,
-with the mean absolute percentage error (MAPE) and the worst run per schedule and overall.
-Records made by different versions of the cost model are reported apart, never averaged together.
-pandas and matplotlib are imported inside.
+busy seconds, predicted beside measured), `runs.csv` (one row per run), `settings.csv` and
+`report.md` linking them, with the mean absolute percentage error (MAPE) and the worst case per
+schedule and overall.
+
+The error is stated per setting: runs of the same model, profile name, schedule, policy and
+workload are repeats of one setting, and the setting's error is the median of its runs' errors,
+each run against its own prediction (hrm validate's passes each have their own profile). A shared
+VM moves under single runs (two identical runs in one sweep differed 1.66x, docs/decisions.md,
+2026-12-04); `hrm validate` interleaves repeats so that the median sees the host at several
+moments. Each run's own error,
+its MAPE and the worst run are reported beside it. Records made by different versions of the
+cost model are reported apart, never averaged together. pandas and matplotlib are imported inside.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import statistics
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -55,12 +65,51 @@ class Row:
         """Signed relative error (predicted - measured) / measured, as RunRecord has it."""
         return (self.predicted_tok_s - self.measured_tok_s) / self.measured_tok_s
 
+    @property
+    def repeat_key(self) -> tuple:
+        """What makes two runs repeats of one setting: everything that sets the prediction
+        except the moment the profile was taken."""
+        r = self.record
+        policy = json.dumps((r.plan or {}).get("policy"), sort_keys=True)
+        return (self.model_version, self.model, r.hardware, self.schedule, self.setting, policy)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Setting:
+    """One setting's repeats, judged by the median of their errors: each run against the
+    prediction made for it, so that no run is set against another moment's profile."""
+
+    runs: tuple[Row, ...]
+
+    @property
+    def name(self) -> str:
+        """The runs' common name (validate's `NAME-1`, `NAME-2` give NAME), else the first's."""
+        names = [r.name for r in self.runs]
+        if len(names) == 1:
+            return names[0]
+        return os.path.commonprefix(names).rstrip("-_. ") or f"{names[0]} and repeats"
+
+    @property
+    def setting(self) -> str:
+        return self.runs[0].setting
+
+    @property
+    def schedule(self) -> str:
+        return self.runs[0].schedule
+
+    @property
+    def error(self) -> float:
+        return statistics.median(r.error for r in self.runs)
+
 
 @dataclass(frozen=True, kw_only=True)
 class ErrorSummary:
+    settings: int
     runs: int
-    mape: float  # mean of |error|
-    worst: Row  # the run with the largest |error|
+    mape: float  # mean of |error| over settings (each the median of its runs' errors)
+    worst: Setting  # the setting with the largest |error|
+    run_mape: float  # mean of |error| over single runs
+    worst_run: Row  # the run with the largest |error|
 
 
 def load_records(paths: Sequence[str | os.PathLike]) -> list[Row]:
@@ -83,8 +132,10 @@ def load_records(paths: Sequence[str | os.PathLike]) -> list[Row]:
 def _row(name: str, record: RunRecord) -> Row:
     env, wl = record.environment, record.workload
     schedule = record.plan["schedule"] if record.plan else "resident"
+    policy = (record.plan or {}).get("policy") or {}
+    micro = f" mu={policy['micro_batch_size']}" if "micro_batch_size" in policy else ""
     setting = (
-        f"N={env.get('batch_size', '?')} prompts {wl['prompt_len_mean']:g}"
+        f"N={env.get('batch_size', '?')}{micro} prompts {wl['prompt_len_mean']:g}"
         f"{' (p)' if wl.get('padding') else ''}/{wl['prompt_len_max']} gen {wl['gen_len']} "
         f"{env.get('dtype', '?')} {env.get('device', '?')}"
     )
@@ -100,10 +151,23 @@ def _row(name: str, record: RunRecord) -> Row:
     )
 
 
+def settings_of(rows: Sequence[Row]) -> list[Setting]:
+    """The rows grouped into settings (Row.repeat_key), in the order each first appears."""
+    groups: dict[tuple, list[Row]] = {}
+    for r in rows:
+        groups.setdefault(r.repeat_key, []).append(r)
+    return [Setting(runs=tuple(g)) for g in groups.values()]
+
+
 def summarize(rows: Sequence[Row]) -> ErrorSummary:
-    worst = max(rows, key=lambda r: abs(r.error))
+    settings = settings_of(rows)
     return ErrorSummary(
-        runs=len(rows), mape=sum(abs(r.error) for r in rows) / len(rows), worst=worst
+        settings=len(settings),
+        runs=len(rows),
+        mape=sum(abs(s.error) for s in settings) / len(settings),
+        worst=max(settings, key=lambda s: abs(s.error)),
+        run_mape=sum(abs(r.error) for r in rows) / len(rows),
+        worst_run=max(rows, key=lambda r: abs(r.error)),
     )
 
 
@@ -161,6 +225,20 @@ def _write_all(rows: Sequence[Row], tmp: Path, title: str, notes: Sequence[str])
         ]
     )
     frame.to_csv(tmp / "runs.csv", index=False)
+    pd.DataFrame(
+        [
+            {
+                "setting_name": s.name,
+                "model_version": s.runs[0].model_version,
+                "schedule": s.schedule,
+                "setting": s.setting,
+                "runs": " ".join(r.name for r in s.runs),
+                "run_errors": " ".join(f"{r.error:.4f}" for r in s.runs),
+                "error": s.error,
+            }
+            for s in settings_of(rows)
+        ]
+    ).to_csv(tmp / "settings.csv", index=False)
     plot_scatter(rows, tmp / "scatter.png", title)
     for i, r in enumerate(rows):
         plot_run(r, tmp / f"run-{i + 1}.png")
@@ -174,15 +252,32 @@ def markdown(rows: Sequence[Row], title: str, notes: Sequence[str] = ()) -> str:
         lines += [
             f"## Cost model version {version}",
             "",
-            "| schedule | runs | MAPE | worst | worst run |",
-            "|---|---:|---:|---:|---|",
+            "Each setting's error is the median of its repeats' errors, each run against its own "
+            "prediction; the last two columns take the runs one by one.",
+            "",
+            "| schedule | settings | runs | MAPE | worst | worst setting | MAPE per run | "
+            "worst run |",
+            "|---|---:|---:|---:|---:|---|---:|---|",
         ]
         for schedule, s in by_schedule.items():
-            host = f" (host speed {s.worst.host_speed_text})" if checked else ""
+            host = f" (host speed {s.worst_run.host_speed_text})" if checked else ""
             lines.append(
-                f"| {schedule} | {s.runs} | {s.mape:.1%} | {s.worst.error:+.1%} | "
-                f"{s.worst.name}: {s.worst.setting}{host} |"
+                f"| {schedule} | {s.settings} | {s.runs} | {s.mape:.1%} | {s.worst.error:+.1%} | "
+                f"{s.worst.name}: {s.worst.setting} | {s.run_mape:.1%} | "
+                f"{s.worst_run.error:+.1%} {s.worst_run.name}{host} |"
             )
+        lines.append("")
+    settings = settings_of(rows)
+    if len(settings) < len(rows):
+        lines += [
+            "## Settings",
+            "",
+            "| setting | schedule | its runs' errors | error (median) |",
+            "|---|---|---|---:|",
+        ]
+        for s in settings:
+            errors = ", ".join(f"{r.error:+.1%}" for r in s.runs)
+            lines.append(f"| {s.name} | {s.schedule} | {errors} | {s.error:+.1%} |")
         lines.append("")
     speed_head, speed_rule = (" host speed |", "---:|") if checked else ("", "")
     lines += [
@@ -198,7 +293,11 @@ def markdown(rows: Sequence[Row], title: str, notes: Sequence[str] = ()) -> str:
             f"| {r.name} | {r.model} | {r.schedule} | {r.setting} | {r.predicted_tok_s:.1f} | "
             f"{r.measured_tok_s:.1f} | {r.error:+.1%} |{speed} [bars](run-{i + 1}.png) |"
         )
-    lines += ["", "Error = (predicted - measured) / measured. Data: `runs.csv`."]
+    lines += [
+        "",
+        "Error = (predicted - measured) / measured. Data: `runs.csv` (runs), `settings.csv` "
+        "(settings).",
+    ]
     if checked:
         lines.append(
             "Host speed: the host's rate at one GEMM point of its profile, timed right before "

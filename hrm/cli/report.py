@@ -36,7 +36,8 @@ def format_summary(by_version) -> str:
     for version, by_schedule in by_version.items():
         for schedule, s in by_schedule.items():
             lines.append(
-                f"model {version}, {schedule}: {s.runs} runs, MAPE {s.mape:.1%}, worst "
-                f"{s.worst.error:+.1%} ({s.worst.name}: {s.worst.setting})"
+                f"model {version}, {schedule}: {s.settings} settings, MAPE {s.mape:.1%}, worst "
+                f"{s.worst.error:+.1%} ({s.worst.name}: {s.worst.setting}); {s.runs} runs, "
+                f"MAPE {s.run_mape:.1%}, worst {s.worst_run.error:+.1%} ({s.worst_run.name})"
             )
     return "\n".join(lines)

@@ -15,9 +15,11 @@ ARGS = ["--prompt-len", "5", "--batch", "3", "--gen-len", "3", "--ignore-eos", "
 
 
 def hand_record(
-    path, predicted: float, measured: float, *, version="v1", schedule=None, host_speed=None
-):
-    """A record whose throughputs are `predicted` and `measured` tok/s (1 s prefill + decode)."""
+    path, predicted: float, measured: float, *, version="v1", schedule=None, host_speed=None,
+    batch=1,
+):  # fmt: skip
+    """A record whose throughputs are `predicted` and `measured` tok/s (1 s prefill + decode);
+    records alike in all but throughput are repeats of one setting."""
     extra = {"host_speed": host_speed} if host_speed else {}
     record = RunRecord(
         model="m",
@@ -31,7 +33,7 @@ def hand_record(
             "generated_tokens": int(predicted),
         },  # fmt: skip
         measured=Measurement(prefill_s=0.5, decode_s=0.5, generated_tokens=int(measured)),
-        environment={"model_version": version, "batch_size": 1, "dtype": "float32", **extra},
+        environment={"model_version": version, "batch_size": batch, "dtype": "float32", **extra},
     )
     record.save(path)
     return path
@@ -39,17 +41,46 @@ def hand_record(
 
 def test_mape_and_worst_case_by_hand(tmp_path):
     paths = [
-        hand_record(tmp_path / "a.json", 110, 100),  # +10%
-        hand_record(tmp_path / "b.json", 80, 100),  # -20%
-        hand_record(tmp_path / "c.json", 100, 100),  # 0
+        hand_record(tmp_path / "a.json", 110, 100, batch=1),  # +10%
+        hand_record(tmp_path / "b.json", 80, 100, batch=2),  # -20%
+        hand_record(tmp_path / "c.json", 100, 100, batch=3),  # 0
         hand_record(tmp_path / "d.json", 150, 100, version="v2"),  # another model: apart
     ]
     by_version = summaries(load_records(paths))
     v1 = by_version["v1"]["all"]
-    assert v1.runs == 3 and v1.mape == pytest.approx(0.1) and v1.worst.name == "b"
-    assert v1.worst.error == pytest.approx(-0.2)
+    assert v1.runs == v1.settings == 3 and v1.mape == pytest.approx(0.1)
+    assert v1.worst.name == v1.worst_run.name == "b"
+    assert v1.worst.error == v1.worst_run.error == pytest.approx(-0.2)
+    assert v1.run_mape == pytest.approx(0.1)
     assert by_version["v2"]["all"].mape == pytest.approx(0.5)
     assert set(by_version["v1"]) == {"resident", "all"}
+
+
+def test_repeats_of_a_setting_count_once_at_the_median_of_their_errors(tmp_path):
+    """Three repeats at +10%, +50%, -5% (each against its own prediction: the passes of hrm
+    validate have their own profiles) are one setting at +10%; another batch size is another
+    setting; the runs one by one keep their own MAPE and worst case."""
+    paths = [
+        hand_record(tmp_path / "s-1.json", 110, 100),
+        hand_record(tmp_path / "s-2.json", 120, 80),
+        hand_record(tmp_path / "s-3.json", 95, 100),
+        hand_record(tmp_path / "t-1.json", 80, 100, batch=8),
+        hand_record(tmp_path / "t-2.json", 100, 100, batch=8),
+    ]
+    rows = load_records(paths)
+    summary = summaries(rows)["v1"]["all"]
+    assert (summary.settings, summary.runs) == (2, 5)
+    assert summary.worst.name == "s" and summary.worst.error == pytest.approx(0.10)
+    # t: the median of -20% and 0 is their mean
+    assert summary.mape == pytest.approx((0.10 + 0.10) / 2)
+    assert summary.worst_run.name == "s-2" and summary.worst_run.error == pytest.approx(0.5)
+    assert summary.run_mape == pytest.approx((0.1 + 0.5 + 0.05 + 0.2 + 0) / 5)
+    from hrm.report import markdown
+
+    page = markdown(rows, "t")
+    assert "| s | resident | +10.0%, +50.0%, -5.0% | +10.0% |" in page
+    assert "| resident | 2 | 5 | 10.0% | +10.0% | s: N=1 " in page
+    assert "| 17.0% | +50.0% s-2 |" in page
 
 
 def test_the_scatters_log_axes_are_labelled_1_2_5_in_plain_numbers():
@@ -79,15 +110,15 @@ def test_report_gives_each_runs_host_speed_where_validate_checked_it(tmp_path):
     around = {"dtype": "float32", "before": 0.95, "after": 0.71}
     checked = hand_record(tmp_path / "a.json", 130, 100, host_speed=around)
     only_before = {"dtype": "float32", "before": 1.2}
-    half = hand_record(tmp_path / "b.json", 100, 100, host_speed=only_before)
-    plain = hand_record(tmp_path / "c.json", 100, 100)
+    half = hand_record(tmp_path / "b.json", 100, 100, host_speed=only_before, batch=2)
+    plain = hand_record(tmp_path / "c.json", 100, 100, batch=3)
     page = markdown(load_records([checked, half, plain]), "t")
     assert "| error | host speed | detail |" in page
     assert "| +30.0% | 95% → 71% | [bars](run-1.png) |" in page
     assert "| +0.0% | 120% → ? | [bars](run-2.png) |" in page
     assert "| +0.0% | ? → ? | [bars](run-3.png) |" in page
     # the worst run names the host's speed around it
-    assert "a: N=1 prompts 4/4 gen 2 float32 ? (host speed 95% → 71%) |" in page
+    assert "| +30.0% a (host speed 95% → 71%) |" in page
     # records without checks (hrm run's own) keep the table as it was
     assert "host speed" not in markdown(load_records([plain]), "t")
 
@@ -109,7 +140,10 @@ def test_report_writes_figures_page_and_csv_from_real_runs(run_cli, checkpoints,
     assert {"report.md", "runs.csv", "scatter.png", "run-1.png", "run-2.png"} <= names
     assert all((out_dir / n).stat().st_size > 0 for n in names)
     page = (out_dir / "report.md").read_text()
-    assert "| resident | 2 |" in page and "run0" in page and "MAPE" in page
+    # two dtypes: two settings, no repeats, so no table of settings
+    assert "| resident | 2 | 2 |" in page and "run0" in page and "MAPE" in page
+    assert "## Settings" not in page
+    assert (out_dir / "settings.csv").read_text().count("\n") == 3
     csv = (out_dir / "runs.csv").read_text().splitlines()
     assert csv[0].startswith("run,model,schedule") and len(csv) == 3
     assert "MAPE" in out
@@ -158,12 +192,13 @@ def test_validate_quick_runs_end_to_end_and_fails_past_its_mape(run_cli, checkpo
         assert r["environment"]["host_speed"]["after"] > 0
     assert "| error | host speed | detail |" in page
     # the same sweep against a threshold it misses: status 1, and it says so
-    status, _, err = run_cli(
+    status, out, err = run_cli(
         "validate", "--checkpoint", checkpoints["mixtral-single"], "--quick", "--repeats", "1",
         "--max-mape", "0.0001", "--quiet", "--hardware", out_dir / "hardware-pass1.yaml",
         "-o", tmp_path / "val2",
     )  # fmt: skip
     assert status == 1 and "exceeds --max-mape" in err
+    assert "settings (median of their runs): MAPE" in out
     # the one profile it was given, and no profile named in its records
     assert (tmp_path / "val2" / "hardware.yaml").is_file()
     assert (
