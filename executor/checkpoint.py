@@ -1,10 +1,11 @@
 """Open a local Mixtral or DBRX checkpoint into one canonical set of per-layer weights.
 
 Three on-disk layouts (docs/architecture.md) become the same `ModelWeights`: every tensor is a
-view of the memory-mapped safetensors file when it already has the requested dtype, or is copied
-once into that dtype (and the file pages released) when it has not, so loading never holds two
-copies.  Each expert's w1, w3 and w2 are separate tensors, addressable on their own, because the
-offloading pipeline moves experts one at a time.  All weights use the linear layout [out, in].
+view of the memory-mapped safetensors file when it already has the requested dtype (its pages
+read in at load, not in the run's timed steps), or is copied once into that dtype (and the file
+pages released) when it has not, so loading never holds two copies.  Each expert's w1, w3 and
+w2 are separate tensors, addressable on their own, because the offloading pipeline moves experts
+one at a time.  All weights use the linear layout [out, in].
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ class _Tensors:
         return name in self.where
 
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """The tensor in the run's dtype: a view of the file, or one copy when the dtype differs."""
+        """The tensor in the run's dtype: a view of the file, its pages read in now, or one copy
+        when the dtype differs."""
         f = self.where.get(name)
         if f is None:
             raise HrmError(
@@ -81,6 +83,7 @@ class _Tensors:
             )
         tensor = f.tensor(name)
         if tensor.dtype == self.dtype and self.device.type == "cpu":
+            f.populate(name)
             return tensor
         converted = tensor.to(device=self.device, dtype=self.dtype)
         f.release(name)

@@ -2,8 +2,10 @@
 
 `safetensors.safe_open(...).get_tensor` copies each tensor out of its memory map, so loading
 through it holds the file pages and the copy at once (2x the checkpoint).  Here each file is
-mapped once, private and read-only in practice, and each tensor is a view of the map: the pages
-are read on first touch and counted once.  The header is checked against the file size so that
+mapped once, private and read-only in practice, and each tensor is a view of the map, its pages
+counted once.  `populate` reads a view's pages in at load: left to fault in on first touch, they
+were read inside a run's timed prefill, and from disk when the page cache was cold or had been
+paged out.  The header is checked against the file size so that
 a truncated or corrupt file is an HrmError naming it, not a crash later.
 """
 
@@ -32,6 +34,8 @@ DTYPES = {
     "BOOL": torch.bool,
 }
 _MAX_HEADER_BYTES = 100 * 2**20  # the format's own limit
+# linux/mman-common.h (Linux 5.14+): read the range in and map it; Python 3.11's mmap lacks the name
+_MADV_POPULATE_READ = 22
 
 
 class _Entry(NamedTuple):
@@ -110,6 +114,22 @@ class SafetensorsFile:
         )
         return flat.view(e.shape)
 
+    def populate(self, name: str) -> None:
+        """Read this tensor's pages now and map them, so that a run's timed steps find them
+        resident: the kernel's MADV_POPULATE_READ, else a read of one byte per page."""
+        e = self._entries[name]
+        if e.nbytes == 0:
+            return
+        page = mmap.PAGESIZE
+        start = self._data_start + e.begin
+        first = start // page * page
+        length = start + e.nbytes - first
+        try:
+            _populate_read(self._map, first, length)
+        except (OSError, ValueError, AttributeError):  # an older kernel, or no madvise
+            pages = torch.frombuffer(self._map, dtype=torch.uint8, count=length, offset=first)
+            pages[::page].sum()
+
     def release(self, name: str) -> None:
         """Drop this tensor's pages from our resident set once it has been copied elsewhere.
 
@@ -125,3 +145,7 @@ class SafetensorsFile:
         first, last = -(-start // page) * page, end // page * page  # whole pages inside the tensor
         if last > first:
             self._map.madvise(mmap.MADV_DONTNEED, first, last - first)
+
+
+def _populate_read(mapped: mmap.mmap, start: int, length: int) -> None:
+    mapped.madvise(_MADV_POPULATE_READ, start, length)

@@ -39,6 +39,54 @@ def test_same_dtype_weights_are_views_of_the_mapped_file(checkpoints):
             assert t.untyped_storage().nbytes() == 0 or not t.untyped_storage().resizable()
 
 
+def _mapped_bytes(path: Path) -> int:
+    """Bytes of `path`'s mappings present in this process's page tables (Rss in smaps)."""
+    total, ours = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if head and "-" in head[0] and len(head) >= 5:  # a mapping's header line
+            ours = len(head) >= 6 and Path(head[5]) == path.resolve()
+        elif ours and line.startswith("Rss:"):
+            total += int(head[1]) * 1024
+    return total
+
+
+needs_smaps = pytest.mark.skipif(
+    not Path("/proc/self/smaps").exists(), reason="reads the mapping's Rss from /proc/self/smaps"
+)
+
+
+@needs_smaps
+@pytest.mark.parametrize("madvise_works", [True, False])
+def test_populate_maps_a_views_pages_at_load(tmp_path, monkeypatch, madvise_works):
+    """A populated view's pages are read in and mapped at load; an unpopulated one has none
+    mapped until first touch, inside whatever timed step reads it first. Without
+    MADV_POPULATE_READ (kernels before 5.14) one byte per page is read instead."""
+    cold_path, warm_path = tmp_path / "cold.safetensors", tmp_path / "warm.safetensors"
+    for path in (cold_path, warm_path):
+        save_file({"w": torch.randn(2048, 1024, generator=torch.Generator())}, path)  # 8 MiB
+    if not madvise_works:
+
+        def refuse(*args):
+            raise OSError(22, "Invalid argument")
+
+        monkeypatch.setattr("executor.safetensors_mmap._populate_read", refuse)
+    cold, warm = SafetensorsFile(cold_path), SafetensorsFile(warm_path)
+    warm.populate("w")
+    assert _mapped_bytes(cold_path) < 2**20
+    assert _mapped_bytes(warm_path) >= 8 * 2**20
+    del cold, warm
+
+
+@needs_smaps
+def test_a_same_dtype_checkpoint_is_mapped_in_whole_at_load(checkpoints):
+    path = checkpoints["dbrx"] / "model.safetensors"
+    before = _mapped_bytes(path)  # other tests' checkpoints still mapped, if any
+    ckpt = open_checkpoint(checkpoints["dbrx"])
+    assert _mapped_bytes(path) - before >= path.stat().st_size - 3 * 4096
+    del ckpt
+
+
 def test_conversion_copies_once_into_the_run_dtype(checkpoints):
     ckpt = open_checkpoint(checkpoints["mixtral-sharded"], "bfloat16")
     assert {t.dtype for t in all_tensors(ckpt.weights)} == {torch.bfloat16}
