@@ -5,8 +5,8 @@ through it holds the file pages and the copy at once (2x the checkpoint).  Here 
 mapped once, private and read-only in practice, and each tensor is a view of the map, its pages
 counted once.  `populate` reads a view's pages in at load: left to fault in on first touch, they
 were read inside a run's timed prefill, and from disk when the page cache was cold or had been
-paged out.  The header is checked against the file size so that
-a truncated or corrupt file is an HrmError naming it, not a crash later.
+paged out.  The header is checked against the file size so that a truncated or corrupt file is
+an HrmError naming it, not a crash later.
 """
 
 from __future__ import annotations

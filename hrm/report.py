@@ -12,9 +12,9 @@ workload are repeats of one setting, and the setting's error is the median of it
 each run against its own prediction (hrm validate's passes each have their own profile). A shared
 VM moves under single runs (two identical runs in one sweep differed 1.66x, docs/decisions.md,
 2026-12-04); `hrm validate` interleaves repeats so that the median sees the host at several
-moments. Each run's own error,
-its MAPE and the worst run are reported beside it. Records made by different versions of the
-cost model are reported apart, never averaged together. pandas and matplotlib are imported inside.
+moments. Each run's own error, its MAPE and the worst run are reported beside it. Records made by
+different versions of the cost model are reported apart, never averaged together. pandas and
+matplotlib are imported inside.
 """
 
 from __future__ import annotations

@@ -370,9 +370,8 @@ def _settle_notes(settle: dict[int, float], name: str, spreads: dict[str, list[f
         f"After each pass's profile one untimed run of {name} came before the timed ones: the "
         "first run after a profile pays again what the warm-up pass paid (the run's memory sits "
         "idle during the profile, and on a VM that pages out memory idle for a minute the next "
-        "run reads the checkpoint back from disk and is slow on first touch of the rest; "
-        "docs/decisions.md, 2026-12-04). It was slower than "
-        f"that setting's timed runs by: {parts}.",
+        "run reads the checkpoint back from disk and is slow on first touch of the rest; docs/"
+        f"decisions.md, 2026-12-04). It was slower than that setting's timed runs by: {parts}.",
         "",
     ]
 
