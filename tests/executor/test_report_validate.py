@@ -248,6 +248,20 @@ def test_validate_refuses_a_profile_of_another_machine(run_cli, checkpoints, tmp
     assert not (tmp_path / "v").exists()
 
 
+def test_validate_refuses_bad_counts_and_fractions(run_cli, checkpoints, tmp_path):
+    """--repeats has no default of its own now (3 full, 2 quick), so 0 must still be refused."""
+    for flag, value, fragment in (
+        ("--repeats", "0", "--repeats must be at least 1, got 0"),
+        ("--max-mape", "0", "--max-mape is a fraction"),
+        ("--threads", "0", "--threads must be at least 1, got 0"),
+    ):
+        status, _, err = run_cli(
+            "validate", "--checkpoint", checkpoints["dbrx"], flag, value, "-o", tmp_path / "v"
+        )
+        assert_one_line_error(status, err, fragment)
+        assert not (tmp_path / "v").exists()
+
+
 def test_host_speed_summary_by_hand():
     """Ratios per dtype and their correlation with the runs' errors, from hand-made values."""
     from hrm.profiling.host_speed import HostSpeedCheck
