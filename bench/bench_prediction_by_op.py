@@ -138,7 +138,7 @@ def predict(path: Path, hw, cpu_gemm, dtype: str, batch: int, prompt_len: int, g
     layers = arch.num_layers
     # the measured fixed costs (hrm profile's launch_overhead) are charged apart from the parts
     # they belong to, so they get a row of their own; the executor's timers hold them in each part
-    step_overhead = step_seconds(setting.hardware.cpu.launch_overhead)
+    step_overhead = step_seconds(setting.hardware.cpu.launch_overhead_for(dtype))
     parts = {
         "dense": layers * mb.cpu_dense,
         "attention": layers * mb.cpu_attention,

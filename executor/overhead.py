@@ -1,14 +1,17 @@
-"""The executor's fixed cost per layer, per expert touched and per step, measured on this host.
+"""The GPU's fixed cost per layer, per expert touched and per step, and what the expert FFN costs
+beyond its GEMMs on either device.
 
 Every op the forward runs costs a dispatch on top of its FLOPs and bytes (Python, torch's
 dispatcher, the host read of the routing counts). The roofline does not see it; on small
-batches it dominates. It is measured here by running the real forward (MoEModel, generate) on
-a miniature of the model: same layer structure, experts and top-k, with hidden size 64, so that
-the arithmetic is negligible and what is left is the fixed cost:
+batches it dominates. On a GPU it is the host's time to issue the kernels, measured here by
+running the real forward (MoEModel, generate) on a miniature of the model: same layer structure,
+experts and top-k, with hidden size 64, so that the arithmetic is negligible and what is left is
+the fixed cost:
   step(L, b) = per_step + L * (per_layer + experts_touched(b) * per_expert)
 timed at L = 1 and 3 layers and at batch 1 (top-k experts touched) and batch 64 (all of them).
-`hrm profile` stores the result (`cpu.launch_overhead`); the planner charges it per layer and
-micro-batch.
+`hrm profile` stores the result (`gpu.launch_overhead`); the planner charges it per layer and
+micro-batch. On a CPU the miniature saw a third of the real cost (caches stay warm, kernels act
+on tiny rows), so the CPU's is timed at the model's own shapes instead (executor/cpu_overhead.py).
 
 The expert FFN's elementwise passes (gather, SwiGLU gate, scale, scatter) run after its GEMMs,
 not under them, at a rate far below the memory bandwidth on a CPU (4.1 G bf16 elements/s at

@@ -97,7 +97,9 @@ class DeviceSpec:
     matmul_curves: Mapping[str, Curve] = field(default_factory=dict)
     # Free memory when a measured profile was taken (MemAvailable, cudaMemGetInfo); None if unknown.
     available_memory_bytes: float | None = None
-    launch_overhead: LaunchOverhead | None = None  # measured by hrm profile; None: not known
+    # per dtype the executor ran in, measured by hrm profile (a profile from before 2026-12-04
+    # has one, measured in float32); see launch_overhead_for
+    launch_overhead: Mapping[str, LaunchOverhead] = field(default_factory=dict)
     # What long GEMMs sustain (a published measurement, cited in the file): the planner's rate
     # where no curve was measured; the peak stays the roofline's top roof.
     sustained_flops_per_s: Mapping[str, float] = field(default_factory=dict)
@@ -142,6 +144,10 @@ class DeviceSpec:
         if dtype in self.sustained_flops_per_s:
             return self.sustained_flops_per_s[dtype] * self.count
         return self.flops_per_s(dtype)
+
+    def launch_overhead_for(self, dtype: str) -> LaunchOverhead | None:
+        """The fixed costs measured in `dtype`, else in float32, else None (not measured)."""
+        return self.launch_overhead.get(dtype, self.launch_overhead.get("float32"))
 
     def elementwise_elements_per_s(self, dtype: str) -> float:
         """Rate of elementwise passes in `dtype`: measured, else each element from memory once."""
@@ -240,9 +246,7 @@ def _device_from_dict(data: Any, where: str, is_cpu: bool = False) -> DeviceSpec
         for key in keys:
             if data.get(key) is not None and is_cpu != (only_for == "cpu"):
                 raise HrmError(f"{where}: {key} is measured for the {only_for} only")
-    overhead = data.get("launch_overhead")
-    if overhead is not None:
-        overhead = _overhead_from_dict(overhead, f"{where}: launch_overhead")
+    overhead = _overheads_from_dict(data.get("launch_overhead"), f"{where}: launch_overhead")
     attention = data.get("attention_curves") or {}
     if data.get("attention_curve") is not None:  # a profile from before 2026-12-03
         if attention:
@@ -356,8 +360,10 @@ def _device_to_dict(device: DeviceSpec) -> dict[str, Any]:
             shape: {key: _curve_to_list(c) for key, c in curves.items()}
             for shape, curves in device.gemm_shape_curves.items()
         }
-    if device.launch_overhead is not None:
-        out["launch_overhead"] = dataclasses.asdict(device.launch_overhead)
+    if device.launch_overhead:
+        out["launch_overhead"] = {
+            d: dataclasses.asdict(o) for d, o in device.launch_overhead.items()
+        }
     if device.attention_curves:
         out["attention_curves"] = {d: _curve_to_list(c) for d, c in device.attention_curves.items()}
     if device.prefill_attention_curves:
@@ -371,6 +377,17 @@ def _device_to_dict(device: DeviceSpec) -> dict[str, Any]:
             d: _curve_to_list(c) for d, c in device.expert_ffn_curves.items()
         }
     return out
+
+
+def _overheads_from_dict(data: Any, where: str) -> dict[str, LaunchOverhead]:
+    """dtype -> LaunchOverhead; the one unkeyed entry of a profile from before 2026-12-04 was
+    measured in float32."""
+    if data is None:
+        return {}
+    if isinstance(data, dict) and "per_layer_s" in data:
+        return {"float32": _overhead_from_dict(data, where)}
+    data = check_keys(data, where=where, required=set(), optional=set(DTYPES))
+    return {d: _overhead_from_dict(o, f"{where}: {d}") for d, o in data.items()}
 
 
 def _overhead_from_dict(data: Any, where: str) -> LaunchOverhead:

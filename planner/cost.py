@@ -279,6 +279,7 @@ def micro_batch_seconds(setting: Setting, b: float) -> MicroBatchSeconds:
 
     # a CPU standing in for the GPU runs the CPU's GEMM paths and kernels (hrm/stand_in.py)
     cpu = on("cpu", hw.cpu, setting.cpu_gemm_choice)
+    cpu_overhead = hw.cpu.launch_overhead_for(dtype)
     gpu = on("gpu", hw.gpu, setting.cpu_gemm_choice if hw.stand_in else None)
     hidden_page = b * s_pre * arch.hidden_size * adt
     qkv = b * (arch.q_size + 2 * arch.kv_size) * adt
@@ -318,12 +319,12 @@ def micro_batch_seconds(setting: Setting, b: float) -> MicroBatchSeconds:
                 all_reduce_seconds(hw, b * arch.hidden_size * adt) * np.ones(steps - 1),
             ]
         ),
-        cpu_launch=launch_seconds(hw.cpu.launch_overhead, arch, steps, chunk, b),
+        cpu_launch=launch_seconds(cpu_overhead, arch, steps, chunk, b),
         gpu_launch=unhidden_gpu_launch(
-            hw.gpu.launch_overhead if hw.gpu is not None else None, gpu["dense"], steps
+            hw.gpu.launch_overhead_for(dtype) if hw.gpu is not None else None, gpu["dense"], steps
         ),
         head_gpu=gpu["head"],
-        head_cpu=cpu["head"] + step_seconds(hw.cpu.launch_overhead),
+        head_cpu=cpu["head"] + step_seconds(cpu_overhead),
         embed_to_gpu=h2d(b * arch.hidden_size * adt) * np.ones(steps),
     )
 

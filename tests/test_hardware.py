@@ -166,23 +166,36 @@ def test_interconnect_shared_links_and_price_round_trip_and_are_checked(tmp_path
         HardwareProfile.from_dict(cpu_only)
 
 
-def test_launch_overhead_is_measured_on_either_device_and_round_trips(tmp_path):
+def test_launch_overhead_is_measured_per_dtype_on_either_device_and_round_trips(tmp_path):
     data = resolve_hardware("l4").to_dict()
-    data["cpu"]["launch_overhead"] = {
-        "per_layer_s": 4e-4,
-        "per_expert_s": 1.5e-4,
-        "per_step_s": 3e-4,
-    }
+    fp32 = {"per_layer_s": 4e-4, "per_expert_s": 1.5e-4, "per_step_s": 3e-4}
+    bf16 = {"per_layer_s": 6e-4, "per_expert_s": 0.5e-4, "per_step_s": 7e-4}
+    data["cpu"]["launch_overhead"] = {"float32": fp32, "bfloat16": bf16}
     profile = HardwareProfile.from_dict(copy.deepcopy(data))
-    assert profile.cpu.launch_overhead.per_expert_s == 1.5e-4
+    assert profile.cpu.launch_overhead_for("bfloat16").per_expert_s == 0.5e-4
+    assert profile.cpu.launch_overhead_for("float32").per_expert_s == 1.5e-4
+    assert profile.cpu.launch_overhead_for("float16").per_expert_s == 1.5e-4  # float32's
     assert HardwareProfile.load(profile.save(tmp_path / "p.yaml")) == profile
+    assert profile.gpu.launch_overhead_for("bfloat16") is None  # not measured
     bad = copy.deepcopy(data)
-    bad["cpu"]["launch_overhead"]["per_step_s"] = -1
-    with pytest.raises(HrmError, match="per_step_s must be a non-negative number"):
+    bad["cpu"]["launch_overhead"]["bfloat16"]["per_step_s"] = -1
+    with pytest.raises(HrmError, match="bfloat16: per_step_s must be a non-negative number"):
+        HardwareProfile.from_dict(bad)
+    bad["cpu"]["launch_overhead"] = {"fp32": fp32}
+    with pytest.raises(HrmError, match="launch_overhead: unknown key 'fp32'"):
         HardwareProfile.from_dict(bad)
     data["gpu"]["launch_overhead"] = data["cpu"]["launch_overhead"]
     on_both = HardwareProfile.from_dict(data)
     assert on_both.gpu.launch_overhead == on_both.cpu.launch_overhead
+
+
+def test_a_launch_overhead_from_before_dtypes_reads_as_float32s():
+    """Profiles written before 2026-12-04 hold one entry, measured in float32."""
+    data = resolve_hardware("l4").to_dict()
+    data["cpu"]["launch_overhead"] = {"per_layer_s": 4e-4, "per_expert_s": 1e-4, "per_step_s": 0}
+    cpu = HardwareProfile.from_dict(data).cpu
+    assert set(cpu.launch_overhead) == {"float32"}
+    assert cpu.launch_overhead_for("bfloat16").per_layer_s == 4e-4
 
 
 def test_expert_ffn_curves_are_the_gpus_checked_and_round_trip(tmp_path):

@@ -82,15 +82,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def with_launch_overhead(profile: HardwareProfile, arch, *, quick: bool = False) -> HardwareProfile:
-    """The profile with what only the executor's own code shows: on the CPU its fixed cost per
-    layer, expert and step (executor/overhead.py: the real forward on a miniature of the model,
-    in float32) and, per dtype, its decode-attention stage's K/V read rate, its prefill attention
-    stage's FLOP/s (executor/attention.py) and the element passes per second of its grouped
-    expert FFN beyond the GEMMs; on a GPU the same fixed costs and the whole grouped expert
-    FFN's rate at decode and prefill token counts, each point held for the sweep's sustain
-    time."""
+    """The profile with what only the executor's own code shows: on the CPU, per dtype, its
+    decode-attention stage's K/V read rate, its prefill attention stage's FLOP/s
+    (executor/attention.py), the element passes per second of its grouped expert FFN beyond the
+    GEMMs, and its fixed cost per layer, expert and step beyond all of those
+    (executor/cpu_overhead.py: its decode at the model's own shapes); on a GPU its fixed costs
+    (executor/overhead.py: the host's issue time, on a miniature of the model, in float32) and
+    the whole grouped expert FFN's rate at decode and prefill token counts, each point held for
+    the sweep's sustain time."""
     import dataclasses
 
+    from executor import cpu_overhead
     from executor.attention import measure_attention_curve, measure_prefill_attention_curve
     from executor.overhead import (
         CPU_RUN_DTYPES,
@@ -102,21 +104,30 @@ def with_launch_overhead(profile: HardwareProfile, arch, *, quick: bool = False)
     from hrm.hardware_parts import Curve
     from hrm.profiling import PRESETS, SWEPT_DTYPES
 
+    paths = {d: choose_cpu_gemm(profile.cpu, d) for d in CPU_RUN_DTYPES}
+    elementwise = {d: measure_elementwise_rate(arch, d, cpu_gemm=paths[d]) for d in CPU_RUN_DTYPES}
+    preset = "quick" if quick else "full"
     cpu = dataclasses.replace(
         profile.cpu,
-        launch_overhead=measure_launch_overhead(arch),
+        launch_overhead={
+            d: cpu_overhead.measure_cpu_overhead(
+                arch,
+                d,
+                cpu_gemm=paths[d],
+                elementwise_rate=elementwise[d],
+                rounds=cpu_overhead.ROUNDS[preset],
+            )
+            for d in cpu_overhead.DTYPES[preset]
+        },
         attention_curves={d: measure_attention_curve(arch, d, quick=quick) for d in CPU_RUN_DTYPES},
         prefill_attention_curves={
             d: measure_prefill_attention_curve(arch, d) for d in CPU_RUN_DTYPES
         },
-        elementwise_rate={
-            d: measure_elementwise_rate(arch, d, cpu_gemm=choose_cpu_gemm(profile.cpu, d))
-            for d in CPU_RUN_DTYPES
-        },
+        elementwise_rate=elementwise,
     )
     gpu = profile.gpu
     if gpu is not None:
-        plan = PRESETS["quick" if quick else "full"]
+        plan = PRESETS[preset]
         sample = {"min_sample_s": plan.gpu_gemm_sample_s, "repeats": plan.repeats}
         curves = {
             d: Curve(points=tuple(measure_expert_ffn_curve(arch, d, "cuda", **sample)))
@@ -125,7 +136,7 @@ def with_launch_overhead(profile: HardwareProfile, arch, *, quick: bool = False)
         }
         gpu = dataclasses.replace(
             gpu,
-            launch_overhead=measure_launch_overhead(arch, device="cuda"),
+            launch_overhead={"float32": measure_launch_overhead(arch, device="cuda")},
             expert_ffn_curves=curves,
         )
     return dataclasses.replace(profile, cpu=cpu, gpu=gpu)
@@ -158,12 +169,11 @@ def format_summary(profile: HardwareProfile, path: Path) -> str:
             f"  {label}: memory {memory}, bandwidth "
             f"{units.format_bandwidth(device.memory_bandwidth_bytes_per_s)}; peak {flops}"
         )
-        if device.launch_overhead is not None:
-            o = device.launch_overhead
+        for dtype, o in device.launch_overhead.items():
             lines.append(
-                f"  {label}: executor overhead {1e6 * o.per_layer_s:.0f} us per layer + "
-                f"{1e6 * o.per_expert_s:.0f} us per expert touched, {1e6 * o.per_step_s:.0f} us "
-                "per step"
+                f"  {label}: executor overhead ({dtype}) {1e6 * o.per_layer_s:.0f} us per layer "
+                f"+ {1e6 * o.per_expert_s:.0f} us per expert touched, "
+                f"{1e6 * o.per_step_s:.0f} us per step"
             )
         if device.elementwise_rate:
             rates = ", ".join(f"{d} {r / 1e9:.2f}" for d, r in device.elementwise_rate.items())

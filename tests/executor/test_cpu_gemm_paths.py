@@ -215,7 +215,8 @@ def test_bad_cpu_options_are_one_line(run_cli, checkpoints, tmp_path, extra, fra
     assert not out.exists()
 
 
-def test_the_executors_fixed_costs_are_measured_on_its_own_forward():
+def test_the_gpus_fixed_costs_are_measured_on_a_miniature_of_the_forward():
+    """(Run on the CPU here: the code is the same but for the device.)"""
     from executor.overhead import measure_launch_overhead, miniature
     from tests.planner.tiny_setup import tiny_arch
 

@@ -257,7 +257,8 @@ def test_a_measured_widened_curve_prices_the_cpus_16_bit_math(arch, make_cpu_pro
 
 def test_the_measured_launch_overhead_is_charged_per_layer_expert_and_step(arch, workload):
     """T_launch = per_layer + E_touched(tokens) * per_expert per layer and micro-batch on the CPU,
-    and per_step once per step: pinned to hand values on the tiny model (4 experts, top-2)."""
+    and per_step once per step, each at the run's dtype: pinned to hand values on the tiny model
+    (4 experts, top-2)."""
     from tiny_setup import cpu_only_profile
 
     from hrm.hardware_parts import LaunchOverhead
@@ -266,7 +267,9 @@ def test_the_measured_launch_overhead_is_charged_per_layer_expert_and_step(arch,
 
     plain = cpu_only_profile()
     overhead = LaunchOverhead(per_layer_s=1e-3, per_expert_s=1e-4, per_step_s=2e-3)
-    hw = dataclasses.replace(plain, cpu=dataclasses.replace(plain.cpu, launch_overhead=overhead))
+    other = LaunchOverhead(per_layer_s=1.0, per_expert_s=1.0, per_step_s=1.0)  # another dtype's
+    overheads = {"bfloat16": overhead, "float32": other}
+    hw = dataclasses.replace(plain, cpu=dataclasses.replace(plain.cpu, launch_overhead=overheads))
     with_oh = micro_batch_seconds(Setting(arch=arch, hardware=hw, workload=workload), 3)
     without = micro_batch_seconds(Setting(arch=arch, hardware=plain, workload=workload), 3)
     decode = 1e-3 + expected_distinct_experts(arch, 3) * 1e-4  # 3 tokens: 3.25 of 4 experts
@@ -276,7 +279,7 @@ def test_the_measured_launch_overhead_is_charged_per_layer_expert_and_step(arch,
     assert not without.cpu_launch.any()
     # the prediction of an all-CPU run grows by layers * T_launch + per_step each decode step, for
     # each micro-batch: here one of 3 sequences
-    p = policy(batch_size=3, micro_batch_size=3)
+    p = policy(batch_size=3, micro_batch_size=3, weight_dtype="bfloat16", kv_dtype="bfloat16")
     slower = predict(arch, hw, workload, p).predicted.decode_s
     faster = predict(arch, plain, workload, p).predicted.decode_s
     assert slower - faster == pytest.approx((workload.gen_len - 1) * (2 * decode + 2e-3))
@@ -470,7 +473,7 @@ def test_the_gpu_is_charged_the_launch_time_its_dense_kernels_do_not_hide(arch, 
 
     def seconds(per_layer_s):
         overhead = LaunchOverhead(per_layer_s=per_layer_s, per_expert_s=1.0, per_step_s=1.0)
-        gpu = dataclasses.replace(l4.gpu, launch_overhead=overhead)
+        gpu = dataclasses.replace(l4.gpu, launch_overhead={"float32": overhead})
         setting = Setting(arch=arch, hardware=dataclasses.replace(l4, gpu=gpu), workload=workload)
         return setting, micro_batch_seconds(setting, 3)
 

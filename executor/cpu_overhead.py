@@ -1,0 +1,185 @@
+"""The executor's fixed cost on a CPU, measured at the model's own shapes.
+
+A CPU decode step spends time beyond its GEMMs and its attention stage: Python, torch's
+dispatcher, the host read of the routing counts, and small elementwise kernels that run far
+below the rate they reach on a prefill chunk. Timed on a miniature of the model (hidden 64, the
+GPU's way: executor/overhead.py) that time came out a third of what the model's own shapes
+take (bench model, bfloat16, batch 1: 1.2 ms per step against 4.1 ms; docs/decisions.md,
+2026-12-04): between two small ops a real step streams megabytes of weights through the caches,
+so the interpreter and each kernel start cold, and the kernels act on hidden-sized rows.
+
+So it is timed here on the executor's own decode at the model's hidden size, widths, heads,
+experts and vocabulary, at 1 and 4 layers and at 1 and 64 sequences, and what the planner prices
+elsewhere is taken out:
+  rest(L, b) = decode time - its GEMM calls - its decode-attention stages
+               - the elementwise passes hrm.ops counts, at the profile's elementwise rate
+             = per_step + L * (per_layer + touched(b) * per_expert)
+each GEMM and the attention stage being priced by its own measured curve. The configurations
+are timed in rounds, one sample of each per round, and each takes the median of its rounds, as
+the GEMM sweeps do (a VM whose speed drifts then moves all four alike).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import torch
+
+from executor.checkpoint import Checkpoint, ExpertWeights, LayerWeights, ModelWeights
+from executor.generate import generate
+from executor.model import MoEModel
+from hrm.arch import ModelArch
+from hrm.cpu_gemm import CpuGemmChoice
+from hrm.hardware_parts import LaunchOverhead
+from hrm.ops import expected_distinct_experts, layer_ops
+
+LAYERS = (1, 4)  # the layer counts timed: their difference is three layers' worth
+BATCHES = (1, 64)  # top-k experts touched, then (nearly) all of them
+PROMPT_LEN = 1  # prefill is not what is timed: keep it short
+DECODE_STEPS = 6
+# per profile preset: the rounds, and the dtypes timed (a quick profile leaves float16 to
+# float32's figures, DeviceSpec.launch_overhead_for, so that `hrm validate --quick`, which
+# runs float32 and bfloat16 only, keeps within its 3 minutes on 2 cores)
+ROUNDS = {"quick": 3, "full": 5}
+DTYPES = {"quick": ("float32", "bfloat16"), "full": ("float32", "bfloat16", "float16")}
+# distinct expert weights at most (more experts cycle through these): enough to stream far past
+# any last-level cache between two small ops, as a real model does, without a model's memory
+EXPERT_BYTES_CAP = 512 * 2**20
+
+
+def measure_cpu_overhead(
+    arch: ModelArch,
+    dtype: str,
+    *,
+    cpu_gemm: CpuGemmChoice,
+    elementwise_rate: float,
+    rounds: int = ROUNDS["full"],
+) -> LaunchOverhead:
+    """The fixed costs of the executor's CPU decode in `dtype` (see the module docstring), its
+    GEMMs along `cpu_gemm` (the profile's choice: native float16 on a CPU without avx512_fp16
+    runs at a few GFLOP/s), its elementwise passes charged at `elementwise_rate` elements/s."""
+    samplers = {}
+    for layers in LAYERS:
+        model, priced = _timed_model(arch, layers, dtype, cpu_gemm)
+        for batch in BATCHES:
+            samplers[(layers, batch)] = _rest_sampler(model, priced, batch, elementwise_rate)
+    samples: dict[tuple[int, int], list[float]] = {key: [] for key in samplers}
+    for _ in range(rounds):
+        for key, sample in samplers.items():
+            samples[key].append(sample())
+    rest = {key: statistics.median(values) for key, values in samples.items()}
+    few, many = LAYERS
+    layer = {b: (rest[(many, b)] - rest[(few, b)]) / (many - few) for b in BATCHES}
+    touched = {b: expected_distinct_experts(arch, b) for b in BATCHES}
+    lo, hi = BATCHES
+    per_expert = max(layer[hi] - layer[lo], 0.0) / (touched[hi] - touched[lo])
+    per_layer = max(layer[lo] - touched[lo] * per_expert, 0.0)
+    return LaunchOverhead(
+        per_layer_s=per_layer,
+        per_expert_s=per_expert,
+        per_step_s=max(rest[(few, lo)] - few * (per_layer + touched[lo] * per_expert), 0.0),
+    )
+
+
+def _timed_model(arch: ModelArch, layers: int, dtype: str, cpu_gemm: CpuGemmChoice):
+    """(model, priced): the executor's model of `arch` at `layers` layers, its GEMM calls and
+    decode-attention stages adding their seconds to priced["gemm"] and priced["attention"]."""
+    shaped = dataclasses.replace(
+        arch, num_layers=layers, shared_expert_intermediate_size=0, eos_token_ids=()
+    )
+    dt = getattr(torch, dtype)
+    checkpoint = Checkpoint(
+        directory=None, arch=shaped, weights=shaped_weights(shaped, dt), dtype=dt
+    )
+    model = MoEModel(checkpoint, cpu_gemm)
+    priced = {"gemm": 0.0, "attention": 0.0}
+    linear, attention = model.linear, model.decode_attention
+
+    def timed_linear(x, w):
+        t0 = time.perf_counter()
+        out = linear(x, w)
+        priced["gemm"] += time.perf_counter() - t0
+        return out
+
+    def timed_attention(*args):
+        t0 = time.perf_counter()
+        out = attention(*args)
+        priced["attention"] += time.perf_counter() - t0
+        return out
+
+    model.linear, model.decode_attention = timed_linear, timed_attention
+    return model, priced
+
+
+def _rest_sampler(model: MoEModel, priced: dict, batch: int, elementwise_rate: float):
+    """A function that times one decode of `batch` sequences and returns its rest per step (the
+    module docstring's rest(L, b))."""
+    shaped = model.arch
+    dtype = str(model.dtype).removeprefix("torch.")
+    elements = sum(
+        op.elementwise_elements
+        for op in layer_ops(
+            shaped,
+            batch=batch,
+            new_tokens=1,
+            context=PROMPT_LEN,
+            weight_dtype=dtype,
+            kv_dtype=dtype,
+        )  # fmt: skip
+        if op.name != "attention"  # its stage is timed, not counted
+    )
+    charged_s = shaped.num_layers * elements / elementwise_rate
+    # distinct last tokens (the embedding's 64 distinct rows): the sequences route apart
+    prompts = [[(n + t) % shaped.vocab_size for t in range(PROMPT_LEN)] for n in range(batch)]
+
+    def from_decode(phase: str) -> None:  # prefill's calls are not the decode step's
+        if phase == "prefill":
+            priced.update(gemm=0.0, attention=0.0)
+
+    generate(model, prompts, 2)  # warm-up: builds the kernels
+
+    def sample() -> float:
+        run = generate(model, prompts, DECODE_STEPS + 1, on_step=from_decode)
+        return (run.decode_s - priced["gemm"] - priced["attention"]) / DECODE_STEPS - charged_s
+
+    return sample
+
+
+def shaped_weights(arch: ModelArch, dtype: torch.dtype) -> ModelWeights:
+    """Weights at the model's shapes, each dense tensor its own, the experts cycling through as
+    many distinct sets as fit in EXPERT_BYTES_CAP (at least one). Rows of a random block tiled:
+    the values do not change a kernel's speed (the router's are random, and the embedding's 64
+    distinct rows give the sequences distinct tokens, so routing spreads), and randn of a
+    Mixtral-sized model takes longer than the profile should."""
+    g = torch.Generator().manual_seed(0)
+    h, i, d = arch.hidden_size, arch.intermediate_size, arch.head_dim
+    q, kv = arch.num_attention_heads * d, arch.num_key_value_heads * d
+
+    def w(rows: int, cols: int) -> torch.Tensor:
+        block = (torch.randn(min(rows, 64), cols, generator=g) * 0.05).to(dtype)
+        return block.repeat(-(-rows // block.shape[0]), 1)[:rows].contiguous()
+
+    def ones(n: int) -> torch.Tensor:
+        return torch.ones(n, dtype=dtype)
+
+    expert_bytes = 3 * h * i * dtype.itemsize
+    distinct = max(1, min(arch.num_layers * arch.num_experts, EXPERT_BYTES_CAP // expert_bytes))
+    sets = [ExpertWeights(w1=w(i, h), w3=w(i, h), w2=w(h, i)) for _ in range(distinct)]
+    turn = iter(range(arch.num_layers * arch.num_experts))
+    layers = tuple(
+        LayerWeights(
+            attn_norm=ones(h),
+            wq=w(q, h),
+            wk=w(kv, h),
+            wv=w(kv, h),
+            wo=w(h, q),
+            ffn_norm=ones(h),
+            router=(torch.randn(arch.num_experts, h, generator=g) * 0.05).to(dtype),
+            experts=tuple(sets[next(turn) % distinct] for _ in range(arch.num_experts)),
+        )
+        for _ in range(arch.num_layers)
+    )
+    vocab = arch.vocab_size
+    return ModelWeights(embed=w(vocab, h), layers=layers, final_norm=ones(h), lm_head=w(vocab, h))
