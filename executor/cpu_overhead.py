@@ -27,9 +27,10 @@ import time
 
 import torch
 
-from executor.checkpoint import Checkpoint, ExpertWeights, LayerWeights, ModelWeights
+from executor.checkpoint import Checkpoint, ExpertWeights, ModelWeights
 from executor.generate import generate
 from executor.model import MoEModel
+from executor.overhead import assemble_weights
 from hrm.arch import ModelArch
 from hrm.cpu_gemm import CpuGemmChoice
 from hrm.hardware_parts import LaunchOverhead
@@ -154,32 +155,18 @@ def shaped_weights(arch: ModelArch, dtype: torch.dtype) -> ModelWeights:
     distinct rows give the sequences distinct tokens, so routing spreads), and randn of a
     Mixtral-sized model takes longer than the profile should."""
     g = torch.Generator().manual_seed(0)
-    h, i, d = arch.hidden_size, arch.intermediate_size, arch.head_dim
-    q, kv = arch.num_attention_heads * d, arch.num_key_value_heads * d
+    h, i = arch.hidden_size, arch.intermediate_size
 
-    def w(rows: int, cols: int) -> torch.Tensor:
+    def tiled(rows: int, cols: int) -> torch.Tensor:
         block = (torch.randn(min(rows, 64), cols, generator=g) * 0.05).to(dtype)
         return block.repeat(-(-rows // block.shape[0]), 1)[:rows].contiguous()
 
-    def ones(n: int) -> torch.Tensor:
-        return torch.ones(n, dtype=dtype)
+    def random(rows: int, cols: int) -> torch.Tensor:
+        return (torch.randn(rows, cols, generator=g) * 0.05).to(dtype)
 
     expert_bytes = 3 * h * i * dtype.itemsize
     distinct = max(1, min(arch.num_layers * arch.num_experts, EXPERT_BYTES_CAP // expert_bytes))
-    sets = [ExpertWeights(w1=w(i, h), w3=w(i, h), w2=w(h, i)) for _ in range(distinct)]
-    turn = iter(range(arch.num_layers * arch.num_experts))
-    layers = tuple(
-        LayerWeights(
-            attn_norm=ones(h),
-            wq=w(q, h),
-            wk=w(kv, h),
-            wv=w(kv, h),
-            wo=w(h, q),
-            ffn_norm=ones(h),
-            router=(torch.randn(arch.num_experts, h, generator=g) * 0.05).to(dtype),
-            experts=tuple(sets[next(turn) % distinct] for _ in range(arch.num_experts)),
-        )
-        for _ in range(arch.num_layers)
-    )
-    vocab = arch.vocab_size
-    return ModelWeights(embed=w(vocab, h), layers=layers, final_norm=ones(h), lm_head=w(vocab, h))
+    experts = [
+        ExpertWeights(w1=tiled(i, h), w3=tiled(i, h), w2=tiled(h, i)) for _ in range(distinct)
+    ]
+    return assemble_weights(arch, tiled, experts, random, dtype)

@@ -66,31 +66,50 @@ def random_weights(arch: ModelArch, dtype: torch.dtype, device: str = "cpu") -> 
     def w(*shape):
         return (torch.randn(*shape, generator=g) * 0.05).to(dtype=dtype, device=device)
 
+    h, i = arch.hidden_size, arch.intermediate_size
+    experts = [
+        ExpertWeights(w1=w(i, h), w3=w(i, h), w2=w(h, i))
+        for _ in range(arch.num_layers * arch.num_experts)
+    ]
+    return assemble_weights(arch, w, experts, w, dtype, device)
+
+
+def assemble_weights(
+    arch: ModelArch,
+    dense,
+    experts: list[ExpertWeights],
+    router,
+    dtype: torch.dtype,
+    device: str = "cpu",
+) -> ModelWeights:
+    """A model's weights at `arch`'s shapes: each dense matrix dense(rows, cols), each router
+    router(experts, hidden), norms of ones, and the layers' experts taking `experts` in turn
+    (cycling when there are fewer sets than layers x experts)."""
+
     def ones(n):
         return torch.ones(n, dtype=dtype, device=device)
 
-    h, i, d = arch.hidden_size, arch.intermediate_size, arch.head_dim
+    h, d = arch.hidden_size, arch.head_dim
     q, kv = arch.num_attention_heads * d, arch.num_key_value_heads * d
+    turn = iter(range(arch.num_layers * arch.num_experts))
     layers = tuple(
         LayerWeights(
             attn_norm=ones(h),
-            wq=w(q, h),
-            wk=w(kv, h),
-            wv=w(kv, h),
-            wo=w(h, q),
+            wq=dense(q, h),
+            wk=dense(kv, h),
+            wv=dense(kv, h),
+            wo=dense(h, q),
             ffn_norm=ones(h),
-            router=w(arch.num_experts, h),
-            experts=tuple(
-                ExpertWeights(w1=w(i, h), w3=w(i, h), w2=w(h, i)) for _ in range(arch.num_experts)
-            ),
+            router=router(arch.num_experts, h),
+            experts=tuple(experts[next(turn) % len(experts)] for _ in range(arch.num_experts)),
         )
         for _ in range(arch.num_layers)
     )
     return ModelWeights(
-        embed=w(arch.vocab_size, h),
+        embed=dense(arch.vocab_size, h),
         layers=layers,
         final_norm=ones(h),
-        lm_head=w(arch.vocab_size, h),
+        lm_head=dense(arch.vocab_size, h),
     )
 
 
