@@ -1,5 +1,6 @@
 """The executor's fixed costs beyond FLOPs and bytes, as `hrm profile` measured them on its own
-forward (executor/overhead.py): per layer, per expert touched and per step.
+forward, per dtype: per layer, per expert touched and per step (on the CPU at the model's own
+shapes, executor/cpu_overhead.py; on a GPU on a miniature, executor/overhead.py).
 
 On the CPU the cores that compute also run the Python, so the cost adds to the compute. On a
 GPU the host issues kernels while earlier ones run: a layer's dense kernels take no less than
