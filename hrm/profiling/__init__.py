@@ -56,8 +56,10 @@ class SweepPlan:
     # the other GEMM shapes of a forward pass (q, k/v, o, router, w2, LM head): a shorter grid
     # and budget per shape and rate key, as together they take a tenth of a decode step's FLOPs.
     # It reaches 4096 rows because prefill runs q, k/v and o at batch x prompt rows (2048-8192
-    # in hrm validate's sweep), where a curve held flat from 256 rows understated bf16 by up to 2x
-    shape_tokens_grid: tuple[int, ...] = (*SMALL_ROWS, 16, 256, 1024, 4096)
+    # in hrm validate's sweep), where a curve held flat from 256 rows understated bf16 by up to 2x;
+    # and it has 64, where a power law from 16 to 256 rows understated the rate by 15-25% (a
+    # decode batch of 64, a prefill of one 128-token prompt; docs/decisions.md, 2026-12-04)
+    shape_tokens_grid: tuple[int, ...] = (*SMALL_ROWS, 16, 64, 256, 1024, 4096)
     shape_budget_s: float = 4.0
     # GPU GEMM points: the repeats of one point together span at least this long, so that a long
     # job's clocks (power and thermal limits reached), not a boost-clock burst, are what is timed
@@ -94,7 +96,7 @@ PRESETS = {
         both_directions_bytes=1e9,
         device_copy_bytes=2e9,
         gpu_sustain_s=1.0,
-        shape_tokens_grid=(*SMALL_ROWS, 16, 64, 256, 1024, 4096),
+        shape_tokens_grid=(*SMALL_ROWS, *(2**i for i in range(4, 13))),
         shape_budget_s=12.0,
     ),
 }
