@@ -61,9 +61,15 @@ def measure_cpu_overhead(
     """The fixed costs of the executor's CPU decode in `dtype` (see the module docstring), its
     GEMMs along `cpu_gemm` (the profile's choice: native float16 on a CPU without avx512_fp16
     runs at a few GFLOP/s), its elementwise passes charged at `elementwise_rate` elements/s."""
+    dt = getattr(torch, dtype)
+    weights = shaped_weights(_layered(arch, max(LAYERS)), dt)  # the fewer layers take the first
     samplers = {}
     for layers in LAYERS:
-        model, priced = _timed_model(arch, layers, dtype, cpu_gemm)
+        first = dataclasses.replace(weights, layers=weights.layers[:layers])
+        checkpoint = Checkpoint(
+            directory=None, arch=_layered(arch, layers), weights=first, dtype=dt
+        )
+        model, priced = _timed_model(checkpoint, cpu_gemm)
         for batch in BATCHES:
             samplers[(layers, batch)] = _rest_sampler(model, priced, batch, elementwise_rate)
     samples: dict[tuple[int, int], list[float]] = {key: [] for key in samplers}
@@ -84,16 +90,16 @@ def measure_cpu_overhead(
     )
 
 
-def _timed_model(arch: ModelArch, layers: int, dtype: str, cpu_gemm: CpuGemmChoice):
-    """(model, priced): the executor's model of `arch` at `layers` layers, its GEMM calls and
-    decode-attention stages adding their seconds to priced["gemm"] and priced["attention"]."""
-    shaped = dataclasses.replace(
+def _layered(arch: ModelArch, layers: int) -> ModelArch:
+    """The model at `layers` layers, without a shared expert, running to its length."""
+    return dataclasses.replace(
         arch, num_layers=layers, shared_expert_intermediate_size=0, eos_token_ids=()
     )
-    dt = getattr(torch, dtype)
-    checkpoint = Checkpoint(
-        directory=None, arch=shaped, weights=shaped_weights(shaped, dt), dtype=dt
-    )
+
+
+def _timed_model(checkpoint: Checkpoint, cpu_gemm: CpuGemmChoice):
+    """(model, priced): the executor's model of `checkpoint`, its GEMM calls and decode-attention
+    stages adding their seconds to priced["gemm"] and priced["attention"]."""
     model = MoEModel(checkpoint, cpu_gemm)
     priced = {"gemm": 0.0, "attention": 0.0}
     linear, attention = model.linear, model.decode_attention
@@ -128,7 +134,7 @@ def _rest_sampler(model: MoEModel, priced: dict, batch: int, elementwise_rate: f
             context=PROMPT_LEN,
             weight_dtype=dtype,
             kv_dtype=dtype,
-        )  # fmt: skip
+        )
         if op.name != "attention"  # its stage is timed, not counted
     )
     charged_s = shaped.num_layers * elements / elementwise_rate
@@ -161,7 +167,7 @@ def shaped_weights(arch: ModelArch, dtype: torch.dtype) -> ModelWeights:
         block = (torch.randn(min(rows, 64), cols, generator=g) * 0.05).to(dtype)
         return block.repeat(-(-rows // block.shape[0]), 1)[:rows].contiguous()
 
-    def random(rows: int, cols: int) -> torch.Tensor:
+    def random_rows(rows: int, cols: int) -> torch.Tensor:
         return (torch.randn(rows, cols, generator=g) * 0.05).to(dtype)
 
     expert_bytes = 3 * h * i * dtype.itemsize
@@ -169,4 +175,4 @@ def shaped_weights(arch: ModelArch, dtype: torch.dtype) -> ModelWeights:
     experts = [
         ExpertWeights(w1=tiled(i, h), w3=tiled(i, h), w2=tiled(h, i)) for _ in range(distinct)
     ]
-    return assemble_weights(arch, tiled, experts, random, dtype)
+    return assemble_weights(arch, tiled, experts, random_rows, dtype)
