@@ -28,7 +28,8 @@ from executor.checkpoint import (
     read_arch,
     stored_dtype,
 )
-from executor.generate import Generation, Sampling, generate
+from executor.engine import engine_mode, jitter_seed
+from executor.generate import Generation, Sampling, generate, resident_runtime
 from executor.model import MoEModel
 from hrm.arch import ModelArch
 from hrm.cpu_gemm import CpuGemmChoice
@@ -121,13 +122,14 @@ def prepare_run(
 
 
 def _check_device(device: str) -> None:
-    if device == "cpu":
-        return
+    """A device this host has, and an engine mode (HRM_ENGINE) that can run on it."""
     if device.startswith("cuda"):
         if not torch.cuda.is_available():
             raise HrmError(f"--device {device}: no CUDA device is available here; use --device cpu")
-        return
-    raise HrmError(f"--device: unknown device {device!r}; use cpu or cuda")
+    elif device != "cpu":
+        raise HrmError(f"--device: unknown device {device!r}; use cpu or cuda")
+    engine_mode(torch.device(device))
+    jitter_seed()
 
 
 def _check_ids(prompts: list[list[int]], vocab_size: int, where) -> None:
@@ -179,9 +181,10 @@ def execute(
             bar.update()
 
     times_before = cpu_times()
+    runtime = resident_runtime(model)
     try:
         generation: Generation = generate(
-            model,
+            runtime,
             spec.prompts,
             spec.gen_len,
             sampling=sampling or Sampling(),
@@ -190,6 +193,7 @@ def execute(
         )
     finally:
         bar.close()
+        runtime.close()
     times_after = cpu_times()
     busy = measured_others_share(times_before, times_after)
     if busy is not None and busy > BUSY_WARNING_SHARE:
@@ -212,6 +216,7 @@ def execute(
     environment = {
         **_environment(spec),
         "other_processes_cpu_share": round(busy, 3) if busy is not None else "unknown",
+        "engine": runtime.engine.mode,
         "cpu_gemm": None
         if model.cpu_gemm is None
         else {**model.cpu_gemm.to_dict(), "calls": dict(model.gemm_calls)},

@@ -16,7 +16,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from executor.kv_cache import KVCache
+from executor.kv_cache import KVCache, packed_layout
 
 
 def sdpa_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask) -> torch.Tensor:
@@ -191,7 +191,6 @@ def measure_prefill_attention_curve(arch, dtype: str = "bfloat16"):
     quarter of each batch's prompts half as long: what the planner charges CPU prefill attention
     at (planner/cost.py). Each call is store_and_attend_prompts on a KVCache, the K/V store, the
     query scatter and the mask included."""
-    from executor.runtime import packed_layout  # runtime imports this module
     from hrm.hardware_parts import Curve
     from hrm.ops import prefill_attention_flops
 

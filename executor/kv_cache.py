@@ -3,11 +3,18 @@
 Prompts are left-padded to the longest, so slot s holds the s-th step of every sequence and a
 decode step writes one slice for the whole batch.  `key_valid` marks the padding slots that
 attention must skip.
+
+A layer whose K and V cross the link every step (host memory, attention on the GPU) is stored
+slot-major, [S, B, nkv, D], page-aligned so that it can be pinned: its first `end` slots, the
+prefetch of a step, are then one contiguous region, one DMA. Every layer is still read and
+written through [B, nkv, S, D] views, so attention does not care which layout it has.
 """
 
 from __future__ import annotations
 
 import torch
+
+from executor.pinning import page_aligned_empty
 
 
 class KVCache:
@@ -26,15 +33,26 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         layer_devices: list[torch.device] | None = None,
+        slot_major: frozenset[int] = frozenset(),
     ):
         """layer_devices: where each layer's K and V live (default: all on `device`, which also
-        holds the padding mask); an offloaded run keeps some layers on the GPU."""
+        holds the padding mask); an offloaded run keeps some layers on the GPU. slot_major: the
+        host layers stored slot-major (see the module docstring)."""
         shape = (batch_size, kv_heads, max_len, head_dim)
         devices = layer_devices or [torch.device(device)] * num_layers
-        # Zeros, not empty: padding slots are masked out of attention, but a NaN left in
-        # uninitialised memory would still poison the weighted sum (0 * NaN = NaN).
-        self.k = [torch.zeros(shape, dtype=dtype, device=d) for d in devices]
-        self.v = [torch.zeros(shape, dtype=dtype, device=d) for d in devices]
+        self.slots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> [S, B, nkv, D]
+        self.k, self.v = [], []
+        for layer, d in enumerate(devices):
+            if layer in slot_major:
+                k, v = (_slot_major(shape, dtype) for _ in "kv")
+                self.slots[layer] = (k, v)
+                k, v = k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)
+            else:
+                # Zeros, not empty: padding slots are masked out of attention, but a NaN left in
+                # uninitialised memory would still poison the weighted sum (0 * NaN = NaN).
+                k, v = (torch.zeros(shape, dtype=dtype, device=d) for _ in "kv")
+            self.k.append(k)
+            self.v.append(v)
         self.key_valid = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)  # [B, S]
         self._valid_on: dict[torch.device, torch.Tensor] = {}
         self.has_padding = False
@@ -90,6 +108,10 @@ class KVCache:
         valid = self.key_valid if device is None else self.valid_on(device)
         return valid[:, None, None, :end]
 
+    def slot_major_tensors(self) -> list[torch.Tensor]:
+        """The slot-major layers' storage (what a CUDA run pins)."""
+        return [t for pair in self.slots.values() for t in pair]
+
     @property
     def nbytes(self) -> dict[str, float]:
         """Bytes of K and V by device type ("cpu", "cuda")."""
@@ -97,3 +119,25 @@ class KVCache:
         for t in (*self.k, *self.v):
             out[t.device.type] = out.get(t.device.type, 0.0) + t.numel() * t.element_size()
         return out
+
+
+def _slot_major(shape: tuple[int, int, int, int], dtype: torch.dtype) -> torch.Tensor:
+    """Zeros [S, B, nkv, D] for a [B, nkv, S, D] shape, in host memory on a page boundary."""
+    B, nkv, S, D = shape
+    return page_aligned_empty(S * B * nkv * D, dtype).zero_().view(S, B, nkv, D)
+
+
+def packed_layout(group, lens: torch.Tensor, padded: int, device) -> dict[str, torch.Tensor]:
+    """Packed prompt layout of a micro-batch: token t is (sequence batch_idx, slot slot_idx)."""
+    token_ids = torch.tensor([t for p in group for t in p], device=device)
+    b = len(group)
+    batch_idx = torch.repeat_interleave(torch.arange(b, device=device), lens)
+    starts = torch.cumsum(lens, 0) - lens
+    positions = torch.arange(token_ids.shape[0], device=device) - starts[batch_idx]
+    return {
+        "token_ids": token_ids,
+        "batch_idx": batch_idx,
+        "slot_idx": positions + (padded - lens)[batch_idx],
+        "positions": positions,
+        "last": starts + lens - 1,
+    }

@@ -57,14 +57,22 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class MoEModel:
     """Weights plus the per-stage math; holds no per-batch state (that lives in KVCache)."""
 
-    def __init__(self, checkpoint: Checkpoint, cpu_gemm: CpuGemmChoice | None = None):
-        """cpu_gemm: the GEMM path per token count on a CPU (hrm.cpu_gemm); without one a CPU
-        model probes this host for it (about a second). Ignored on a GPU, which runs native."""
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        cpu_gemm: CpuGemmChoice | None = None,
+        *,
+        device: torch.device | None = None,
+    ):
+        """device: where the layers run (default: where the checkpoint's weights are; a placed
+        run loads them on the host and runs them on the GPU). cpu_gemm: the GEMM path per token
+        count when that is a CPU (hrm.cpu_gemm); without one a CPU model probes this host for
+        it (about a second). A GPU runs every GEMM native."""
         keep_freed_host_memory()  # large temporaries reuse freed memory, not fresh pages
         self.arch = checkpoint.arch
         self.weights = checkpoint.weights
         self.dtype = checkpoint.dtype
-        self.device = checkpoint.weights.embed.device
+        self.device = checkpoint.weights.embed.device if device is None else torch.device(device)
         self._norm = rms_norm if self.arch.norm == "rmsnorm" else layer_norm
         dtype_name = str(self.dtype).removeprefix("torch.")
         if self.device.type != "cpu":
@@ -94,16 +102,28 @@ class MoEModel:
             return widened_linear(x, w, self._scratch, rows=rows)
         return native_linear(x, w, rows=rows)
 
-    def new_cache(self, batch_size: int, max_len: int) -> KVCache:
+    def new_cache(
+        self,
+        batch_size: int,
+        max_len: int,
+        *,
+        device: torch.device | None = None,
+        layer_devices: list[torch.device] | None = None,
+        slot_major: frozenset[int] = frozenset(),
+    ) -> KVCache:
+        """A cache of every layer on `device` (default the model's), or of one layer per entry
+        of layer_devices, each where it says (slot_major: executor/kv_cache.py)."""
         a = self.arch
         return KVCache(
-            num_layers=a.num_layers,
+            num_layers=len(layer_devices) if layer_devices else a.num_layers,
             batch_size=batch_size,
             kv_heads=a.num_key_value_heads,
             max_len=max_len,
             head_dim=a.head_dim,
             dtype=self.dtype,
-            device=self.device,
+            device=device or self.device,
+            layer_devices=layer_devices,
+            slot_major=slot_major,
         )
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -174,12 +194,11 @@ class MoEModel:
 
     def experts(self, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         """MoE FFN grouped by expert: sort assignments by expert, one GEMM chain per expert hit."""
-        K = self.arch.experts_per_token
+        T, K = x.shape[0], self.arch.experts_per_token
         top_w, top_i = self.route(w, x)  # [T, K]
         order = torch.argsort(top_i.flatten(), stable=True)  # [A] assignments sorted by expert
-        token_of = order // K  # [A]
         counts = torch.bincount(top_i.flatten(), minlength=self.arch.num_experts).tolist()  # [E]
-        xs = x[token_of]  # [A, H]
+        xs = x[order // K]  # [A, H]
         ys = torch.empty_like(xs)  # [A, H]
         start = 0
         for e, n in enumerate(counts):
@@ -189,9 +208,18 @@ class MoEModel:
                 ys[start : start + n] = self.linear(hidden, ex.w2)  # [n, H]
                 start += n
         # transformers scales each expert's output by its fp32 weight, rounds to the model dtype
-        # and sums experts in index order; index_add_ over expert-sorted rows does the same.
+        # and adds the experts to zeros in index order. index_add_ would too on a CPU, but on
+        # CUDA it adds with atomics in any order (top-k >= 3 rounds differently run to run), so
+        # each token's K outputs are put in expert order and added in turn.
         ys = (ys * top_w.flatten()[order, None]).to(x.dtype)  # [A, H]
-        return torch.zeros_like(x).index_add_(0, token_of, ys)  # [T, H]
+        rank = top_i.argsort(dim=-1).argsort(dim=-1).flatten()  # [A] place among the token's
+        by_token = torch.empty_like(ys)
+        by_token[(order // K) * K + rank[order]] = ys
+        by_token = by_token.view(T, K, -1)  # [T, K, H], experts in index order
+        out = by_token[:, 0]
+        for k in range(1, K):
+            out = out + by_token[:, k]
+        return out  # [T, H]
 
     # -- output --------------------------------------------------------------------------------
 

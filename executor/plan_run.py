@@ -171,6 +171,7 @@ def execute_plan(
         "schedule": plan.schedule,
         "device": str(device),
         "stand_in": device.type == "cpu" and policy.ffn_on_gpu,
+        "engine": runtime.engine.mode,
         "pinned_weights": bool(runtime.store is not None and runtime.store.pinned),
         "staged_weights": bool(runtime.store is not None and runtime.store.staged),
         "batches_run": len(pending),

@@ -18,12 +18,14 @@ from collections.abc import Sequence
 
 import torch
 
+from executor.buffers import TURNS
 from executor.checkpoint import Checkpoint
-from executor.engine import Engine
-from executor.kv_cache import KVCache
+from executor.engine import Engine, Op
+from executor.kv_cache import packed_layout
 from executor.model import MoEModel
+from executor.pinning import HostPins
 from executor.schedules import SCHEDULE_ORDERS, StepShape
-from executor.tasks import MicroBatch, TaskBuilder
+from executor.tasks import BatchState, MicroBatch, StepState, TaskBuilder
 from executor.weight_store import WeightStore
 from hrm.cpu_gemm import CpuGemmChoice
 from hrm.placement import place_weights
@@ -32,7 +34,7 @@ from hrm.policy import Policy
 HOST = torch.device("cpu")
 
 
-class Runtime(TaskBuilder):
+class Runtime:
     """Runs prefill and decode steps of one batch at a time under a placement and schedule."""
 
     def __init__(
@@ -45,9 +47,11 @@ class Runtime(TaskBuilder):
         kv_gpu_fraction: float = 0.0,
         store: WeightStore | None = None,
         device: torch.device | None = None,
+        engine_mode: str | None = None,
     ):
         """store None: every weight is used where the model holds it (a resident run, or a plan
-        that runs the layers on the CPU); micro_batch_size None: the whole batch is one."""
+        that runs the layers on the CPU); micro_batch_size None: the whole batch is one;
+        engine_mode: default executor.engine.engine_mode (HRM_ENGINE)."""
         self.model, self.arch = model, model.arch
         self.store = store
         self.device = device if store is not None else model.device  # where the layers run
@@ -63,50 +67,67 @@ class Runtime(TaskBuilder):
         self.order = SCHEDULE_ORDERS[schedule]
         self.micro_batch_size = micro_batch_size
         self.home = "gpu" if self.ffn_on_gpu else "cpu"
-        queues = {q for q, _ in self._all_ops()}
-        self.engine = Engine(self.device, inline=schedule == "serial" or len(queues) == 1)
-        self.micro_batches: list[MicroBatch] = []
-        self.staging: list[dict[str, torch.Tensor]] = []
-        self.prefetch: list[dict[str, torch.Tensor]] = []
-        self.pinned = self.device.type == "cuda"
+        queues = {q for _, q in self._all_ops()}
+        serial = schedule == "serial" or len(queues) == 1
+        self.engine = Engine(self.device, serial=serial, mode=engine_mode)
+        self.tasks = TaskBuilder(
+            model,
+            store=store,
+            device=self.device,
+            ffn_on_gpu=self.ffn_on_gpu,
+            kv_on_host=self._kv_on_host,
+        )
+        self.batch = BatchState(micro_batches=[], staging=[], prefetch=[])
+        self.kv_pins = HostPins()
+
+    @property
+    def micro_batches(self) -> list[MicroBatch]:
+        return self.batch.micro_batches
 
     # -- the shape of a step -------------------------------------------------------------------
 
     def _kv_on_host(self, layer: int) -> bool:
         return layer >= self.kv_gpu_layers
 
-    def chain(self, phase: str, layer: int) -> list[tuple[str, str]]:
+    def chain(self, phase: str, layer: int) -> list[tuple[Op, str]]:
         """What one micro-batch does in `layer` during `phase`, as (op, queue)."""
         home = self.home
         if not self.ffn_on_gpu:
-            return [("pre", home), ("attention", "cpu"), ("post", home)]
+            return [(Op.PRE, home), (Op.ATTENTION, "cpu"), (Op.POST, home)]
         host_kv = self._kv_on_host(layer)
         if phase == "prefill":
-            ops = [("pre", home), ("attention", home)]
-            ops += [("kv_out", "d2h")] if host_kv else []
-            ops += [("post", home)]
+            ops = [(Op.PRE, home), (Op.ATTENTION, home)]
+            ops += [(Op.KV_OUT, "d2h")] if host_kv else []
+            ops += [(Op.POST, home)]
             if self.offloaded:  # hidden states wait in host memory between layers
-                ops = ([("hidden_in", "h2d")] if layer else []) + ops
-                ops += [("hidden_out", "d2h")] if layer < self.arch.num_layers - 1 else []
+                ops = ([(Op.HIDDEN_IN, "h2d")] if layer else []) + ops
+                ops += [(Op.HIDDEN_OUT, "d2h")] if layer < self.arch.num_layers - 1 else []
             return ops
         if not self.attention_on_gpu:
             return [
-                ("pre", home),
-                ("qkv_out", "d2h"),
-                ("attention", "cpu"),
-                ("attn_in", "h2d"),
-                ("post", home),
+                (Op.PRE, home),
+                (Op.QKV_OUT, "d2h"),
+                (Op.ATTENTION, "cpu"),
+                (Op.ATTN_IN, "h2d"),
+                (Op.POST, home),
             ]
         if host_kv:
-            return [("kv_in", "h2d"), ("pre", home), ("attention", home), ("kv_out", "d2h")] + [
-                ("post", home)
+            return [
+                (Op.KV_IN, "h2d"),
+                (Op.PRE, home),
+                (Op.ATTENTION, home),
+                (Op.KV_OUT, "d2h"),
+                (Op.POST, home),
             ]
-        return [("pre", home), ("attention", home), ("post", home)]
+        return [(Op.PRE, home), (Op.ATTENTION, home), (Op.POST, home)]
 
-    def _all_ops(self):
-        ops = [("embed", "h2d" if self.offloaded else self.home), ("head", self.home)]
+    def _embed_queue(self) -> str:
+        return "h2d" if self.offloaded else self.home
+
+    def _all_ops(self) -> list[tuple[Op, str]]:
+        ops = [(Op.EMBED, self._embed_queue()), (Op.HEAD, self.home)]
         if self.offloaded and self.store.streams:
-            ops.append(("load", "h2d"))
+            ops.append((Op.LOAD, "h2d"))
         for phase in ("prefill", "decode"):
             for layer in range(self.arch.num_layers):
                 ops += self.chain(phase, layer)
@@ -120,8 +141,8 @@ class Runtime(TaskBuilder):
             num_layers=self.arch.num_layers,
             micro_batches=len(self.micro_batches),
             chain=lambda layer: self.chain(phase, layer),
-            prologue=[("embed", "h2d" if self.offloaded else self.home)],
-            epilogue=[("head", self.home)],
+            prologue=[(Op.EMBED, self._embed_queue())],
+            epilogue=[(Op.HEAD, self.home)],
             pages=pages,
             load_first=step == 0 or self.schedule == "serial",
             load_next_step=not last and self.schedule != "serial",
@@ -147,62 +168,72 @@ class Runtime(TaskBuilder):
             home if not self._kv_on_host(layer) else kv_home
             for layer in range(self.arch.num_layers)
         ]
-        self.micro_batches = []
+        streamed_kv = frozenset(
+            layer
+            for layer in range(self.arch.num_layers)
+            if self.offloaded and self.attention_on_gpu and self._kv_on_host(layer)
+        )
+        self.kv_pins.close()  # the last batch's caches
+        micro_batches = []
         for j, (start, size) in enumerate(zip(starts, sizes, strict=True)):
             group = prompts[start : start + size]
             lens = torch.tensor([len(p) for p in group], device=home)
             padded = int(lens.max())
-            cache = self.model_cache(len(group), padded + gen_len, kv_home, layer_devices)
+            cache = self.model.new_cache(
+                len(group),
+                padded + gen_len,
+                device=kv_home,
+                layer_devices=layer_devices,
+                slot_major=streamed_kv,
+            )
+            if self.device.type == "cuda":  # pinned, or its copies are staged and synchronous
+                self.kv_pins.pin_all(cache.slot_major_tensors())
             cache.start(lens.to(kv_home), padded)
             mb = MicroBatch(index=j, lens=lens, padded_len=padded, cache=cache)
             mb.packed = packed_layout(group, lens, padded, home)
-            self.micro_batches.append(mb)
-        self._allocate_staging(mu, max(mb.cache.max_len for mb in self.micro_batches))
-
-    def model_cache(self, batch: int, max_len: int, device, layer_devices) -> KVCache:
-        a = self.arch
-        return KVCache(
-            num_layers=len(layer_devices),
-            batch_size=batch,
-            kv_heads=a.num_key_value_heads,
-            max_len=max_len,
-            head_dim=a.head_dim,
-            dtype=self.model.dtype,
-            device=device,
-            layer_devices=layer_devices,
+            micro_batches.append(mb)
+        max_len = max(mb.cache.max_len for mb in micro_batches)
+        self.batch = BatchState(
+            micro_batches=micro_batches,
+            staging=self._staging(mu),
+            prefetch=self._prefetch(mu, max_len),
         )
 
-    def _allocate_staging(self, mu: int, max_len: int) -> None:
-        """D1/D2 staging (two sets, host) for CPU attention; the KV prefetch buffers (two, on the
-        device) for GPU attention over host KV."""
-        a, dtype = self.arch, self.model.dtype
+    def _staging(self, mu: int) -> list[dict[str, torch.Tensor]]:
+        """D1/D2 staging (one set per turn, host) for CPU attention of an offloaded run."""
+        if not self.offloaded or self.attention_on_gpu:
+            return []
+        a, dtype, pin = self.arch, self.model.dtype, self.device.type == "cuda"
         nq, nkv, D = a.num_attention_heads, a.num_key_value_heads, a.head_dim
-        self.staging, self.prefetch = [], []
-        if self.offloaded and not self.attention_on_gpu:
-            pin = self.pinned
 
-            def host(*shape):
-                return torch.empty(shape, dtype=dtype, pin_memory=pin)
+        def host(*shape):
+            return torch.empty(shape, dtype=dtype, pin_memory=pin)
 
-            self.staging = [
-                {"q": host(mu, nq, D), "k": host(mu, nkv, D), "v": host(mu, nkv, D)}
-                | {"out": host(mu, nq * D)}
-                for _ in range(2)
-            ]
-        if self.offloaded and self.attention_on_gpu and self.kv_gpu_layers < a.num_layers:
-            shape = (mu, nkv, max_len, D)
-            self.prefetch = [
-                {n: torch.zeros(shape, dtype=dtype, device=self.device) for n in ("k", "v")}
-                for _ in range(2)
-            ]
+        return [
+            {"q": host(mu, nq, D), "k": host(mu, nkv, D), "v": host(mu, nkv, D)}
+            | {"out": host(mu, nq * D)}
+            for _ in range(TURNS)
+        ]
+
+    def _prefetch(self, mu: int, max_len: int) -> list[dict[str, torch.Tensor]]:
+        """The KV prefetch buffers (one per turn, on the device) for GPU attention over host
+        KV: flat, each micro-batch views the front as its own slot-major [S, b, nkv, D]."""
+        a = self.arch
+        if not (self.offloaded and self.attention_on_gpu and self.kv_gpu_layers < a.num_layers):
+            return []
+        numel = mu * a.num_key_value_heads * max_len * a.head_dim
+        return [
+            {n: torch.zeros(numel, dtype=self.model.dtype, device=self.device) for n in "kv"}
+            for _ in range(TURNS)
+        ]
 
     # -- steps ---------------------------------------------------------------------------------
 
     def step(self, step: int, tokens: torch.Tensor | None, *, last: bool) -> torch.Tensor:
         """Prefill (step 0) or one decode step (tokens [B] of the previous step) -> [B, V]."""
-        self._step, self._tokens, self._prefetch_turns = step, tokens, {}
+        state = StepState(step=step, tokens=tokens, batch=self.batch)
         actions = self.order(self.step_shape(step, last=last))
-        self.engine.run((a, self.task(a)) for a in actions)
+        self.engine.run((a, self.tasks.task(a, state)) for a in actions)
         self.engine.synchronize()
         for mb in self.micro_batches:
             if step:
@@ -226,12 +257,13 @@ class Runtime(TaskBuilder):
                 kv["gpu" if on_gpu else "cpu"] += size([mb.cache.k[layer], mb.cache.v[layer]])
         out["gpu"]["kv cache"] = kv["gpu"]
         out["cpu"]["kv cache"] = kv["cpu"]
-        out["gpu"]["kv prefetch"] = size(t for b in self.prefetch for t in b.values())
-        out["cpu"]["pinned staging"] = size(t for s in self.staging for t in s.values())
+        out["gpu"]["kv prefetch"] = size(t for b in self.batch.prefetch for t in b.values())
+        out["cpu"]["pinned staging"] = size(t for s in self.batch.staging for t in s.values())
         return out
 
     def close(self) -> None:
         self.engine.close()
+        self.kv_pins.close()
         if self.store is not None:
             self.store.close()
 
@@ -250,7 +282,7 @@ def placed_runtime(
     host arenas and paged in, m pages per layer under cgopipe and gpu-attention, one whole-layer
     copy under serial and overlap; staged: through a pinned staging ring (the plan's "weight
     staging")."""
-    model = MoEModel(checkpoint, cpu_gemm)
+    model = MoEModel(checkpoint, cpu_gemm, device=device if policy.ffn_on_gpu else None)
     store = None
     if policy.ffn_on_gpu:
         placement = place_weights(model.arch, policy.weights_gpu_fraction, policy.weight_dtype)
@@ -258,28 +290,17 @@ def placed_runtime(
         store = WeightStore(
             checkpoint.weights, model.arch, placement, device, pages=pages, staged=staged
         )
-    return Runtime(
-        model,
-        schedule=schedule,
-        micro_batch_size=policy.micro_batch_size,
-        attention_on_gpu=policy.attention_on_gpu,
-        kv_gpu_fraction=policy.kv_gpu_fraction,
-        store=store,
-        device=device,
-    )
-
-
-def packed_layout(group, lens: torch.Tensor, padded: int, device) -> dict[str, torch.Tensor]:
-    """Packed prompt layout of a micro-batch: token t is (sequence batch_idx, slot slot_idx)."""
-    token_ids = torch.tensor([t for p in group for t in p], device=device)
-    b = len(group)
-    batch_idx = torch.repeat_interleave(torch.arange(b, device=device), lens)
-    starts = torch.cumsum(lens, 0) - lens
-    positions = torch.arange(token_ids.shape[0], device=device) - starts[batch_idx]
-    return {
-        "token_ids": token_ids,
-        "batch_idx": batch_idx,
-        "slot_idx": positions + (padded - lens)[batch_idx],
-        "positions": positions,
-        "last": starts + lens - 1,
-    }
+    try:
+        return Runtime(
+            model,
+            schedule=schedule,
+            micro_batch_size=policy.micro_batch_size,
+            attention_on_gpu=policy.attention_on_gpu,
+            kv_gpu_fraction=policy.kv_gpu_fraction,
+            store=store,
+            device=device,
+        )
+    except BaseException:  # the arenas stay pinned until their store is closed
+        if store is not None:
+            store.close()
+        raise

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from executor.engine import Action
+from executor.engine import Action, Op
 from hrm.plan import SCHEDULES
 
 WHOLE_LAYER = -1  # the page index of a load that copies every page of a layer at once
@@ -33,9 +33,9 @@ class StepShape:
     step: int
     num_layers: int
     micro_batches: int
-    chain: Callable[[int], list[tuple[str, str]]]  # layer -> [(op, queue)] of one micro-batch
-    prologue: list[tuple[str, str]]  # per micro-batch before the first layer (embedding)
-    epilogue: list[tuple[str, str]]  # per micro-batch after the last layer (LM head)
+    chain: Callable[[int], list[tuple[Op, str]]]  # layer -> [(op, queue)] of one micro-batch
+    prologue: list[tuple[Op, str]]  # per micro-batch before the first layer (embedding)
+    epilogue: list[tuple[Op, str]]  # per micro-batch after the last layer (LM head)
     pages: int  # weight pages per layer; 0 when nothing is streamed
     load_first: bool  # layer 0's weights are not yet on the device (no earlier prefetch)
     load_next_step: bool  # prefetch the next step's layer 0 during the last layer
@@ -49,7 +49,7 @@ def _around(shape: StepShape, ops, layer: int) -> Iterator[Action]:
 
 def _load(shape: StepShape, layer: int, page: int, *, next_step: bool = False) -> Action:
     step = shape.step + 1 if next_step else shape.step
-    return Action(step, layer, page, "load", "h2d")
+    return Action(step, layer, None, Op.LOAD, "h2d", page=page)
 
 
 def _load_after(shape: StepShape, layer: int, pages) -> Iterator[Action]:
@@ -92,7 +92,7 @@ def cgopipe(shape: StepShape) -> Iterator[Action]:
     yield from _around(shape, shape.prologue, -1)
     for layer in range(shape.num_layers):
         chain = shape.chain(layer)
-        cut = next(i for i, (op, _) in enumerate(chain) if op == "attention") + 1
+        cut = next(i for i, (op, _) in enumerate(chain) if op is Op.ATTENTION) + 1
         first, second = chain[:cut], chain[cut:]
         # pages of the next layer, spread over this layer's micro-batches (page j after D2 of j)
         pages = [list(range(shape.pages))[p::m] for p in range(m)] if shape.pages else []

@@ -1,29 +1,35 @@
 """The tasks of the offloading runtime: one builder per op of a schedule's actions.
 
-Each `_op_<name>` turns an action into a Task: the function that does it on this micro-batch's
-buffers, the buffers it reads and writes (the engine's hazards, executor/engine.py), and the
-bytes it moves over the link. The Runtime (executor/runtime.py) holds the state they use: the
-model, the weight store, the micro-batches, the staging and prefetch buffers.
+Each builder turns an action into a Task: the function that does it on this micro-batch's
+buffers, the buffers it reads and writes (executor/buffers.py: the engine's hazards), and the
+bytes it moves over the link. The TaskBuilder holds what does not change within a run (the
+model, the weight store, where the layers run); what a step uses comes in its StepState: the
+step, the previous tokens, and the batch's micro-batches, staging and prefetch buffers.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from executor import buffers as buf
 from executor.attention import decode_attention
-from executor.engine import Action, Task
+from executor.buffers import TURNS
+from executor.engine import Action, Op, Task
 from executor.kv_cache import KVCache
+from executor.model import MoEModel
 from executor.schedules import WHOLE_LAYER
-from executor.weight_store import SLOTS
+from executor.weight_store import WeightStore
 from hrm.placement import PREFILL_CHUNK_TOKENS
 
 
 @dataclass
 class MicroBatch:
-    """One micro-batch's state; the engine's hazards are keyed by (buffer, index)."""
+    """One micro-batch's state; the engine's hazards name its buffers by its index."""
 
     index: int
     lens: torch.Tensor  # [b] prompt lengths (home device)
@@ -37,43 +43,108 @@ class MicroBatch:
         return int(self.lens.shape[0])
 
 
-class TaskBuilder:
-    """The op -> Task half of the Runtime (attributes set by Runtime.__init__)."""
+@dataclass
+class BatchState:
+    """What one batch holds: its micro-batches, the D1/D2 staging sets (host, CPU attention)
+    and the KV prefetch buffers (device, GPU attention over host KV)."""
 
-    def task(self, a: Action) -> Task:
-        mb = self.micro_batches[a.micro_batch] if a.op != "load" else None
-        return getattr(self, f"_op_{a.op}")(a, mb)
+    micro_batches: list[MicroBatch]
+    staging: list[dict[str, torch.Tensor]]
+    prefetch: list[dict[str, torch.Tensor]]
+
+
+@dataclass
+class StepState:
+    """What one step's tasks share: the step (0 is prefill), the previous step's tokens [B],
+    the batch, and which prefetch buffer each (layer, micro-batch) pair took."""
+
+    step: int
+    tokens: torch.Tensor | None
+    batch: BatchState
+    prefetch_turns: dict[tuple[int, int], int] = field(default_factory=dict)
+
+    @property
+    def prefill(self) -> bool:
+        return self.step == 0
+
+    def micro_batch(self, a: Action) -> MicroBatch:
+        return self.batch.micro_batches[a.micro_batch]
+
+    def prefetch_turn(self, a: Action) -> int:
+        """The prefetch buffer of a (layer, micro-batch) pair: the two alternate in the order
+        the pairs' kv_in come in the schedule; the pair's attention and kv_out use the same."""
+        key = (a.layer, a.micro_batch)
+        if key not in self.prefetch_turns:
+            self.prefetch_turns[key] = len(self.prefetch_turns) % TURNS
+        return self.prefetch_turns[key]
+
+
+class TaskBuilder:
+    """Turns (action, step state) into a Task, for a model placed on a device."""
+
+    def __init__(
+        self,
+        model: MoEModel,
+        *,
+        store: WeightStore | None,
+        device: torch.device,
+        ffn_on_gpu: bool,
+        kv_on_host: Callable[[int], bool],
+    ):
+        self.model, self.arch, self.store, self.device = model, model.arch, store, device
+        self.offloaded = store is not None
+        self.ffn_on_gpu = ffn_on_gpu
+        self.kv_on_host = kv_on_host
+        self.pinned = device.type == "cuda"
+        self._builders: dict[Op, Callable[[Action, StepState], Task]] = {
+            Op.LOAD: self._load,
+            Op.EMBED: self._embed,
+            Op.PRE: self._pre,
+            Op.QKV_OUT: self._qkv_out,
+            Op.ATTENTION: self._attention,
+            Op.ATTN_IN: self._attn_in,
+            Op.KV_IN: self._kv_in,
+            Op.KV_OUT: self._kv_out,
+            Op.POST: self._post,
+            Op.HIDDEN_OUT: self._hidden_out,
+            Op.HIDDEN_IN: self._hidden_in,
+            Op.HEAD: self._head,
+        }
+        assert set(self._builders) == set(Op)
+
+    def task(self, a: Action, state: StepState) -> Task:
+        return self._builders[a.op](a, state)
 
     def _weights(self, layer: int, step: int):
-        """The layer's weights for this pass, and the slot keys a task that reads them names."""
+        """The layer's weights for this pass, and the pages a task that reads them names."""
         if not self.offloaded:
             return self.model.weights.layers[layer], ()
-        slot = (step * self.arch.num_layers + layer) % SLOTS
-        keys = tuple(("slot", slot, p) for p in range(len(self.store.pages)))
+        slot = (step * self.arch.num_layers + layer) % TURNS
+        keys = tuple(buf.weight_page(slot, p) for p in range(len(self.store.pages)))
         return (lambda: self.store.layer(layer, slot)), keys
 
-    def _layer_weights(self, weights):
+    @staticmethod
+    def _layer_weights(weights):
         return weights() if callable(weights) else weights
 
-    # -- ops (one method per op; each returns the Task) ----------------------------------------
+    # -- weights and embedding -----------------------------------------------------------------
 
-    def _op_load(self, a: Action, _):
-        slot = (a.step * self.arch.num_layers + a.layer) % SLOTS
-        pages = range(len(self.store.pages)) if a.micro_batch == WHOLE_LAYER else [a.micro_batch]
+    def _load(self, a: Action, _: StepState) -> Task:
+        slot = (a.step * self.arch.num_layers + a.layer) % TURNS
+        pages = range(len(self.store.pages)) if a.page == WHOLE_LAYER else [a.page]
         nbytes = sum(self.store.page_bytes(p) for p in pages)
         return Task(
-            lambda: self.store.copy_page(a.layer, a.micro_batch, slot),
-            writes=tuple(("slot", slot, p) for p in pages),
+            lambda: self.store.copy_page(a.layer, a.page, slot),
+            writes=tuple(buf.weight_page(slot, p) for p in pages),
             nbytes=nbytes,
         )
 
-    def _op_embed(self, a: Action, mb: MicroBatch):
-        decode = self._step > 0
-        tokens, step = self._tokens, self._step
+    def _embed(self, a: Action, st: StepState) -> Task:
+        mb, tokens, step = st.micro_batch(a), st.tokens, st.step
 
         def run():
-            if decode:
-                start = sum(m.size for m in self.micro_batches[: mb.index])
+            if step:
+                start = sum(m.size for m in st.batch.micro_batches[: mb.index])
                 ids = tokens[start : start + mb.size]
                 positions = mb.lens + step - 1
             else:
@@ -84,9 +155,12 @@ class TaskBuilder:
             mb.buffers["rotary"] = self.model.rotary(positions.to(self.device))
 
         nbytes = mb.size * self.arch.hidden_size * self.model.dtype.itemsize
-        return Task(run, writes=(("h", mb.index),), nbytes=nbytes if self.offloaded else 0)
+        return Task(run, writes=(buf.hidden(mb.index),), nbytes=nbytes if self.offloaded else 0)
 
-    def _op_pre(self, a: Action, mb: MicroBatch):
+    # -- the layer's ops -----------------------------------------------------------------------
+
+    def _pre(self, a: Action, st: StepState) -> Task:
+        mb = st.micro_batch(a)
         weights, keys = self._weights(a.layer, a.step)
 
         def run():
@@ -102,11 +176,11 @@ class TaskBuilder:
             )
             mb.buffers["qkv"] = (q, k, v)
 
-        return Task(run, reads=(("h", mb.index), *keys), writes=(("qkv", mb.index),))
+        return Task(run, reads=(buf.hidden(mb.index), *keys), writes=(buf.qkv(mb.index),))
 
-    def _op_qkv_out(self, a: Action, mb: MicroBatch):
-        s = self.staging[mb.index % 2]
-        b = mb.size
+    def _qkv_out(self, a: Action, st: StepState) -> Task:
+        mb = st.micro_batch(a)
+        s, b = st.batch.staging[mb.index % TURNS], mb.size
 
         def run():
             for name, t in zip("qkv", mb.buffers["qkv"], strict=True):
@@ -115,16 +189,16 @@ class TaskBuilder:
 
         nbytes = sum(s[n][:b].numel() * s[n].element_size() for n in "qkv")
         return Task(
-            run, reads=(("qkv", mb.index),), writes=(("stage_in", mb.index % 2),), nbytes=nbytes
+            run, reads=(buf.qkv(mb.index),), writes=(buf.stage_in(mb.index),), nbytes=nbytes
         )
 
-    def _op_attention(self, a: Action, mb: MicroBatch):
+    def _attention(self, a: Action, st: StepState) -> Task:
+        mb = st.micro_batch(a)
         layer, j = a.layer, mb.index
-        kv = ("kv", j, layer)
-        if self._step == 0:
+        if st.prefill:
             return self._prefill_attention(layer, mb)
-        if self.staging:  # CPU attention over the host cache, through the staging buffers
-            s = self.staging[j % 2]
+        if st.batch.staging:  # CPU attention over the host cache, through the staging buffers
+            s = st.batch.staging[j % TURNS]
 
             def run_cpu():
                 b = mb.size
@@ -133,120 +207,124 @@ class TaskBuilder:
                 )
                 s["out"][:b].copy_(out)
 
-            return Task(run_cpu, reads=(("stage_in", j % 2),), writes=(("stage_out", j % 2), kv))
-        if self._kv_on_host(layer) and self.offloaded:  # GPU attention over prefetched KV
-            turn = self._prefetch_slot(a)
-            buf = self.prefetch[turn]
+            return Task(
+                run_cpu, reads=(buf.stage_in(j),), writes=(buf.stage_out(j), buf.kv(j, layer))
+            )
+        if self.kv_on_host(layer) and self.offloaded:  # GPU attention over prefetched KV
+            turn = st.prefetch_turn(a)
 
             def run_prefetched():
                 q, k, v = mb.buffers["qkv"]
-                b, end = mb.size, mb.cache.length
-                buf["k"][:b, :, end] = k
-                buf["v"][:b, :, end] = v
-                keys, values = buf["k"][:b, :, : end + 1], buf["v"][:b, :, : end + 1]
+                end = mb.cache.length
+                fetched_k, fetched_v = _fetched(st, turn, mb)  # [S, b, nkv, D]
+                fetched_k[end], fetched_v[end] = k, v
+                keys = fetched_k[: end + 1].permute(1, 2, 0, 3)  # [b, nkv, end + 1, D]
+                values = fetched_v[: end + 1].permute(1, 2, 0, 3)
                 mask = mb.cache.mask(end + 1, self.device)
                 mb.buffers["attn"] = decode_attention(q, keys, values, mask)
 
             return Task(
-                run_prefetched,
-                reads=(("qkv", j),),
-                writes=(("attn", j), ("prefetch", turn)),
+                run_prefetched, reads=(buf.qkv(j),), writes=(buf.attn(j), buf.prefetch(turn))
             )
 
         def run_local():
             q, k, v = mb.buffers["qkv"]
             mb.buffers["attn"] = self.model.decode_attention(layer, q, k, v, mb.cache)
 
-        return Task(run_local, reads=(("qkv", j),), writes=(("attn", j), kv))
+        return Task(run_local, reads=(buf.qkv(j),), writes=(buf.attn(j), buf.kv(j, layer)))
 
     def _prefill_attention(self, layer: int, mb: MicroBatch) -> Task:
         """On the device running the layers; a host-cache layer attends over a transient device
         cache of the micro-batch, which kv_out then copies into host memory."""
-        host_kv = self.ffn_on_gpu and self._kv_on_host(layer) and self.offloaded
+        host_kv = self.ffn_on_gpu and self.kv_on_host(layer) and self.offloaded
         p = mb.packed
 
         def run():
             q, k, v = mb.buffers["qkv"]
             if host_kv:
-                cache = self.model_cache(mb.size, mb.padded_len, self.device, [self.device])
+                cache = self.model.new_cache(
+                    mb.size, mb.padded_len, device=self.device, layer_devices=[self.device]
+                )
                 cache.start(mb.lens, mb.padded_len)
                 attn = self.model.prefill_attention(
                     0, q, k, v, cache, p["batch_idx"], p["slot_idx"]
                 )
-                mb.buffers["kv_dev"] = (cache.k[0], cache.v[0])
+                mb.buffers["kv_device"] = (cache.k[0], cache.v[0])
             else:
                 attn = self.model.prefill_attention(
                     layer, q, k, v, mb.cache, p["batch_idx"], p["slot_idx"]
                 )
             mb.buffers["attn"] = attn
 
-        writes = (("attn", mb.index), ("kv_dev", mb.index) if host_kv else ("kv", mb.index, layer))
-        return Task(run, reads=(("qkv", mb.index),), writes=writes)
+        j = mb.index
+        writes = (buf.attn(j), buf.kv_device(j) if host_kv else buf.kv(j, layer))
+        return Task(run, reads=(buf.qkv(j),), writes=writes)
 
-    def _op_attn_in(self, a: Action, mb: MicroBatch):
-        s = self.staging[mb.index % 2]
+    def _attn_in(self, a: Action, st: StepState) -> Task:
+        mb = st.micro_batch(a)
+        s = st.batch.staging[mb.index % TURNS]
 
         def run():
             mb.buffers["attn"] = s["out"][: mb.size].to(self.device, non_blocking=self.pinned)
 
         nbytes = s["out"][: mb.size].numel() * s["out"].element_size()
         return Task(
-            run, reads=(("stage_out", mb.index % 2),), writes=(("attn", mb.index),), nbytes=nbytes
+            run, reads=(buf.stage_out(mb.index),), writes=(buf.attn(mb.index),), nbytes=nbytes
         )
 
-    def _prefetch_slot(self, a: Action) -> int:
-        """The prefetch buffer of a (layer, micro-batch) pair: the two alternate in the order the
-        pairs' kv_in come in the schedule; the pair's attention and kv_out use the same one."""
-        key = (a.layer, a.micro_batch)
-        if key not in self._prefetch_turns:
-            self._prefetch_turns[key] = len(self._prefetch_turns) % 2
-        return self._prefetch_turns[key]
-
-    def _op_kv_in(self, a: Action, mb: MicroBatch):
-        turn = self._prefetch_slot(a)
-        buf, layer, b = self.prefetch[turn], a.layer, mb.size
+    def _kv_in(self, a: Action, st: StepState) -> Task:
+        """The host cache's filled slots into a prefetch buffer: one contiguous copy each of K
+        and V (the host layer is slot-major and pinned on CUDA)."""
+        mb = st.micro_batch(a)
+        turn, layer = st.prefetch_turn(a), a.layer
 
         def run():
             end = mb.cache.length
-            buf["k"][:b, :, :end].copy_(mb.cache.k[layer][:, :, :end], non_blocking=self.pinned)
-            buf["v"][:b, :, :end].copy_(mb.cache.v[layer][:, :, :end], non_blocking=self.pinned)
+            for fetched, host in zip(_fetched(st, turn, mb), mb.cache.slots[layer], strict=True):
+                fetched[:end].copy_(host[:end], non_blocking=self.pinned)
 
         end = mb.cache.length
-        nbytes = 2 * mb.cache.k[layer][:, :, :end].numel() * self.model.dtype.itemsize
+        nbytes = 2 * mb.cache.slots[layer][0][:end].numel() * self.model.dtype.itemsize
         return Task(
-            run, reads=(("kv", mb.index, layer),), writes=(("prefetch", turn),), nbytes=nbytes
+            run, reads=(buf.kv(mb.index, layer),), writes=(buf.prefetch(turn),), nbytes=nbytes
         )
 
-    def _op_kv_out(self, a: Action, mb: MicroBatch):
-        layer, j = a.layer, mb.index
-        cache = mb.cache
-        if self._step == 0:  # the prompts' K/V from the transient device cache
+    def _kv_out(self, a: Action, st: StepState) -> Task:
+        mb = st.micro_batch(a)
+        layer, j, cache = a.layer, mb.index, mb.cache
+        if st.prefill:  # the prompts' K/V from the transient device cache
+            slots = cache.slots.get(layer)
 
             def run_prompt():
-                k, v = mb.buffers.pop("kv_dev")
-                _record_stream(k)
-                _record_stream(v)
                 L = mb.padded_len
-                cache.k[layer][:, :, :L].copy_(k, non_blocking=self.pinned)
-                cache.v[layer][:, :, :L].copy_(v, non_blocking=self.pinned)
+                for name, t in zip(
+                    "kv", mb.buffers.pop("kv_device"), strict=True
+                ):  # [b, nkv, L, D]
+                    _record_stream(t)
+                    if slots is not None:  # slot-major: one contiguous copy
+                        host = slots["kv".index(name)][:L]
+                        host.copy_(t.permute(2, 0, 1, 3).contiguous(), non_blocking=self.pinned)
+                    else:  # read by CPU attention in place: [b, nkv, S, D], strided
+                        getattr(cache, name)[layer][:, :, :L].copy_(t, non_blocking=self.pinned)
 
             nbytes = 2 * mb.size * mb.padded_len * self.arch.kv_size * self.model.dtype.itemsize
             return Task(
-                run_prompt, reads=(("kv_dev", j),), writes=(("kv", j, layer),), nbytes=nbytes
+                run_prompt, reads=(buf.kv_device(j),), writes=(buf.kv(j, layer),), nbytes=nbytes
             )
-        turn = self._prefetch_slot(a)
+        turn = st.prefetch_turn(a)
 
         def run_step():  # the new token's K/V, from the prefetch buffer into the host cache
-            buf, end, b = self.prefetch[turn], cache.length, mb.size
-            cache.k[layer][:, :, end].copy_(buf["k"][:b, :, end], non_blocking=self.pinned)
-            cache.v[layer][:, :, end].copy_(buf["v"][:b, :, end], non_blocking=self.pinned)
+            end = cache.length
+            for fetched, host in zip(_fetched(st, turn, mb), cache.slots[layer], strict=True):
+                host[end].copy_(fetched[end], non_blocking=self.pinned)
 
         nbytes = 2 * mb.size * self.arch.kv_size * self.model.dtype.itemsize
         return Task(
-            run_step, reads=(("prefetch", turn),), writes=(("kv", j, layer),), nbytes=nbytes
+            run_step, reads=(buf.prefetch(turn),), writes=(buf.kv(j, layer),), nbytes=nbytes
         )
 
-    def _op_post(self, a: Action, mb: MicroBatch):
+    def _post(self, a: Action, st: StepState) -> Task:
+        mb = st.micro_batch(a)
         weights, keys = self._weights(a.layer, a.step)
 
         def run():
@@ -258,11 +336,14 @@ class TaskBuilder:
             )
             mb.buffers["h"] = out
 
-        return Task(
-            run, reads=(("attn", mb.index), ("h", mb.index), *keys), writes=(("h", mb.index),)
-        )
+        j = mb.index
+        return Task(run, reads=(buf.attn(j), buf.hidden(j), *keys), writes=(buf.hidden(j),))
 
-    def _op_hidden_out(self, a: Action, mb: MicroBatch):
+    # -- prefill's hidden states between layers, and the LM head ------------------------------
+
+    def _hidden_out(self, a: Action, st: StepState) -> Task:
+        mb = st.micro_batch(a)
+
         def run():
             h = mb.buffers.pop("h")
             _record_stream(h)
@@ -270,18 +351,23 @@ class TaskBuilder:
             mb.buffers["h_host"] = host.copy_(h, non_blocking=self.pinned)
 
         nbytes = int(mb.lens.sum()) * self.arch.hidden_size * self.model.dtype.itemsize
-        return Task(run, reads=(("h", mb.index),), writes=(("h_host", mb.index),), nbytes=nbytes)
+        j = mb.index
+        return Task(run, reads=(buf.hidden(j),), writes=(buf.hidden_host(j),), nbytes=nbytes)
 
-    def _op_hidden_in(self, a: Action, mb: MicroBatch):
+    def _hidden_in(self, a: Action, st: StepState) -> Task:
+        mb = st.micro_batch(a)
+
         def run():
             host = mb.buffers.pop("h_host")
             mb.buffers["h"] = host.to(self.device, non_blocking=self.pinned)
 
         nbytes = int(mb.lens.sum()) * self.arch.hidden_size * self.model.dtype.itemsize
-        return Task(run, reads=(("h_host", mb.index),), writes=(("h", mb.index),), nbytes=nbytes)
+        j = mb.index
+        return Task(run, reads=(buf.hidden_host(j),), writes=(buf.hidden(j),), nbytes=nbytes)
 
-    def _op_head(self, a: Action, mb: MicroBatch):
-        last = mb.packed["last"] if self._step == 0 else None
+    def _head(self, a: Action, st: StepState) -> Task:
+        mb = st.micro_batch(a)
+        last = mb.packed["last"] if st.prefill else None
         store = self.store
 
         def run():
@@ -293,7 +379,15 @@ class TaskBuilder:
                 mb.buffers["logits"] = self.model.logits(h, store.final_norm, store.lm_head)
             mb.buffers.pop("rotary", None)
 
-        return Task(run, reads=(("h", mb.index),), writes=(("logits", mb.index),))
+        return Task(run, reads=(buf.hidden(mb.index),), writes=(buf.logits(mb.index),))
+
+
+def _fetched(st: StepState, turn: int, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The micro-batch's slot-major K and V [S, b, nkv, D] in a prefetch buffer's front."""
+    a = mb.cache
+    shape = (a.max_len, mb.size, a.k[0].shape[1], a.k[0].shape[3])
+    flat = st.batch.prefetch[turn]
+    return tuple(flat[n][: math.prod(shape)].view(shape) for n in "kv")
 
 
 def _chunked(fn, rows: int) -> tuple[torch.Tensor, ...]:

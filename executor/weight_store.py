@@ -3,8 +3,9 @@
 hrm.placement decides which tensors are resident (the same function the planner counts). The
 rest of each layer is packed, in placement order, into one host arena per layer of exactly its
 size: PyTorch's pinned caching allocator rounds a request up to a power of two, so on CUDA the
-arena is ordinary memory registered with the CUDA runtime (cudaHostRegister), which pins exactly
-those bytes. Packing copies each tensor, so DBRX's transposed w2 views become contiguous there.
+arena is ordinary page-aligned memory registered with the CUDA runtime (executor/pinning.py),
+which pins exactly those bytes. Packing copies each tensor, so DBRX's transposed w2 views become
+contiguous there.
 
 On the device, two slots each hold one layer's streamed tensors (the current layer and the next);
 a slot is cut into pages at tensor boundaries, and a page is the unit of one copy. The page table
@@ -19,7 +20,9 @@ from collections import Counter
 
 import torch
 
+from executor.buffers import TURNS
 from executor.checkpoint import ExpertWeights, LayerWeights, ModelWeights
+from executor.pinning import HostPins, page_aligned_empty
 from hrm.arch import ModelArch
 from hrm.placement import (
     DENSE_TENSORS,
@@ -28,8 +31,6 @@ from hrm.placement import (
     cut_pages,
     streamed_tensors,
 )
-
-SLOTS = 2
 
 
 class WeightStore:
@@ -56,30 +57,23 @@ class WeightStore:
             offset += math.prod(shape)
         self.streamed_elements = offset
         self.pages = cut_pages([math.prod(shape) for _, shape, _ in self.layout], pages)
-        self.pinned = False
         self.staged = staged
         self.arenas = [self._fill_arena(w, dtype) for w in weights.layers] if offset else []
+        self.pins = HostPins()
+        self.pinned = False
         if self.arenas and device.type == "cuda" and not staged:
-            registered = []
-            for arena in self.arenas:
-                if not _register_pinned(arena):
-                    break
-                registered.append(arena)
-            self.pinned = len(registered) == len(self.arenas)
-            if not self.pinned:  # the host refused: unpin what was pinned, stage every page
-                for arena in registered:
-                    _unregister_pinned(arena)
-                self.staged = True
+            self.pinned = self.pins.pin_all(self.arenas)
+            self.staged = not self.pinned  # the host refused: stage every page
         page = max((end - start for start, end in self.pages), default=0)
         self.ring = [
             torch.empty(page, dtype=dtype, pin_memory=device.type == "cuda")
-            for _ in range(SLOTS if self.staged else 0)
+            for _ in range(TURNS if self.staged else 0)
         ]
         self._ring_turn = 0
         self._ring_done: list = [None] * len(self.ring)  # CUDA events: DMA out of each ring page
         self.resident = [self._resident(w) for w in weights.layers]
         self.slots = [
-            torch.empty(offset, dtype=dtype, device=device) for _ in range(SLOTS if offset else 0)
+            torch.empty(offset, dtype=dtype, device=device) for _ in range(TURNS if offset else 0)
         ]
         self.slot_views = [self._views(slot) for slot in self.slots]
         self.page_table: dict[tuple[int, int], int] = {}  # (layer, expert) -> slot
@@ -91,7 +85,7 @@ class WeightStore:
     # -- building ------------------------------------------------------------------------------
 
     def _fill_arena(self, w: LayerWeights, dtype: torch.dtype) -> torch.Tensor:
-        arena = torch.empty(self.streamed_elements, dtype=dtype)
+        arena = page_aligned_empty(self.streamed_elements, dtype)
         for key, shape, offset in self.layout:
             arena[offset : offset + math.prod(shape)].view(shape).copy_(_tensor(w, key))
         return arena
@@ -169,11 +163,9 @@ class WeightStore:
         return ExpertWeights(**{n: views[(e, n)] for n in EXPERT_TENSORS})
 
     def close(self) -> None:
-        """Unpin the arenas before their memory is freed."""
-        if self.pinned:
-            for arena in self.arenas:
-                _unregister_pinned(arena)
-            self.pinned = False
+        """Unpin the arenas (after the device's work on them) before their memory is freed."""
+        self.pins.close()
+        self.pinned = False
 
     def allocated_bytes(self) -> dict[str, dict[str, float]]:
         """Bytes per buffer, by the planner's names (planner/memory.py)."""
@@ -201,15 +193,3 @@ def _tensor(w: LayerWeights, key: tuple) -> torch.Tensor:
     if len(key) == 1:
         return getattr(w, key[0])
     return getattr(w.experts[key[0]], key[1])
-
-
-def _unregister_pinned(arena: torch.Tensor) -> None:
-    torch.cuda.cudart().cudaHostUnregister(arena.data_ptr())
-
-
-def _register_pinned(arena: torch.Tensor) -> bool:
-    """Pin exactly the arena's bytes (cudaHostRegister); False when the host refuses (the copies
-    then run from pageable memory, slower, and the run records it)."""
-    cudart = torch.cuda.cudart()
-    nbytes = arena.numel() * arena.element_size()
-    return int(cudart.cudaHostRegister(arena.data_ptr(), nbytes, 0)) == 0

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 VOCAB = 256
-LAYERS = 2
+LAYERS = 3  # odd: the two weight slots then hold different layers from step to step
 HIDDEN = 64
 EXPERT_WIDTH = 96
 EXPERTS = 4

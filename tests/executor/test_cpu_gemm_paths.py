@@ -151,7 +151,7 @@ def test_a_profile_of_this_host_decides_and_none_other_does(run_cli, checkpoints
     record, stderr = run_record(run_cli, checkpoint, "--dtype", "bfloat16", "--hardware", theirs)
     # the probe times the model's own experts (2 layers x 4), no weights of its own
     assert record["environment"]["cpu_gemm"]["source"].startswith("probe")
-    assert "over 8 of the model's experts" in record["environment"]["cpu_gemm"]["source"]
+    assert "over 12 of the model's experts" in record["environment"]["cpu_gemm"]["source"]
     (note,) = [line for line in stderr.splitlines() if "probe" in line]
     assert "measured on 'Some Other CPU'" in note
     warnings = [line for line in stderr.splitlines() if "warning" in line]

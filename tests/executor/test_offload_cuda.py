@@ -32,14 +32,22 @@ def test_cuda_schedules_match_the_resident_run(checkpoints, monkeypatch, schedul
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: device_syncs.append(a))
     try:
         out = generate(runtime, prompts, STEPS)
+        syncs = len(device_syncs)  # closing waits for the device before it unpins
         store = runtime.store
         assert store.pinned, "the arenas were not pinned"
         for arena in store.arenas:  # exact size: registered, not rounded by the caching allocator
             assert arena.numel() == store.streamed_elements
         assert all(s.is_cuda for s in store.slots)
+        assert all(a.data_ptr() % 4096 == 0 for a in store.arenas)
         assert runtime.engine.stats["h2d"].nbytes > 0
+        assert runtime.engine.mode == ("inline" if schedule == "serial" else "threads")
+        streamed_kv = [t for mb in runtime.micro_batches for t in mb.cache.slot_major_tensors()]
+        if attn and rc < 1:  # host KV crossing the link each step: pinned, slot-major
+            assert streamed_kv and len(runtime.kv_pins.pinned) == len(streamed_kv)
+        else:
+            assert not streamed_kv
     finally:
         runtime.close()
     # generate waits for the device once after prefill and once at the end; never in the loop
-    assert len(device_syncs) <= 2
+    assert syncs <= 2
     assert out.output_token_ids == expected.output_token_ids

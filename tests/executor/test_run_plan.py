@@ -217,3 +217,38 @@ def test_cuda_absent_is_refused_before_loading(run_cli, files):
     path, prompts, plan = files
     status, _, err = run_cli(*run_args(path, prompts, plan, "--device", "cuda"))
     assert_one_line_error(status, err, "no CUDA device")
+
+
+@pytest.mark.parametrize("mode", ["inline", "threads", "deferred"])
+def test_the_record_names_the_engine_mode_that_ran(run_cli, files, monkeypatch, mode):
+    """HRM_ENGINE picks the mode; the tokens do not depend on it."""
+    path, prompts, plan = files
+    _, inline_out, _ = run_cli(*run_args(path, prompts, plan))
+    monkeypatch.setenv("HRM_ENGINE", mode)
+    status, out, err = run_cli(*run_args(path, prompts, plan, "--json"))
+    assert status == 0, err
+    assert json.loads(out)["environment"]["engine"] == mode
+    status, out, err = run_cli(*run_args(path, prompts, plan))
+    assert status == 0 and out == inline_out
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "fragment"),
+    [
+        ("HRM_ENGINE", "fast", "inline, threads, deferred"),
+        ("HRM_ENGINE", "cuda", "inline, threads, deferred"),
+        ("HRM_ENGINE_JITTER", "often", "integer seed"),
+    ],
+)
+def test_a_bad_engine_variable_is_refused_before_loading(
+    run_cli, files, monkeypatch, variable, value, fragment
+):
+    path, prompts, plan = files
+    monkeypatch.setenv(variable, value)
+
+    def never(*args, **kwargs):
+        raise AssertionError("weights were loaded before the error")
+
+    monkeypatch.setattr(executor.plan_run, "placed_runtime", never)
+    status, _, err = run_cli(*run_args(path, prompts, plan))
+    assert_one_line_error(status, err, variable, fragment)

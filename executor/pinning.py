@@ -1,0 +1,79 @@
+"""Host memory pinned at its exact size: page-aligned tensors registered with the CUDA runtime.
+
+PyTorch's pinned caching allocator rounds each request up to a power of two, which would nearly
+double the host memory of the weight arenas and the KV cache. Instead the memory is ordinary,
+allocated page-aligned (cudaHostRegister pins whole pages), and registered (cudaHostRegister).
+A refused registration leaves CUDA's sticky last error set, which would make the next CUDA call
+fail for no reason of its own: it is read and cleared at once. Every registration is undone on
+close, after the device has finished with the memory.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+PAGE_BYTES = 4096
+
+
+def page_aligned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised 1-D tensor of `numel` elements whose data starts on a page boundary."""
+    itemsize = dtype.itemsize
+    spare = math.ceil(PAGE_BYTES / itemsize)
+    raw = torch.empty(numel + spare, dtype=dtype)
+    offset = (-raw.data_ptr() % PAGE_BYTES) // itemsize
+    return raw[offset : offset + numel]
+
+
+def _loaded_cudart_clear() -> None:
+    """cudaGetLastError from the libcudart this process has loaded (torch binds no such call:
+    torch.cuda.cudart() has cudaHostRegister but not cudaGetLastError)."""
+    import ctypes
+
+    with open("/proc/self/maps") as maps:
+        path = next((line.split()[-1] for line in maps if "libcudart" in line), None)
+    if path is not None:
+        ctypes.CDLL(path).cudaGetLastError()
+
+
+class HostPins:
+    """The tensors this run registered with CUDA; `cudart` is torch.cuda.cudart() or a fake."""
+
+    def __init__(self, cudart=None):
+        self._cudart = cudart
+        self.pinned: list[torch.Tensor] = []
+
+    @property
+    def cudart(self):
+        if self._cudart is None:
+            self._cudart = torch.cuda.cudart()
+        return self._cudart
+
+    def pin(self, tensor: torch.Tensor) -> bool:
+        """Register the tensor's bytes; False (and CUDA's error cleared) when the host refuses."""
+        nbytes = tensor.numel() * tensor.element_size()
+        if int(self.cudart.cudaHostRegister(tensor.data_ptr(), nbytes, 0)) != 0:
+            clear = getattr(self.cudart, "cudaGetLastError", None) or _loaded_cudart_clear
+            clear()  # otherwise the next kernel launch check would report this error
+            return False
+        self.pinned.append(tensor)
+        return True
+
+    def pin_all(self, tensors: list[torch.Tensor]) -> bool:
+        """All of them, or none: on a refusal the ones pinned so far are unpinned."""
+        for tensor in tensors:
+            if not self.pin(tensor):
+                self.close()
+                return False
+        return True
+
+    def close(self) -> None:
+        """Wait for the device's work on this memory, then unregister all of it."""
+        if not self.pinned:
+            return
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        for tensor in self.pinned:
+            self.cudart.cudaHostUnregister(tensor.data_ptr())
+        self.pinned.clear()
