@@ -63,6 +63,42 @@ def plan_all(arch, hardware, workload, budgets, max_batch, dtype, policy_text=No
     return plans
 
 
+def measure_plan(plan, arch, checkpoint, prompts, gen_len, device, budget, hardware, dtype):
+    """One timed run of `plan` (on CUDA capped at `budget` bytes): (its RunRecord, the row's
+    measured fields: prediction, measurement, error, H2D GB/s, peak memory against the plan)."""
+    import torch
+
+    from executor.api import RunSpec
+    from executor.plan_run import execute_plan
+    from hrm.cli.run_plan import plan_record
+
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), device)
+    t0 = time.perf_counter()
+    result = execute_plan(
+        checkpoint, plan, prompts, gen_len, device=device, partial=None,
+        decode_text=lambda ids: None, quiet=True,
+    )  # fmt: skip
+    spec = RunSpec(checkpoint=None, arch=arch, prompts=prompts, gen_len=gen_len,
+                   dtype=dtype, device=str(device))  # fmt: skip
+    record = plan_record(spec, plan, result, hardware, None, print)
+    m = record.measured
+    h2d_s = result.environment["busy_s"]["h2d"]
+    return record, {
+        "wall_s": time.perf_counter() - t0,
+        "predicted": record.predicted,
+        "measured": m.to_dict(),
+        "error": record.prediction_error,
+        "h2d_gb_per_s": m.link_bytes["h2d"] / h2d_s / 1e9 if h2d_s else 0.0,
+        "planned_gpu_bytes": plan.memory.gpu_bytes,
+        "bottleneck": plan.bottleneck,
+        "engine": result.environment["engine"],
+    }
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu")
@@ -91,10 +127,8 @@ def main() -> int:
 def run(args) -> int:
     import torch
 
-    from executor.api import RunSpec
     from executor.checkpoint import random_checkpoint
-    from executor.plan_run import check_plan, execute_plan, host_memory_bytes
-    from hrm.cli.run_plan import plan_record
+    from executor.plan_run import check_plan, host_memory_bytes
 
     arch = dataclasses.replace(resolve_model("mixtral-8x7b"), num_layers=args.layers)
     hardware = resolve_hardware(args.hardware)
@@ -143,31 +177,12 @@ def run(args) -> int:
                 f"{pol.weights_gpu_fraction:>5.2f} {predicted:>10.1f}"
             )
             continue
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
-            total = torch.cuda.get_device_properties(device).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), device)
-        t0 = time.perf_counter()
-        result = execute_plan(
-            checkpoint, plan, prompts, args.gen_len, device=device, partial=None,
-            decode_text=lambda ids: None, quiet=True,
-        )  # fmt: skip
-        spec = RunSpec(checkpoint=None, arch=arch, prompts=prompts, gen_len=args.gen_len,
-                       dtype=args.dtype, device=str(device))  # fmt: skip
-        record = plan_record(spec, plan, result, hardware, None, print)
-        m = record.measured
-        h2d_s = result.environment["busy_s"]["h2d"]
-        rate = m.link_bytes["h2d"] / h2d_s / 1e9 if h2d_s else 0.0
-        row.update(
-            wall_s=time.perf_counter() - t0,
-            predicted=record.predicted,
-            measured=m.to_dict(),
-            error=record.prediction_error,
-            h2d_gb_per_s=rate,
-            planned_gpu_bytes=plan.memory.gpu_bytes,
-            bottleneck=plan.bottleneck,
+        record, measured = measure_plan(
+            plan, arch, checkpoint, prompts, args.gen_len, device, budget, hardware, args.dtype
         )
+        row.update(measured)
+        m = record.measured
+        rate = row["h2d_gb_per_s"]
         rows.append(row)
         f = m.busy_fraction
         print(

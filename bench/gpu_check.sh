@@ -1,50 +1,57 @@
 #!/usr/bin/env bash
-# GPU checks for a session lent a CUDA machine: the GPU tests (profiling clocks, the executor and
-# the offloading runtime on CUDA against transformers and the resident run, hrm run --device
-# cuda), every schedule at the planner's policy for 16 and 24 GB of GPU memory
-# (bench/bench_schedules.py, Mixtral 8x7B geometry with random weights), the CPU attention
-# kernels, then a profile of the machine compared with its datasheet profile. Installs nothing (the machine has no network): torch with CUDA and the
-# project's requirements must already be there, and the script stops at once when one is missing.
-# Results go under $OUT (default reports/gpu_check).
-#   bench/gpu_check.sh [PROFILE_NAME [DATASHEET]]     e.g. bench/gpu_check.sh h200-measured h200-sxm
-#   FULL=1 bench/gpu_check.sh                         the full profile (adds about 4 minutes)
-#   LAYERS=12 bench/gpu_check.sh                      layers of the schedule runs (default 12)
-# Without FULL the whole script is meant to finish in about 6 minutes. The full profile is
-# bounded by its CPU matmul budget (110 s per dtype) plus about a minute of GPU and link work;
-# then copy $OUT/PROFILE_NAME.yaml to hardware_profiles/ and commit it.
-set -euo pipefail
+# The one prepared script for a session lent a GPU (under 8 minutes on the H200 machine: one
+# H200, 16 cores, 128 GiB, no network). In order:
+#   1. the GPU tests (pytest -m gpu: the CUDA paths against transformers and the resident run);
+#   2. bench/gpu_check.py: `hrm profile --quick` of this machine, then every schedule planned
+#      with that measured profile at one GPU budget (warm-up run, then timed run), and
+#      transformers with accelerate's offload at the same budget; one table, the JSON rewritten
+#      after each row (a failing row costs only itself).
+# Results go to $OUT (default reports/gpu-check): table.txt, gpu_check.json, the measured profile
+# (h200-measured.yaml: copy it to hardware_profiles/ and commit it), log.txt, gpu_tests.txt,
+# nvidia-smi.csv, and anything else packed into extra.tar.gz: at most 8 files.
+#   bench/gpu_check.sh              on the GPU machine
+#   bench/gpu_check.sh --dry-run    the same Python steps at tiny sizes, the CPU standing in (CI)
+#   LAYERS=16 GPU_MEM=16GB bench/gpu_check.sh     (the defaults: 16 of Mixtral 8x7B's layers, 22.6 GB)
+# The machine has no network and no pulp. Carry its wheel (here, in the repository's root):
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl pulp
+# then, with .whl carried, start the device command with
+#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
+#   export PYTHONPATH=/tmp/site && bench/gpu_check.sh
+set -uo pipefail
 cd "$(dirname "$0")/.."
-name=${1:-h200-measured}
-datasheet=${2:-h200-sxm}
-out=${OUT:-reports/gpu_check}
+dry=()
+[ "${1:-}" = "--dry-run" ] && dry=(--dry-run)
+out=${OUT:-reports/gpu-check}
 python=${PYTHON:-python3}
 mkdir -p "$out"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
-"$python" -c "import yaml, tqdm, pytest, transformers, safetensors, pulp" || {
-    echo "gpu_check: a requirement is missing; install the project first (no network here)" >&2
+"$python" -c "import yaml, tqdm, pytest, transformers, safetensors, accelerate, pulp" || {
+    echo "gpu_check: a requirement is missing (pulp travels as a wheel: see this script's head)" >&2
     exit 2
 }
-"$python" - <<'PY'
-import torch
-assert torch.cuda.is_available(), "no CUDA device visible to torch"
-print("torch", torch.__version__, "CUDA", torch.version.cuda, "on", torch.cuda.get_device_name())
-PY
-nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,pcie.link.gen.max,pcie.link.width.max \
-    --format=csv > "$out/nvidia-smi.csv" 2>&1 || true
 status=0
-"$python" -m pytest -q -m gpu tests/test_profile_gpu.py tests/executor/test_cuda.py \
-    tests/executor/test_offload_cuda.py tests/executor/test_grouped_ffn_profile.py 2>&1 | tee "$out/gpu_tests.txt" || status=$?
-"$python" bench/bench_schedules.py --device cuda --gpu-mem 16GB,24GB --layers "${LAYERS:-12}" \
-    --max-batch 256 --gen-len 16 -o "$out/bench_schedules.json" 2>&1 | tee "$out/bench_schedules.txt" || status=$?
-"$python" bench/bench_cpu_attention.py --quick -o "$out/bench_cpu_attention.json" 2>&1 \
-    | tee "$out/bench_cpu_attention.txt" || status=$?
-quick=(--quick)
-[ -n "${FULL:-}" ] && quick=()
-uptime > "$out/load.txt"
-start=$SECONDS
-"$python" -m hrm profile "${quick[@]}" --device cuda --quiet -o "$out/$name.yaml" \
-    --compare "$datasheet" 2>&1 | tee "$out/profile.txt" || status=$?
-echo "hrm profile wall time: $((SECONDS - start)) s" | tee -a "$out/profile.txt"
-uptime >> "$out/load.txt"
+if [ ${#dry[@]} -eq 0 ]; then
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,pcie.link.gen.max,pcie.link.width.max \
+        --format=csv > "$out/nvidia-smi.csv" 2>&1 || true
+    "$python" -m pytest -q -m gpu -p no:cacheprovider tests/test_profile_gpu.py \
+        tests/executor/test_cuda.py tests/executor/test_offload_cuda.py \
+        tests/executor/test_grouped_ffn_profile.py > "$out/gpu_tests.txt" 2>&1 || status=$?
+    tail -n 3 "$out/gpu_tests.txt"
+fi
+"$python" bench/gpu_check.py --out "$out" --layers "${LAYERS:-16}" --gpu-mem "${GPU_MEM:-16GB}" \
+    "${dry[@]}" 2>&1 | tee "$out/log.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+# At most 8 files come back from the machine: pack whatever is beyond the named ones.
+keep="table.txt gpu_check.json h200-measured.yaml log.txt gpu_tests.txt nvidia-smi.csv"
+extra=()
+for f in "$out"/*; do
+    name=$(basename "$f")
+    case " $keep extra.tar.gz " in *" $name "*) ;; *) extra+=("$name") ;; esac
+done
+if [ ${#extra[@]} -gt 0 ]; then
+    tar -czf "$out/extra.tar.gz" -C "$out" "${extra[@]}" && (cd "$out" && rm -rf "${extra[@]}")
+fi
 exit "$status"

@@ -1,0 +1,34 @@
+"""bench/gpu_check.sh --dry-run: the GPU check's Python steps at tiny sizes, the CPU standing in
+for the GPU, so that the day a GPU is lent the script's own code has already run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from hrm.plan import SCHEDULES
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_dry_run_measures_every_schedule_and_the_baseline(tmp_path):
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable}
+    done = subprocess.run(
+        ["bash", ROOT / "bench" / "gpu_check.sh", "--dry-run"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = json.loads((out / "gpu_check.json").read_text())["rows"]
+    names = [r["schedule"] for r in rows]
+    assert names == [*SCHEDULES, "transformers+accelerate"]
+    assert all(r["measured"]["throughput_tok_s"] > 0 for r in rows), rows
+    paged = [r for r in rows if "plan" in r and r["plan"]["policy"]["weights_gpu_fraction"] < 1]
+    assert paged, "the dry run's budget pages no weights"
+    table = (out / "table.txt").read_text()
+    assert all(name in table for name in names) and "/ transformers+accelerate" in table
+    files = sorted(p.name for p in out.iterdir())
+    assert len(files) <= 8 and "log.txt" in files, files
