@@ -303,6 +303,7 @@ class Engine:
         for worker in self._workers.values():
             worker.shutdown(wait=True, cancel_futures=True)
         self._workers.clear()
+        self._deferred = None  # it holds this engine's _execute: no cycle outlives the run
 
     # -- running -------------------------------------------------------------------------------
 

@@ -75,7 +75,7 @@ class Runtime:
             store=store,
             device=self.device,
             ffn_on_gpu=self.ffn_on_gpu,
-            kv_on_host=self._kv_on_host,
+            kv_gpu_layers=self.kv_gpu_layers,
         )
         self.batch = BatchState(micro_batches=[], staging=[], prefetch=[])
         self.kv_pins = HostPins()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -89,31 +89,21 @@ class TaskBuilder:
         store: WeightStore | None,
         device: torch.device,
         ffn_on_gpu: bool,
-        kv_on_host: Callable[[int], bool],
+        kv_gpu_layers: int,
     ):
+        """kv_gpu_layers: the first layers, whose KV cache is on the device running the layers
+        (the rest is in host memory)."""
         self.model, self.arch, self.store, self.device = model, model.arch, store, device
         self.offloaded = store is not None
         self.ffn_on_gpu = ffn_on_gpu
-        self.kv_on_host = kv_on_host
+        self.kv_gpu_layers = kv_gpu_layers
         self.pinned = device.type == "cuda"
-        self._builders: dict[Op, Callable[[Action, StepState], Task]] = {
-            Op.LOAD: self._load,
-            Op.EMBED: self._embed,
-            Op.PRE: self._pre,
-            Op.QKV_OUT: self._qkv_out,
-            Op.ATTENTION: self._attention,
-            Op.ATTN_IN: self._attn_in,
-            Op.KV_IN: self._kv_in,
-            Op.KV_OUT: self._kv_out,
-            Op.POST: self._post,
-            Op.HIDDEN_OUT: self._hidden_out,
-            Op.HIDDEN_IN: self._hidden_in,
-            Op.HEAD: self._head,
-        }
-        assert set(self._builders) == set(Op)
+
+    def kv_on_host(self, layer: int) -> bool:
+        return layer >= self.kv_gpu_layers
 
     def task(self, a: Action, state: StepState) -> Task:
-        return self._builders[a.op](a, state)
+        return self.BUILDERS[a.op](self, a, state)
 
     def _weights(self, layer: int, step: int):
         """The layer's weights for this pass, and the pages a task that reads them names."""
@@ -380,6 +370,24 @@ class TaskBuilder:
             mb.buffers.pop("rotary", None)
 
         return Task(run, reads=(buf.hidden(mb.index),), writes=(buf.logits(mb.index),))
+
+    BUILDERS: ClassVar[dict[Op, Callable[[TaskBuilder, Action, StepState], Task]]] = {
+        Op.LOAD: _load,
+        Op.EMBED: _embed,
+        Op.PRE: _pre,
+        Op.QKV_OUT: _qkv_out,
+        Op.ATTENTION: _attention,
+        Op.ATTN_IN: _attn_in,
+        Op.KV_IN: _kv_in,
+        Op.KV_OUT: _kv_out,
+        Op.POST: _post,
+        Op.HIDDEN_OUT: _hidden_out,
+        Op.HIDDEN_IN: _hidden_in,
+        Op.HEAD: _head,
+    }
+
+
+assert set(TaskBuilder.BUILDERS) == set(Op)
 
 
 def _fetched(st: StepState, turn: int, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:

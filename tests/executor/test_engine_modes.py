@@ -67,31 +67,31 @@ def test_every_schedule_in_every_mode_matches_transformers(
     assert tokens == transformers_tokens(name)
 
 
-def _without(op_builder: str, name: str, *, reads: bool = True, writes: bool = True):
-    """A TaskBuilder method whose tasks no longer name the buffers called `name`."""
-    original = getattr(task_module.TaskBuilder, op_builder)
+def _without(op: Op, name: str):
+    """The op's task builder, but its tasks no longer name the buffers called `name`."""
+    original = task_module.TaskBuilder.BUILDERS[op]
 
     def builder(self, a, st):
         t = original(self, a, st)
-        keep = lambda keys, drop: tuple(k for k in keys if not (drop and k.name == name))  # noqa: E731
-        return Task(t.run, keep(t.reads, reads), keep(t.writes, writes), t.nbytes)
+        keep = lambda keys: tuple(k for k in keys if k.name != name)  # noqa: E731
+        return Task(t.run, keep(t.reads), keep(t.writes), t.nbytes)
 
     return builder
 
 
 @pytest.mark.parametrize(
-    ("schedule", "builder", "buffer", "why"),
+    ("schedule", "op", "buffer", "why"),
     [
-        ("overlap", "_load", "weight_page", "compute reads a slot before its page arrives"),
-        ("serial", "_attention", "stage_in", "CPU attention reads staging before the copy"),
-        ("cgopipe", "_post", "attn", "post-attention reads CPU attention's output too early"),
+        ("overlap", Op.LOAD, "weight_page", "compute reads a slot before its page arrives"),
+        ("serial", Op.ATTENTION, "stage_in", "CPU attention reads staging before the copy"),
+        ("cgopipe", Op.POST, "attn", "post-attention reads CPU attention's output too early"),
     ],
 )
 def test_deferred_gives_wrong_tokens_without_one_declared_wait(
-    checkpoints, transformers_tokens, monkeypatch, schedule, builder, buffer, why
+    checkpoints, transformers_tokens, monkeypatch, schedule, op, buffer, why
 ):
     monkeypatch.setenv("HRM_ENGINE", "deferred")
-    monkeypatch.setattr(task_module.TaskBuilder, builder, _without(builder, buffer))
+    monkeypatch.setitem(task_module.TaskBuilder.BUILDERS, op, _without(op, buffer))
     try:
         tokens, _ = run_placed(checkpoints["mixtral-single"], schedule, False, 0.0)
     except KeyError:  # the reader ran before its writer made the buffer at all

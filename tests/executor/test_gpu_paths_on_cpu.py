@@ -9,6 +9,7 @@ import torch
 import executor.runtime as runtime_module
 from executor import tasks as task_module
 from executor.checkpoint import open_checkpoint, random_checkpoint
+from executor.engine import Op
 from executor.generate import generate
 from executor.model import MoEModel
 from executor.pinning import PAGE_BYTES, HostPins, page_aligned_empty
@@ -194,8 +195,8 @@ def test_kv_crosses_the_link_in_contiguous_copies(checkpoints, monkeypatch):
             copies.append((self.is_contiguous(), src.is_contiguous()))
         return original(self, src, non_blocking=non_blocking)
 
-    def watched(name):
-        build = getattr(task_module.TaskBuilder, name)
+    def watched(op):
+        build = task_module.TaskBuilder.BUILDERS[op]
 
         def builder(self, a, st):
             t = build(self, a, st)
@@ -211,8 +212,8 @@ def test_kv_crosses_the_link_in_contiguous_copies(checkpoints, monkeypatch):
 
         return builder
 
-    for name in ("_kv_in", "_kv_out"):
-        monkeypatch.setattr(task_module.TaskBuilder, name, watched(name))
+    for op in (Op.KV_IN, Op.KV_OUT):
+        monkeypatch.setitem(task_module.TaskBuilder.BUILDERS, op, watched(op))
     monkeypatch.setattr(torch.Tensor, "copy_", copy)
     checkpoint = open_checkpoint(checkpoints["mixtral-single"], "float32")
     p = policy(attn=True, rw=between(checkpoint.arch))
