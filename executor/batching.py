@@ -80,10 +80,10 @@ class PartialOutput:
     def _read(self) -> None:
         if not self.path.exists():
             raise HrmError(f"--resume: {self.path} does not exist; run without --resume")
-        with open(self.path) as f:
-            lines = f.read().splitlines()
+        with open(self.path, "rb") as f:
+            lines = f.read().split(b"\n")
         try:
-            header = json.loads(lines[0])["hrm_partial"] if lines else None
+            header = json.loads(lines[0])["hrm_partial"] if lines[0] else None
         except (ValueError, KeyError, TypeError):
             header = None
         if header is None:
@@ -93,12 +93,16 @@ class PartialOutput:
                 f"--resume: {self.path} is from a different run (its prompts, plan or settings "
                 "differ); remove it or run with the same arguments"
             )
+        end = len(lines[0]) + 1
         for line in lines[1:]:
             try:
                 row = json.loads(line)
                 self.done[int(row.pop("index"))] = row
             except (ValueError, KeyError, TypeError):
                 break  # a line cut by the kill: that batch runs again
+            end += len(line) + 1
+        with open(self.path, "r+b") as f:  # what the kill cut is not written after
+            f.truncate(end)
 
     def pending(self, batches: list[Batch]) -> list[Batch]:
         return [b for b in batches if not all(i in self.done for i in b.indices)]

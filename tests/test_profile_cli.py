@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -49,13 +48,9 @@ def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path, argv, expected):
 
 
 def test_unwritable_directory_is_refused_before_measuring(capsys, tmp_path):
-    if os.geteuid() == 0:
-        pytest.skip("root can write anywhere")
-    tmp_path.chmod(0o500)
-    try:
-        _fails_with_one_line(capsys, ["profile", "-o", str(tmp_path / "p.yaml")], "not writable")
-    finally:
-        tmp_path.chmod(0o700)
+    """/proc takes no new file, not even from root (CI runs as root, where permission bits
+    would not stop it)."""
+    _fails_with_one_line(capsys, ["profile", "-o", "/proc/p.yaml"], "not writable")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is present here")

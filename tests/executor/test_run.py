@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import torch
 
@@ -63,7 +64,7 @@ def test_random_prompts_are_seeded(run_cli, tmp_path, checkpoints):
     assert outputs(1) == outputs(1) != outputs(2)
 
 
-def test_text_prompts_and_eos(run_cli, tmp_path, mixtral_with_tokenizer):
+def test_text_prompts_and_the_checkpoints_eos(run_cli, tmp_path, mixtral_with_tokenizer):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "w5 w17 w200"}\n{"prompt_token_ids": [9, 8, 7, 6]}\n')
     out = tmp_path / "out.jsonl"
@@ -84,7 +85,6 @@ def test_text_prompts_and_eos(run_cli, tmp_path, mixtral_with_tokenizer):
     for line in lines:
         ids = line["output_token_ids"]
         assert line["text"] == " ".join(f"w{t}" for t in ids)
-        assert 3 not in ids[:-1], "generation continued past EOS (id 3)"
     spec = prepare_run(mixtral_with_tokenizer, prompts_path=prompts, gen_len=40)
     assert spec.prompts[0] == (5, 17, 200) and spec.arch.eos_token_ids == (3,)
 
@@ -171,3 +171,33 @@ def test_hardware_adds_the_planners_prediction_of_this_run(run_cli, checkpoints)
     assert record["prediction_error"] == (
         (record["predicted"]["throughput_tok_s"] - measured) / measured
     )
+
+
+def test_generation_stops_at_an_eos_the_free_run_produces(
+    run_cli, tmp_path, mixtral_with_tokenizer
+):
+    """The EOS is a token the model really generates: the free run (--ignore-eos) is cut right
+    after its first occurrence, and the rest of each line is the free run's."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt_token_ids": [5, 17, 200]}\n{"prompt_token_ids": [9, 8, 7, 6]}\n')
+
+    def run(checkpoint, *extra):
+        out = tmp_path / "out.jsonl"
+        args = ["run", "--checkpoint", checkpoint, "--prompts", prompts, "--gen-len", "12"]
+        status, _, err = run_cli(*args, "--output", out, "--quiet", *extra)
+        assert status == 0, err
+        return [json.loads(line)["output_token_ids"] for line in out.read_text().splitlines()]
+
+    free = run(mixtral_with_tokenizer, "--ignore-eos")
+    eos = free[0][4]  # a token the model generates fifth for the first prompt
+    checkpoint = tmp_path / "ckpt"
+    shutil.copytree(mixtral_with_tokenizer, checkpoint)
+    for name in ("config.json", "generation_config.json"):
+        path = checkpoint / name
+        if path.exists():
+            path.write_text(json.dumps({**json.loads(path.read_text()), "eos_token_id": eos}))
+    stopped = run(checkpoint)
+    for got, full in zip(stopped, free, strict=True):
+        end = full.index(eos) + 1 if eos in full else len(full)
+        assert got == full[:end]
+    assert len(stopped[0]) == free[0].index(eos) + 1 <= 5 < len(free[0])

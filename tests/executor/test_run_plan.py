@@ -252,3 +252,63 @@ def test_a_bad_engine_variable_is_refused_before_loading(
     monkeypatch.setattr(executor.plan_run, "placed_runtime", never)
     status, _, err = run_cli(*run_args(path, prompts, plan))
     assert_one_line_error(status, err, variable, fragment)
+
+
+def test_resume_after_a_kill_that_tore_the_last_line(run_cli, files, tmp_path, monkeypatch):
+    """A kill in the middle of a write leaves half a line: resume drops it, runs that batch
+    again, and what it appends starts on a line of its own, so a second kill and resume still
+    read every finished batch."""
+    path, prompts, plan = files
+    whole = tmp_path / "whole.jsonl"
+    assert run_cli(*run_args(path, prompts, plan, "--output", whole))[0] == 0
+    out, partial = tmp_path / "out.jsonl", tmp_path / "out.jsonl.partial"
+    real = executor.plan_run.generate
+
+    def kill_after(batches: int):
+        calls = []
+
+        def generate(*args, **kwargs):
+            if len(calls) == batches:
+                raise KeyboardInterrupt
+            calls.append(1)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(executor.plan_run, "generate", generate)
+
+    kill_after(2)
+    assert run_cli(*run_args(path, prompts, plan, "--output", out))[0] == 130
+    text = partial.read_text()
+    partial.write_text(text[: len(text) - 20])  # the second batch's last line, torn
+    kill_after(2)
+    status, _, err = run_cli(*run_args(path, prompts, plan, "--output", out, "--resume"))
+    assert status == 130, err
+    lines = partial.read_text().splitlines()
+    assert all(json.loads(line) for line in lines)  # none joined to the torn one
+    assert len(lines) == 1 + 3 + 2 + 3 + 3  # the torn batch's two whole lines stay, unread
+    monkeypatch.setattr(executor.plan_run, "generate", real)
+    status, _, err = run_cli(*run_args(path, prompts, plan, "--output", out, "--resume"))
+    assert status == 0, err
+    assert "resumed: 3 batches" in err
+    assert out.read_text() == whole.read_text()
+
+
+def test_check_plan_refuses_a_gpu_or_a_model_too_small(files):
+    """What only a CUDA run or a long prompt meets: the GPU memory given, and the model's
+    positions (check_plan directly: the CPU stand-in holds both sides in host memory)."""
+    import dataclasses
+
+    from executor.plan_run import check_plan
+    from hrm.errors import HrmError
+    from hrm.plan import Plan
+
+    path, _, plan_path = files
+    plan, arch = Plan.load(plan_path), read_arch(path)
+    fits = dict(where="plan.json", gpu_bytes=plan.memory.gpu_bytes, host_bytes=1e12)
+    check_plan(plan, arch, [9], 4, stand_in=False, **fits)
+    with pytest.raises(HrmError, match="GPU memory"):
+        check_plan(plan, arch, [9], 4, stand_in=False, **{**fits, "gpu_bytes": 1e3})
+    check_plan(plan, arch, [9], 4, stand_in=True, **{**fits, "gpu_bytes": 1e3})  # host holds it
+    short = dataclasses.replace(arch, max_position_embeddings=12)
+    check_plan(plan, short, [8], 4, stand_in=False, **fits)
+    with pytest.raises(HrmError, match="positions"):
+        check_plan(plan, short, [9], 4, stand_in=False, **fits)
