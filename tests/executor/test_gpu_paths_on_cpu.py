@@ -3,6 +3,8 @@ experts are summed in, pinning through a fake CUDA runtime, and contiguous KV co
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -17,6 +19,7 @@ from executor.runtime import placed_runtime
 from hrm.arch import ModelArch
 from tests.executor.conftest import ragged_prompts
 from tests.executor.test_offload import LENGTHS, between, policy
+from tests.planner.tiny_setup import tiny_arch
 
 
 class Stop(Exception):
@@ -46,18 +49,12 @@ def test_a_placed_cuda_run_takes_the_gpus_gemms_not_the_hosts(checkpoints, monke
 
 
 def _top_k_arch(k: int) -> ModelArch:
-    return ModelArch(
-        name="topk",
+    """DBRX's routing (no renormalisation, p-norm weights) over 8 experts, k of them a token."""
+    return dataclasses.replace(
+        tiny_arch(num_layers=1),
         model_type="dbrx",
-        num_layers=1,
-        hidden_size=64,
-        intermediate_size=32,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
         num_experts=8,
         experts_per_token=k,
-        vocab_size=50,
         norm="layernorm",
         renormalize_top_k=False,
         router_norm_p=1.0,
