@@ -153,8 +153,10 @@ def test_validate_quick_runs_end_to_end_and_fails_past_its_mape(run_cli, checkpo
     out_dir = tmp_path / "val"
     status, out, err = run_cli(
         "validate", "--checkpoint", checkpoints["mixtral-single"], "--quick", "--repeats", "1",
-        "--max-mape", "9.9", "--quiet", "--profile-every", "pass", "-o", out_dir,
+        "--max-mape", "1.5", "--quiet", "--profile-every", "pass", "-o", out_dir,
     )  # fmt: skip
+    # 1.5: four times the MAPE seen on this tiny checkpoint with one repeat (19-34%), and below
+    # what predictions five times too fast give (+400% each)
     assert status == 0, err
     runs = sorted((out_dir / "runs").glob("*.json"))
     # resident: 2 dtypes x 2 batches x 2 prompt shapes x 1 generation length; offloaded on the
