@@ -1,4 +1,6 @@
-"""The search is exact over its grid: it agrees with the MILP solved at every grid point."""
+"""The search is exact over its grid: it agrees with the MILP solved at every grid point. The
+MILP itself is checked apart from the search, against an enumeration of policies through
+predict()."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import pytest
 
 from hrm.errors import HrmError
 from hrm.plan import Plan
+from hrm.policy import Policy
 from hrm.workload import Workload
 from planner import predict
 from planner.cost import Setting, micro_batch_seconds, queue_terms, schedule_terms
@@ -116,3 +119,54 @@ def test_workload_that_fits_nowhere_says_which_memory_and_how_much(arch, make_gp
     wl = Workload(prompt_len_mean=16, prompt_len_max=32, gen_len=4)
     with pytest.raises(HrmError, match=r"GPU memory, 450 kB is usable.*40.13 kB short"):
         search(arch, hw, wl)
+
+
+def enumerated_best(setting: Setting, n: int, mu: int, steps: int = 11) -> float:
+    """The best throughput that predict() gives any fitting policy at (N, mu): every placement
+    the schedule allows x r_w and r_c on a grid of `steps` values each, independent of the
+    MILP."""
+    best = 0.0
+    grid = np.linspace(0.0, 1.0, steps)
+    for ffn, attn in placements(setting.hardware, setting.schedule):
+        for rw in grid:
+            for rc in grid if attn else [0.0]:
+                policy = Policy(
+                    batch_size=n, micro_batch_size=mu, attention_on_gpu=bool(attn),
+                    ffn_on_gpu=bool(ffn), weights_gpu_fraction=float(rw) if ffn else 0.0,
+                    kv_gpu_fraction=float(rc), weight_dtype="float32", kv_dtype="float32",
+                )  # fmt: skip
+                plan = predict(setting.arch, setting.hardware, setting.workload, policy,
+                               setting.schedule)  # fmt: skip
+                m = plan.memory
+                if m.gpu_bytes <= m.gpu_capacity_bytes and m.cpu_bytes <= m.cpu_capacity_bytes:
+                    best = max(best, plan.predicted.throughput_tok_s)
+    return best
+
+
+# (schedule, GPU memory, CPU memory, PCIe, (N, mu) points): the MILP there puts attention on the
+# CPU and the FFN on the GPU; part of the KV cache on the GPU; everything on the CPU
+GRID_CASES = [
+    ("cgopipe", 1.5e6, 2.0e6, 1e8, ((16, 8), (32, 8), (96, 16))),
+    ("gpu-attention", 1.3e6, 2.0e6, 3e8, ((4, 2), (16, 8), (32, 8))),
+    ("overlap", 0.8e6, 2.0e6, 1e8, ((4, 2), (16, 8))),
+]
+
+
+@pytest.mark.parametrize("schedule, gpu_mem, cpu_mem, pcie, points", GRID_CASES)
+def test_the_milp_is_at_least_as_good_as_any_policy_on_a_grid(
+    arch, make_gpu_profile, schedule, gpu_mem, cpu_mem, pcie, points
+):
+    """At a few (N, mu) the MILP's placement against an enumeration through predict(): never
+    beaten by a grid point, and never far above the best of them (a grid of tenths)."""
+    hw = make_gpu_profile(gpu_memory_bytes=gpu_mem, cpu_memory_bytes=cpu_mem, link_bytes_per_s=pcie)
+    wl = Workload(prompt_len_mean=12, prompt_len_max=16, gen_len=6)
+    setting = Setting(arch=arch, hardware=hw, workload=wl, schedule=schedule,
+                      weight_dtype="float32", kv_dtype="float32")  # fmt: skip
+    allowed = fixed_binaries(hw, schedule)
+    for n, mu in points:
+        plan = solve_point(setting, n, mu, allowed, whole_tensors=False)
+        assert plan is not None, (n, mu)
+        grid_best = enumerated_best(setting, n, mu)
+        milp = plan.predicted.throughput_tok_s
+        assert grid_best > 0 and milp >= grid_best * (1 - REL), (n, mu)
+        assert milp <= grid_best * 1.5, (n, mu)
