@@ -321,3 +321,35 @@ def test_device_timing_events_are_folded_into_busy_time_at_each_synchronize():
         engine.close()
     assert engine.busy_seconds()["gpu"] == pytest.approx(3 * 4 * 2.0e-3)
     assert engine.stats["gpu"].tasks == 12
+
+
+def test_a_device_task_waits_on_its_own_stream_for_the_events_it_depends_on():
+    """Threads on CUDA: the compute stream waits for the copy stream's event of the page it
+    reads, and records its own start and end on its own stream; the step's synchronize waits
+    for every stream, then the default one."""
+    cuda = FakeCuda()
+    engine = Engine(CPU, mode="threads", cuda_api=cuda)
+    streams = {q: s.name for q, s in engine.cuda.streams.items()}
+    page = Buffer("weight_page", (0, 0))
+    try:
+        engine.run(
+            [
+                (act("h2d", op=Op.LOAD), Task(lambda: cuda.note("copy"), writes=(page,))),
+                (act("gpu"), Task(lambda: cuda.note("compute"), reads=(page,))),
+            ]
+        )
+        cuda.note("step end")
+        engine.synchronize()
+    finally:
+        engine.close()
+    log = cuda.log
+    copy_records = [e for e in log[: log.index(("copy",)) + 2] if e[0] == "record"]
+    assert [e[1] for e in copy_records] == [streams["h2d"]] * 2
+    copy_end = copy_records[-1][2]
+    wait = log.index(("wait_event", streams["gpu"], copy_end))
+    compute = log.index(("compute",))
+    assert wait < compute
+    assert [e[1] for e in log[wait:compute] if e[0] == "record"] == [streams["gpu"]]
+    end = log.index(("step end",))
+    synced = [e[1] for e in log[end:] if e[0] == "stream_sync"]
+    assert sorted(synced[:3]) == sorted(streams.values()) and synced[3] == "default"
