@@ -67,7 +67,9 @@ def run_digest(prompts: Sequence[Sequence[int]], settings: dict[str, Any]) -> st
 class PartialOutput:
     """OUT.jsonl.partial: a header naming the run, then one line per finished prompt."""
 
-    def __init__(self, output: Path, digest: str, *, resume: bool):
+    def __init__(self, output: Path, digest: str, *, resume: bool, overwrite: bool = False):
+        """resume: continue the file; overwrite: discard it; neither: refuse one that exists
+        (it holds finished work of a killed run)."""
         self.output = output
         self.path = output.with_name(output.name + ".partial")
         self.digest = digest
@@ -75,6 +77,11 @@ class PartialOutput:
         if resume:
             self._read()
         elif self.path.exists():
+            if not overwrite:
+                raise HrmError(
+                    f"{self.path} holds the finished batches of a killed run: add --resume to "
+                    "continue it, or --overwrite to start over"
+                )
             self.path.unlink()
 
     def _read(self) -> None:
@@ -121,9 +128,27 @@ class PartialOutput:
     def lines(self, count: int) -> str:
         return "".join(json.dumps(self.done[i]) + "\n" for i in range(count))
 
+    def batches_done(self, batches: list[Batch]) -> int:
+        return len(batches) - len(self.pending(batches))
+
     def finish(self, count: int) -> None:
         """All prompts done: OUT.jsonl in input order, the partial file removed."""
         from hrm.io import atomic_write_text
 
         atomic_write_text(self.output, self.lines(count))
         self.path.unlink()
+
+
+class InOrder:
+    """Writes output lines in input order as batches finish (which is longest first): each line
+    as soon as every line before it is written, so an interrupted run leaves what it finished."""
+
+    def __init__(self, stream):
+        self.stream, self.rows, self.next = stream, {}, 0
+
+    def add(self, indices: Sequence[int], rows: Sequence[dict[str, Any]]) -> None:
+        self.rows.update(zip(indices, rows, strict=True))
+        while self.next in self.rows:
+            self.stream.write(json.dumps(self.rows.pop(self.next)) + "\n")
+            self.next += 1
+        self.stream.flush()

@@ -116,8 +116,10 @@ def execute_plan(
     sampling: Sampling | None = None,
     stop_token_ids=(),
     quiet: bool = False,
+    on_batch: Callable[[list[int], list[dict[str, Any]]], None] | None = None,
 ) -> PlanRun:
-    """Run every pending batch of `prompts` under `plan` on `device`."""
+    """Run every pending batch of `prompts` under `plan` on `device`; on_batch(indices, rows)
+    hears each finished batch."""
     policy = plan.policy
     staged = plan.memory.cpu.get("weight staging", 0.0) > 0
     runtime = placed_runtime(checkpoint, policy, plan.schedule, device, cpu_gemm, staged=staged)
@@ -144,6 +146,8 @@ def execute_plan(
             ]
             if partial is not None:
                 partial.append(batch.indices, rows)
+            if on_batch is not None:
+                on_batch(batch.indices, rows)
             done.update(zip(batch.indices, rows, strict=True))
             prefill_s, decode_s = prefill_s + gen.prefill_s, decode_s + gen.decode_s
             tokens += gen.generated_tokens

@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     except HrmError as exc:
         print(f"hrm {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"hrm {args.command}: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as exc:
+        detail = f"; {exc}" if str(exc) else ""
+        print(f"hrm {args.command}: interrupted{detail}", file=sys.stderr)
         return 130

@@ -45,6 +45,11 @@ def add_parser(subparsers) -> None:
         action="store_true",
         help="continue from OUTPUT.partial, skipping the batches already done (needs --output)",
     )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start over, discarding an OUTPUT.partial a killed run left (needs --output)",
+    )
     prompts = p.add_mutually_exclusive_group(required=True)
     prompts.add_argument(
         "--prompts", help='JSONL: {"prompt_token_ids": [...]} or {"prompt": "text"} per line'
@@ -111,6 +116,8 @@ def run(args: argparse.Namespace) -> int:
     random_arch = _random_arch(args)
     if args.resume and not args.output:
         raise HrmError("--resume continues OUTPUT.partial: give --output OUTPUT")
+    if args.resume and args.overwrite:
+        raise HrmError("--resume continues OUTPUT.partial, --overwrite discards it: give one")
     planner_args = [f for f in ("gpu_mem", "cpu_mem", "schedule") if getattr(args, f)]
     if planner_args and (args.plan or not args.hardware):
         flag = "--" + planner_args[0].replace("_", "-")

@@ -15,13 +15,11 @@ from pathlib import Path
 def run_planned(args, hardware, random_arch, sampling, output: Path | None, warn) -> int:
     import torch
 
-    from executor.api import load_weights, torch_threads
-    from executor.batching import PartialOutput, run_digest
-    from executor.plan_run import check_plan, execute_plan, host_memory_bytes
+    from executor.batching import InOrder, PartialOutput, run_digest
+    from executor.plan_run import check_plan, host_memory_bytes
     from hrm.cli.run import run_spec
     from hrm.errors import HrmError
     from hrm.plan import Plan
-    from hrm.profiling.host_gemm import cpu_gemm_for_run
     from hrm.units import parse_bytes
 
     plan = Plan.load(args.plan) if args.plan else None
@@ -62,7 +60,37 @@ def run_planned(args, hardware, random_arch, sampling, output: Path | None, warn
     }
     partial = None
     if output is not None:
-        partial = PartialOutput(output, run_digest(spec.prompts, settings), resume=args.resume)
+        digest = run_digest(spec.prompts, settings)
+        partial = PartialOutput(output, digest, resume=args.resume, overwrite=args.overwrite)
+    stream = InOrder(sys.stdout) if output is None and not args.json else None
+    try:
+        result, choice = _execute(
+            args, spec, plan, hardware, device, partial, stream, sampling, warn
+        )
+    except KeyboardInterrupt:
+        if partial is None or not partial.done:
+            raise
+        raise KeyboardInterrupt(
+            f"{len(partial.done)} of {len(spec.prompts)} outputs are in {partial.path}: run the "
+            "same command with --resume to go on"
+        ) from None
+    if partial is not None:
+        partial.finish(len(spec.prompts))
+    record = plan_record(spec, plan, result, hardware, choice, warn)
+    if args.json:
+        print(json.dumps(record.to_dict(), indent=2))
+        return 0
+    print(format_plan_summary(record), file=sys.stderr)
+    return 0
+
+
+def _execute(args, spec, plan, hardware, device, partial, stream, sampling, warn):
+    """Load the weights, choose the CPU GEMM path where the layers run on the CPU, and run every
+    pending batch: (PlanRun, the GEMM choice)."""
+    from executor.api import load_weights, torch_threads
+    from executor.plan_run import execute_plan
+    from hrm.profiling.host_gemm import cpu_gemm_for_run
+
     with torch_threads(args.threads):
         checkpoint = load_weights(spec, "cpu")
         runs_cpu_gemms = device.type == "cpu"
@@ -94,19 +122,9 @@ def run_planned(args, hardware, random_arch, sampling, output: Path | None, warn
             sampling=sampling,
             stop_token_ids=() if args.ignore_eos else spec.arch.eos_token_ids,
             quiet=args.quiet,
+            on_batch=stream.add if stream is not None else None,
         )
-    if partial is not None:
-        partial.finish(len(spec.prompts))
-    record = plan_record(spec, plan, result, hardware, choice, warn)
-    if args.json:
-        print(json.dumps(record.to_dict(), indent=2))
-        return 0
-    if output is None:
-        print(
-            "".join(json.dumps(result.outputs[i]) + "\n" for i in range(len(spec.prompts))), end=""
-        )
-    print(format_plan_summary(record), file=sys.stderr)
-    return 0
+    return result, choice
 
 
 def _plan_for(args, spec, hardware):

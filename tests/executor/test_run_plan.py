@@ -312,3 +312,51 @@ def test_check_plan_refuses_a_gpu_or_a_model_too_small(files):
     check_plan(plan, short, [8], 4, stand_in=False, **fits)
     with pytest.raises(HrmError, match="positions"):
         check_plan(plan, short, [9], 4, stand_in=False, **fits)
+
+
+def _kill_after(monkeypatch, batches: int) -> None:
+    real, calls = executor.plan_run.generate, []
+
+    def generate(*args, **kwargs):
+        if len(calls) == batches:
+            raise KeyboardInterrupt
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(executor.plan_run, "generate", generate)
+
+
+def test_a_killed_runs_partial_is_kept_and_the_interrupt_says_how_to_resume(
+    run_cli, files, tmp_path, monkeypatch
+):
+    path, prompts, plan = files
+    out, partial = tmp_path / "out.jsonl", tmp_path / "out.jsonl.partial"
+    _kill_after(monkeypatch, 1)
+    status, _, err = run_cli(*run_args(path, prompts, plan, "--output", out))
+    last = err.splitlines()[-1]  # after the note of the CPU GEMM path
+    assert status == 130 and last.startswith("hrm run: interrupted; ")
+    assert f"3 of 10 outputs are in {partial}" in last and "--resume" in last
+    kept = partial.read_text()
+    monkeypatch.undo()
+    status, _, err = run_cli(*run_args(path, prompts, plan, "--output", out))
+    assert_one_line_error(status, err, "--resume", "--overwrite", str(partial))
+    assert partial.read_text() == kept and not out.exists()
+    status, _, err = run_cli(*run_args(path, prompts, plan, "--output", out, "--overwrite"))
+    assert status == 0, err
+    assert len(out.read_text().splitlines()) == 10 and not partial.exists()
+    status, _, err = run_cli(
+        *run_args(path, prompts, plan, "--output", out, "--resume", "--overwrite")
+    )
+    assert_one_line_error(status, err, "give one")
+
+
+def test_outputs_on_stdout_come_in_input_order_as_batches_finish(run_cli, files, monkeypatch):
+    """Batches run longest first (indices {1, 6, 8}, then {0, 3, 4}); after two of them the
+    first two lines in input order are out, and an interrupt leaves them there."""
+    path, prompts, plan = files
+    status, whole, _ = run_cli(*run_args(path, prompts, plan))
+    assert status == 0
+    _kill_after(monkeypatch, 2)
+    status, out, err = run_cli(*run_args(path, prompts, plan))
+    assert status == 130, err
+    assert out.splitlines() == whole.splitlines()[:2]
