@@ -143,6 +143,8 @@ def run(args: argparse.Namespace) -> int:
             f"--hardware {args.hardware} has no GPU, so it cannot predict a --device "
             f"{args.device} run; give a profile with a GPU or run on the cpu"
         )
+    from hrm.cli.run_plan import run_spec
+
     spec = run_spec(args, random_arch, args.dtype)
 
     def choose(checkpoint):  # at the run's own thread count, once the checkpoint has opened
@@ -179,23 +181,6 @@ def run(args: argparse.Namespace) -> int:
         print(lines, end="")
     print(format_summary(record), file=sys.stderr)
     return 0
-
-
-def run_spec(args, random_arch, dtype):
-    """The RunSpec of `hrm run`'s arguments (executor.api.prepare_run), in `dtype`."""
-    from executor.api import prepare_run
-
-    return prepare_run(
-        args.checkpoint,
-        random_arch=random_arch,
-        gen_len=args.gen_len,
-        prompts_path=args.prompts,
-        prompt_len=args.prompt_len,
-        batch=args.batch,
-        seed=args.seed,
-        dtype=dtype,
-        device=args.device,
-    )
 
 
 def _random_arch(args):

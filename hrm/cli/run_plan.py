@@ -1,4 +1,5 @@
 """`hrm run --plan` (or `--hardware` with a GPU, which plans first): run the prompts under a plan.
+hrm/cli/run.py parses the arguments and calls in here (never the other way round).
 
 Everything a user can get wrong is checked before any weight is loaded (executor/plan_run.py);
 the outputs go to OUTPUT.partial batch by batch, so `--resume` picks up a killed run; the record
@@ -17,7 +18,6 @@ def run_planned(args, hardware, random_arch, sampling, output: Path | None, warn
 
     from executor.batching import InOrder, PartialOutput, run_digest
     from executor.plan_run import check_plan, host_memory_bytes
-    from hrm.cli.run import run_spec
     from hrm.errors import HrmError
     from hrm.plan import Plan
     from hrm.units import parse_bytes
@@ -82,6 +82,23 @@ def run_planned(args, hardware, random_arch, sampling, output: Path | None, warn
         return 0
     print(format_plan_summary(record), file=sys.stderr)
     return 0
+
+
+def run_spec(args, random_arch, dtype):
+    """The RunSpec of `hrm run`'s arguments (executor.api.prepare_run), in `dtype`."""
+    from executor.api import prepare_run
+
+    return prepare_run(
+        args.checkpoint,
+        random_arch=random_arch,
+        gen_len=args.gen_len,
+        prompts_path=args.prompts,
+        prompt_len=args.prompt_len,
+        batch=args.batch,
+        seed=args.seed,
+        dtype=dtype,
+        device=args.device,
+    )
 
 
 def _execute(args, spec, plan, hardware, device, partial, stream, sampling, warn):
