@@ -209,7 +209,8 @@ def test_a_bad_jitter_seed_is_one_clear_error(monkeypatch):
 class FakeCuda:
     """The part of torch.cuda the engine calls, recording every call in order."""
 
-    def __init__(self):
+    def __init__(self, device=CPU):
+        self.device = device
         self.log: list[tuple] = []
         self.lock = threading.Lock()
         self.default = self.Stream(None, name="default")
@@ -245,26 +246,30 @@ class FakeCuda:
 
         class Event:
             def __init__(self):
-                self.name = None
+                self.name, self.timing = None, enable_timing is True
 
             def record(self):
                 self.name = f"e{len(cuda.log)}"
-                cuda.note("record", cuda.current_stream().name, self.name)
+                cuda.note("record", cuda.current_stream(cuda.device).name, self.name)
 
             def synchronize(self):
                 cuda.note("event_sync", self.name)
 
-            def elapsed_time(self, other):
-                return 2.0  # ms
+            def elapsed_time(self, end):
+                """2 ms, as CUDA only between two recorded events made with timing."""
+                assert self.timing and end.timing and self.name and end.name
+                assert int(end.name[1:]) > int(self.name[1:])
+                return 2.0
 
         return Event()
 
     def current_stream(self, device=None):
+        assert device == self.device, "the engine's device, not the current one"
         return getattr(self.local, "stream", self.default)
 
     @contextmanager
     def stream(self, s):
-        before = self.current_stream()
+        before = self.current_stream(self.device)
         self.local.stream = s
         try:
             yield
@@ -283,8 +288,10 @@ def test_an_inline_cpu_task_waits_for_the_device_work_it_reads():
         (act("cpu", op=Op.ATTENTION), Task(lambda: cuda.note("attend"), reads=(stage_in(0),))),
     ]
     _run(engine, tasks)
-    copy_end = next(e[2] for e in cuda.log[cuda.log.index(("copy",)) :] if e[0] == "record")
-    assert cuda.log.index(("event_sync", copy_end)) < cuda.log.index(("attend",))
+    copy_end = next(e for e in cuda.log[cuda.log.index(("copy",)) :] if e[0] == "record")
+    assert copy_end[1] == "default"  # inline: the current stream, no side streams
+    assert cuda.log.index(("event_sync", copy_end[2])) < cuda.log.index(("attend",))
+    assert all(s is None for s in engine.cuda.streams.values())
 
 
 def test_every_queue_stream_waits_for_the_default_stream_at_each_step():
