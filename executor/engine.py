@@ -276,7 +276,6 @@ class Engine:
         requested = mode or engine_mode(device)
         if requested not in MODES:
             raise HrmError(f"engine mode {requested!r}: use one of {', '.join(MODES)}")
-        self.device = device
         self.mode = "inline" if serial and requested == "threads" else requested
         self.jitter = jitter_seed() if self.mode in ("threads", "deferred") else None
         self.stats = {q: QueueStats() for q in QUEUES}

@@ -111,6 +111,8 @@ def test_an_interrupt_drops_the_queued_tasks_instead_of_waiting_for_them():
     engine.close()
     assert time.perf_counter() - start < 1.0  # 20 tasks of 0.1 s would take 2
     assert len(ran) <= 3
+    # but the task that was running has finished: its buffers may be freed, its pages unpinned
+    assert time.perf_counter() - start >= 0.1 * len(ran) - 0.01
 
 
 def test_deferred_device_work_runs_when_the_host_needs_it_and_reads_its_source_then():
@@ -146,6 +148,44 @@ def test_deferred_runs_each_stream_in_order_and_across_streams_only_as_waits_say
     assert order == ["cpu"]  # nothing it reads was pending
     engine.synchronize()
     assert order == ["cpu", "h2d 0", "h2d 1", "gpu 0"]
+
+
+def test_with_a_seed_deferred_work_also_runs_early(monkeypatch):
+    """Lazy alone never runs a copy before it is needed; with HRM_ENGINE_JITTER a random
+    stream's oldest work runs early, as a GPU may run it, so a write that comes too early shows."""
+
+    def ran_before_the_step_ended(seed: str | None) -> int:
+        if seed is None:
+            monkeypatch.delenv("HRM_ENGINE_JITTER", raising=False)
+        else:
+            monkeypatch.setenv("HRM_ENGINE_JITTER", seed)
+        ran: list[int] = []
+        engine = Engine(CPU, mode="deferred")
+        engine.run([(act(q, j), Task(lambda j=j: ran.append(j))) for j in range(12)
+                    for q in ("h2d", "gpu")])  # fmt: skip
+        early = len(ran)
+        engine.synchronize()
+        assert len(ran) == 24
+        return early
+
+    assert ran_before_the_step_ended(None) == 0
+    assert 0 < ran_before_the_step_ended("5") < 24
+
+
+def test_link_bytes_add_up_per_queue():
+    engine = Engine(CPU, mode="inline")
+    tasks = [(act("h2d", j), Task(lambda: None, nbytes=n)) for j, n in enumerate((3, 4, 5))]
+    _run(engine, [*tasks, (act("d2h"), Task(lambda: None, nbytes=7))])
+    assert (engine.stats["h2d"].nbytes, engine.stats["d2h"].nbytes) == (12, 7)
+    assert (engine.stats["h2d"].tasks, engine.stats["d2h"].tasks) == (3, 1)
+
+
+def test_a_cuda_device_gets_the_cuda_side_even_inline():
+    """Construction only (no CUDA here): inline on CUDA still has events for CPU tasks to wait
+    on, on the current stream (no side streams)."""
+    engine = Engine(torch.device("cuda"), mode="inline")
+    assert engine.cuda is not None and all(s is None for s in engine.cuda.streams.values())
+    assert Engine(CPU, mode="inline").cuda is None
 
 
 def test_a_serial_schedule_runs_inline_in_threads_mode_and_on_one_stream_when_deferred():
@@ -186,15 +226,46 @@ def test_the_mode_comes_from_hrm_engine(monkeypatch, value, device, expected):
 @pytest.mark.parametrize(
     ("value", "device", "message"),
     [
-        ("fast", "cpu", "inline, threads, deferred"),
-        ("Threads", "cpu", "inline, threads, deferred"),
-        ("deferred", "cuda", "real streams"),
+        ("fast", "cpu", "HRM_ENGINE='fast' is not an engine mode; use one of inline, threads, "
+         "deferred or leave it unset"),
+        ("Threads", "cpu", "HRM_ENGINE='Threads' is not an engine mode; use one of inline, "
+         "threads, deferred or leave it unset"),
+        ("deferred", "cuda", "HRM_ENGINE=deferred simulates an asynchronous GPU on a CPU; a CUDA "
+         "run runs on real streams: unset HRM_ENGINE or use threads"),
     ],
-)
+)  # fmt: skip
 def test_a_bad_hrm_engine_is_one_clear_error(monkeypatch, value, device, message):
+    """The whole line: what is wrong and what to do."""
     monkeypatch.setenv("HRM_ENGINE", value)
-    with pytest.raises(HrmError, match=message):
+    with pytest.raises(HrmError) as error:
         engine_mode(torch.device(device))
+    assert str(error.value) == message
+
+
+def test_the_jitter_delays_each_threaded_task_by_the_same_seeded_amount(monkeypatch):
+    """HRM_ENGINE_JITTER=SEED: a delay before every task in threads mode, the same for the
+    same seed and action whatever thread runs it; none without a seed."""
+    import executor.engine as engine_module
+
+    def delays(seed: str | None) -> list[float]:
+        slept = []
+        monkeypatch.setattr(engine_module.time, "sleep", slept.append)
+        if seed is None:
+            monkeypatch.delenv("HRM_ENGINE_JITTER", raising=False)
+        else:
+            monkeypatch.setenv("HRM_ENGINE_JITTER", seed)
+        _run(Engine(CPU, mode="threads"), [(act("gpu", j), Task(lambda: None)) for j in range(5)])
+        return slept
+
+    first, again, other = delays("3"), delays("3"), delays("4")
+    assert len(first) == 5 and all(0 < d <= engine_module.JITTER_MAX_S for d in first)
+    assert first == again and first != other
+    assert delays(None) == []
+
+
+def test_a_mode_given_in_code_is_checked_too():
+    with pytest.raises(HrmError, match="engine mode 'fast': use one of inline, threads, deferred"):
+        Engine(CPU, mode="fast")
 
 
 def test_a_bad_jitter_seed_is_one_clear_error(monkeypatch):

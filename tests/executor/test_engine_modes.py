@@ -131,6 +131,8 @@ def test_cgopipe_interleaves_micro_batches_and_loads_page_j_after_js_attention(t
     gpu = [(a.op, a.micro_batch) for a in _decode_layer(trace, 1) if a.queue == "gpu"]
     pre, post = Op.PRE, Op.POST
     assert gpu == [(pre, 0), (pre, 1), (post, 0), (pre, 2), (post, 1), (post, 2)]
+    for j in range(1, 3):  # CPU attention of j is issued before the GPU's post of j - 1
+        assert _index(trace, 1, 1, Op.ATTENTION, j) < _index(trace, 1, 1, post, j - 1)
     for j in range(3):  # page j of layer 2 comes in right after micro-batch j's D2 and post
         load = _index(trace, 1, 2, Op.LOAD, page=j)
         assert _index(trace, 1, 1, Op.ATTN_IN, j) < _index(trace, 1, 1, post, j) < load
