@@ -17,6 +17,7 @@ from tests.conftest import assert_one_line_error
 from tests.executor.conftest import ragged_prompts
 
 LENGTHS = (5, 9, 3, 7, 6, 2, 8, 4, 9, 1)
+GENERATE = executor.plan_run.generate
 
 
 @pytest.fixture
@@ -90,20 +91,12 @@ def test_resume_after_a_kill_equals_an_uninterrupted_run(run_cli, files, tmp_pat
     whole = tmp_path / "whole.jsonl"
     assert run_cli(*run_args(path, prompts, plan, "--output", whole))[0] == 0
     out = tmp_path / "out.jsonl"
-    real, calls = executor.plan_run.generate, []
-
-    def killed_after_one_batch(*args, **kwargs):
-        if calls:
-            raise KeyboardInterrupt
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(executor.plan_run, "generate", killed_after_one_batch)
+    _kill_after(monkeypatch, 1)
     status, _, err = run_cli(*run_args(path, prompts, plan, "--output", out))
     assert status == 130 and "interrupted" in err
     partial = tmp_path / "out.jsonl.partial"
     assert not out.exists() and len(partial.read_text().splitlines()) == 1 + 3
-    monkeypatch.setattr(executor.plan_run, "generate", real)
+    monkeypatch.setattr(executor.plan_run, "generate", GENERATE)
     status, _, err = run_cli(*run_args(path, prompts, plan, "--output", out, "--resume"))
     assert status == 0, err
     assert "resumed: 1 batches" in err
@@ -262,30 +255,17 @@ def test_resume_after_a_kill_that_tore_the_last_line(run_cli, files, tmp_path, m
     whole = tmp_path / "whole.jsonl"
     assert run_cli(*run_args(path, prompts, plan, "--output", whole))[0] == 0
     out, partial = tmp_path / "out.jsonl", tmp_path / "out.jsonl.partial"
-    real = executor.plan_run.generate
-
-    def kill_after(batches: int):
-        calls = []
-
-        def generate(*args, **kwargs):
-            if len(calls) == batches:
-                raise KeyboardInterrupt
-            calls.append(1)
-            return real(*args, **kwargs)
-
-        monkeypatch.setattr(executor.plan_run, "generate", generate)
-
-    kill_after(2)
+    _kill_after(monkeypatch, 2)
     assert run_cli(*run_args(path, prompts, plan, "--output", out))[0] == 130
     text = partial.read_text()
     partial.write_text(text[: len(text) - 20])  # the second batch's last line, torn
-    kill_after(2)
+    _kill_after(monkeypatch, 2)
     status, _, err = run_cli(*run_args(path, prompts, plan, "--output", out, "--resume"))
     assert status == 130, err
     lines = partial.read_text().splitlines()
     assert all(json.loads(line) for line in lines)  # none joined to the torn one
     assert len(lines) == 1 + 3 + 2 + 3 + 3  # the torn batch's two whole lines stay, unread
-    monkeypatch.setattr(executor.plan_run, "generate", real)
+    monkeypatch.setattr(executor.plan_run, "generate", GENERATE)
     status, _, err = run_cli(*run_args(path, prompts, plan, "--output", out, "--resume"))
     assert status == 0, err
     assert "resumed: 3 batches" in err
@@ -315,13 +295,14 @@ def test_check_plan_refuses_a_gpu_or_a_model_too_small(files):
 
 
 def _kill_after(monkeypatch, batches: int) -> None:
-    real, calls = executor.plan_run.generate, []
+    """hrm run is interrupted (as by Ctrl-C) when it starts batch `batches` + 1."""
+    calls = []
 
     def generate(*args, **kwargs):
         if len(calls) == batches:
             raise KeyboardInterrupt
         calls.append(1)
-        return real(*args, **kwargs)
+        return GENERATE(*args, **kwargs)
 
     monkeypatch.setattr(executor.plan_run, "generate", generate)
 
