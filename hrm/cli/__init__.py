@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
+import threading
 
 from hrm.errors import HrmError
 
@@ -33,8 +35,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a kill, a batch system's time limit), handled like Ctrl-C: what finished is
+    kept and the user is told how to go on."""
+
+
+def _terminate(signum, frame) -> None:
+    raise Terminated
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    main_thread = threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
     try:
         return int(args.run(args) or 0)
     except HrmError as exc:
@@ -42,5 +55,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt as exc:
         detail = f"; {exc}" if str(exc) else ""
-        print(f"hrm {args.command}: interrupted{detail}", file=sys.stderr)
-        return 130
+        killed = isinstance(exc, Terminated)
+        print(f"hrm {args.command}: {'terminated' if killed else 'interrupted'}{detail}",
+              file=sys.stderr)  # fmt: skip
+        return 128 + (signal.SIGTERM if killed else signal.SIGINT)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, before)

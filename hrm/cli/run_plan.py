@@ -67,10 +67,10 @@ def run_planned(args, hardware, random_arch, sampling, output: Path | None, warn
         result, choice = _execute(
             args, spec, plan, hardware, device, partial, stream, sampling, warn
         )
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (hrm.cli.Terminated)
         if partial is None or not partial.done:
             raise
-        raise KeyboardInterrupt(
+        raise type(exc)(
             f"{len(partial.done)} of {len(spec.prompts)} outputs are in {partial.path}: run the "
             "same command with --resume to go on"
         ) from None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from tests.executor.conftest import ragged_prompts
 
 LENGTHS = (5, 9, 3, 7, 6, 2, 8, 4, 9, 1)
 GENERATE = executor.plan_run.generate
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -341,3 +343,35 @@ def test_outputs_on_stdout_come_in_input_order_as_batches_finish(run_cli, files,
     status, out, err = run_cli(*run_args(path, prompts, plan))
     assert status == 130, err
     assert out.splitlines() == whole.splitlines()[:2]
+
+
+def test_a_terminated_run_keeps_its_work_and_says_how_to_resume(files, tmp_path):
+    """SIGTERM (a kill, a batch system's time limit) in a real process: exit 143, one line
+    naming --resume, and the resumed run ends as an uninterrupted one would."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    path, _, plan = files
+    prompts = tmp_path / "many.jsonl"
+    lines = ragged_prompts([1 + i % 9 for i in range(300)], seed=9)
+    prompts.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in lines))
+    out, partial = tmp_path / "out.jsonl", tmp_path / "out.jsonl.partial"
+    cmd = [sys.executable, "-m", "hrm", *map(str, run_args(path, prompts, plan, "--output", out))]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if partial.exists() and len(partial.read_text().splitlines()) > 1:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("hrm run: terminated; ") and "--resume" in last and not out.exists()
+    done = subprocess.run([*cmd, "--resume"], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert len(out.read_text().splitlines()) == 300
