@@ -128,9 +128,6 @@ class PartialOutput:
     def lines(self, count: int) -> str:
         return "".join(json.dumps(self.done[i]) + "\n" for i in range(count))
 
-    def batches_done(self, batches: list[Batch]) -> int:
-        return len(batches) - len(self.pending(batches))
-
     def finish(self, count: int) -> None:
         """All prompts done: OUT.jsonl in input order, the partial file removed."""
         from hrm.io import atomic_write_text

@@ -313,29 +313,20 @@ class Engine:
             self._deferred.drain()
         if self.cuda is not None:
             self.cuda.begin_step()
-        hazards = _Hazards()
-        if self.mode == "threads":
-            self._run_threads(tasks, hazards)
-            return
+        hazards, submitted = _Hazards(), []
         for action, task in tasks:
             deps = hazards.deps(task)
             done = _Done(queue=action.queue)
-            if self._deferred is not None:
+            if self.mode == "threads":
+                done.future = self._workers[action.queue].submit(
+                    self._execute, action, task, deps, done
+                )
+                submitted.append(done)
+            elif self._deferred is not None:
                 self._deferred.submit(action, task, deps, done)
             else:
                 self._execute(action, task, deps, done)
             hazards.record(task, done)
-
-    def _run_threads(self, tasks: Iterable[tuple[Action, Task]], hazards: _Hazards) -> None:
-        submitted: list[_Done] = []
-        for action, task in tasks:
-            deps = hazards.deps(task)
-            done = _Done(queue=action.queue)
-            done.future = self._workers[action.queue].submit(
-                self._execute, action, task, deps, done
-            )
-            hazards.record(task, done)
-            submitted.append(done)
         errors = [d.future.exception() for d in submitted]
         error = next((e for e in errors if e is not None), None)
         if error is not None:

@@ -171,20 +171,9 @@ def execute_plan(
         link_bytes={"h2d": float(stats["h2d"].nbytes), "d2h": float(stats["d2h"].nbytes)},
         buffer_bytes=peak_buffers,
     )
-    environment = {
-        "schedule": plan.schedule,
-        "device": str(device),
-        "stand_in": device.type == "cpu" and policy.ffn_on_gpu,
-        "engine": runtime.engine.mode,
-        "pinned_weights": bool(runtime.store is not None and runtime.store.pinned),
-        "staged_weights": bool(runtime.store is not None and runtime.store.staged),
+    environment = _environment(plan, device, runtime, wall, busy) | {
         "batches_run": len(pending),
         "batches_resumed": len(batches) - len(pending),
-        "wall_s": wall,
-        "busy_s": busy,
-        "cpu_gemm": None
-        if runtime.model.cpu_gemm is None
-        else {**runtime.model.cpu_gemm.to_dict(), "calls": dict(runtime.model.gemm_calls)},
     }
     return PlanRun(
         outputs=done,
@@ -192,3 +181,21 @@ def execute_plan(
         batches=[[len(prompts[i]) for i in b.indices] for b in pending],
         environment=environment,
     )
+
+
+def _environment(plan: Plan, device: torch.device, runtime, wall: float, busy) -> dict[str, Any]:
+    """How the run ran: schedule, device, engine mode, weights pinned or staged, time, GEMMs."""
+    cpu_gemm = runtime.model.cpu_gemm
+    return {
+        "schedule": plan.schedule,
+        "device": str(device),
+        "stand_in": device.type == "cpu" and plan.policy.ffn_on_gpu,
+        "engine": runtime.engine.mode,
+        "pinned_weights": bool(runtime.store is not None and runtime.store.pinned),
+        "staged_weights": bool(runtime.store is not None and runtime.store.staged),
+        "wall_s": wall,
+        "busy_s": busy,
+        "cpu_gemm": None
+        if cpu_gemm is None
+        else {**cpu_gemm.to_dict(), "calls": dict(runtime.model.gemm_calls)},
+    }

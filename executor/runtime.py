@@ -67,9 +67,6 @@ class Runtime:
         self.order = SCHEDULE_ORDERS[schedule]
         self.micro_batch_size = micro_batch_size
         self.home = "gpu" if self.ffn_on_gpu else "cpu"
-        queues = {q for _, q in self._all_ops()}
-        serial = schedule == "serial" or len(queues) == 1
-        self.engine = Engine(self.device, serial=serial, mode=engine_mode)
         self.tasks = TaskBuilder(
             model,
             store=store,
@@ -77,6 +74,9 @@ class Runtime:
             ffn_on_gpu=self.ffn_on_gpu,
             kv_gpu_layers=self.kv_gpu_layers,
         )
+        queues = {q for _, q in self._all_ops()}
+        serial = schedule == "serial" or len(queues) == 1
+        self.engine = Engine(self.device, serial=serial, mode=engine_mode)
         self.batch = BatchState(micro_batches=[], staging=[], prefetch=[])
         self.kv_pins = HostPins()
 
@@ -86,15 +86,12 @@ class Runtime:
 
     # -- the shape of a step -------------------------------------------------------------------
 
-    def _kv_on_host(self, layer: int) -> bool:
-        return layer >= self.kv_gpu_layers
-
     def chain(self, phase: str, layer: int) -> list[tuple[Op, str]]:
         """What one micro-batch does in `layer` during `phase`, as (op, queue)."""
         home = self.home
         if not self.ffn_on_gpu:
             return [(Op.PRE, home), (Op.ATTENTION, "cpu"), (Op.POST, home)]
-        host_kv = self._kv_on_host(layer)
+        host_kv = self.tasks.kv_on_host(layer)
         if phase == "prefill":
             ops = [(Op.PRE, home), (Op.ATTENTION, home)]
             ops += [(Op.KV_OUT, "d2h")] if host_kv else []
@@ -165,13 +162,13 @@ class Runtime:
         home = self.device
         kv_home = HOST if self.offloaded else home
         layer_devices = [
-            home if not self._kv_on_host(layer) else kv_home
+            home if not self.tasks.kv_on_host(layer) else kv_home
             for layer in range(self.arch.num_layers)
         ]
         streamed_kv = frozenset(
             layer
             for layer in range(self.arch.num_layers)
-            if self.offloaded and self.attention_on_gpu and self._kv_on_host(layer)
+            if self.offloaded and self.attention_on_gpu and self.tasks.kv_on_host(layer)
         )
         self.kv_pins.close()  # the last batch's caches
         micro_batches = []
@@ -253,7 +250,7 @@ class Runtime:
         kv = {"cpu": 0.0, "gpu": 0.0}
         for mb in self.micro_batches:
             for layer in range(self.arch.num_layers):
-                on_gpu = self.ffn_on_gpu and not self._kv_on_host(layer)
+                on_gpu = self.ffn_on_gpu and not self.tasks.kv_on_host(layer)
                 kv["gpu" if on_gpu else "cpu"] += size([mb.cache.k[layer], mb.cache.v[layer]])
         out["gpu"]["kv cache"] = kv["gpu"]
         out["cpu"]["kv cache"] = kv["cpu"]

@@ -96,7 +96,6 @@ def run(args: argparse.Namespace) -> int:
 
     from executor.api import execute, torch_threads
     from executor.generate import Sampling
-    from hrm.cpu_gemm import MODES
     from hrm.errors import HrmError
     from hrm.hardware import resolve_hardware
     from hrm.io import atomic_write_text, check_writable
@@ -105,26 +104,8 @@ def run(args: argparse.Namespace) -> int:
     def warn(message: str) -> None:
         print(f"hrm run: {message}", file=sys.stderr)
 
-    if args.prompt_len is not None and args.batch is None:
-        raise HrmError("--prompt-len needs --batch (the number of random prompts)")
-    if args.prompts is not None and args.batch is not None:
-        raise HrmError("--batch goes with --prompt-len; a --prompts file sets its own batch")
-    if args.cpu_gemm not in MODES:
-        raise HrmError(f"--cpu-gemm: unknown path {args.cpu_gemm!r}; use one of {', '.join(MODES)}")
-    if args.threads is not None and args.threads < 1:
-        raise HrmError(f"--threads must be at least 1, got {args.threads}")
+    planner_args = _check_flags(args)
     random_arch = _random_arch(args)
-    if args.resume and not args.output:
-        raise HrmError("--resume continues OUTPUT.partial: give --output OUTPUT")
-    if args.resume and args.overwrite:
-        raise HrmError("--resume continues OUTPUT.partial, --overwrite discards it: give one")
-    planner_args = [f for f in ("gpu_mem", "cpu_mem", "schedule") if getattr(args, f)]
-    if planner_args and (args.plan or not args.hardware):
-        flag = "--" + planner_args[0].replace("_", "-")
-        raise HrmError(
-            f"{flag} is for planning with --hardware; "
-            + ("a --plan has fixed it already: leave it out" if args.plan else "add --hardware")
-        )
     output = check_writable(args.output) if args.output else None
     hardware = resolve_hardware(args.hardware) if args.hardware else None
     on_gpu = args.device.startswith("cuda")
@@ -181,6 +162,34 @@ def run(args: argparse.Namespace) -> int:
         print(lines, end="")
     print(format_summary(record), file=sys.stderr)
     return 0
+
+
+def _check_flags(args) -> list[str]:
+    """Flags that contradict each other or lack their partner, refused one line at a time;
+    returns the planning flags given (gpu_mem, cpu_mem, schedule)."""
+    from hrm.cpu_gemm import MODES
+    from hrm.errors import HrmError
+
+    if args.prompt_len is not None and args.batch is None:
+        raise HrmError("--prompt-len needs --batch (the number of random prompts)")
+    if args.prompts is not None and args.batch is not None:
+        raise HrmError("--batch goes with --prompt-len; a --prompts file sets its own batch")
+    if args.cpu_gemm not in MODES:
+        raise HrmError(f"--cpu-gemm: unknown path {args.cpu_gemm!r}; use one of {', '.join(MODES)}")
+    if args.threads is not None and args.threads < 1:
+        raise HrmError(f"--threads must be at least 1, got {args.threads}")
+    if args.resume and not args.output:
+        raise HrmError("--resume continues OUTPUT.partial: give --output OUTPUT")
+    if args.resume and args.overwrite:
+        raise HrmError("--resume continues OUTPUT.partial, --overwrite discards it: give one")
+    planner_args = [f for f in ("gpu_mem", "cpu_mem", "schedule") if getattr(args, f)]
+    if planner_args and (args.plan or not args.hardware):
+        flag = "--" + planner_args[0].replace("_", "-")
+        raise HrmError(
+            f"{flag} is for planning with --hardware; "
+            + ("a --plan has fixed it already: leave it out" if args.plan else "add --hardware")
+        )
+    return planner_args
 
 
 def _random_arch(args):
