@@ -123,6 +123,11 @@ def execute_plan(
     policy = plan.policy
     staged = plan.memory.cpu.get("weight staging", 0.0) > 0
     runtime = placed_runtime(checkpoint, policy, plan.schedule, device, cpu_gemm, staged=staged)
+    store = runtime.store  # how its weights are held, read now: closing unpins them
+    weights = {
+        "pinned_weights": bool(store is not None and store.pinned),
+        "staged_weights": bool(store is not None and store.staged),
+    }
     batches = plan_batches([len(p) for p in prompts], policy.batch_size, policy.micro_batch_size)
     pending = partial.pending(batches) if partial is not None else batches
     done: dict[int, dict[str, Any]] = {}
@@ -171,10 +176,14 @@ def execute_plan(
         link_bytes={"h2d": float(stats["h2d"].nbytes), "d2h": float(stats["d2h"].nbytes)},
         buffer_bytes=peak_buffers,
     )
-    environment = _environment(plan, device, runtime, wall, busy) | {
-        "batches_run": len(pending),
-        "batches_resumed": len(batches) - len(pending),
-    }
+    environment = (
+        _environment(plan, device, runtime, wall, busy)
+        | weights
+        | {
+            "batches_run": len(pending),
+            "batches_resumed": len(batches) - len(pending),
+        }
+    )
     return PlanRun(
         outputs=done,
         measured=measured,
@@ -184,15 +193,13 @@ def execute_plan(
 
 
 def _environment(plan: Plan, device: torch.device, runtime, wall: float, busy) -> dict[str, Any]:
-    """How the run ran: schedule, device, engine mode, weights pinned or staged, time, GEMMs."""
+    """How the run ran: schedule, device, engine mode, time, GEMMs."""
     cpu_gemm = runtime.model.cpu_gemm
     return {
         "schedule": plan.schedule,
         "device": str(device),
         "stand_in": device.type == "cpu" and plan.policy.ffn_on_gpu,
         "engine": runtime.engine.mode,
-        "pinned_weights": bool(runtime.store is not None and runtime.store.pinned),
-        "staged_weights": bool(runtime.store is not None and runtime.store.staged),
         "wall_s": wall,
         "busy_s": busy,
         "cpu_gemm": None

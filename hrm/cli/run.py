@@ -180,6 +180,8 @@ def _check_flags(args) -> list[str]:
         raise HrmError(f"--threads must be at least 1, got {args.threads}")
     if args.resume and not args.output:
         raise HrmError("--resume continues OUTPUT.partial: give --output OUTPUT")
+    if args.overwrite and not args.output:
+        raise HrmError("--overwrite discards OUTPUT.partial: give --output OUTPUT")
     if args.resume and args.overwrite:
         raise HrmError("--resume continues OUTPUT.partial, --overwrite discards it: give one")
     planner_args = [f for f in ("gpu_mem", "cpu_mem", "schedule") if getattr(args, f)]

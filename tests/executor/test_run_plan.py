@@ -375,3 +375,32 @@ def test_a_terminated_run_keeps_its_work_and_says_how_to_resume(files, tmp_path)
     done = subprocess.run([*cmd, "--resume"], capture_output=True, text=True, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert len(out.read_text().splitlines()) == 300
+
+
+def test_the_record_says_how_the_weights_were_held_during_the_run(files, monkeypatch):
+    """Read before the runtime closes: closing unpins the arenas (on CUDA), and a record read
+    after it said unpinned for every run."""
+    from executor.checkpoint import open_checkpoint
+    from hrm.plan import Plan
+
+    path, _, plan_path = files
+    real = executor.plan_run.placed_runtime
+
+    def pinned_runtime(*args, **kwargs):  # as a CUDA run whose host pinned every arena
+        runtime = real(*args, **kwargs)
+        runtime.store.pinned = True
+        return runtime
+
+    monkeypatch.setattr(executor.plan_run, "placed_runtime", pinned_runtime)
+    run = executor.plan_run.execute_plan(
+        open_checkpoint(path, "float32"), Plan.load(plan_path), ((1, 2, 3),), 2,
+        device=torch.device("cpu"), partial=None, decode_text=lambda ids: None, quiet=True,
+    )  # fmt: skip
+    assert run.environment["pinned_weights"] is True
+    assert run.environment["staged_weights"] is False
+
+
+def test_overwrite_needs_an_output(run_cli, files):
+    path, prompts, plan = files
+    status, _, err = run_cli(*run_args(path, prompts, plan, "--overwrite"))
+    assert_one_line_error(status, err, "--overwrite", "--output")
