@@ -287,15 +287,14 @@ class TaskBuilder:
 
             def run_prompt():
                 L = mb.padded_len
-                for name, t in zip(
-                    "kv", mb.buffers.pop("kv_device"), strict=True
-                ):  # [b, nkv, L, D]
+                device_kv = mb.buffers.pop("kv_device")  # K and V [b, nkv, L, D]
+                for i, (t, host) in enumerate(zip(device_kv, (cache.k, cache.v), strict=True)):
                     _record_stream(t)
                     if slots is not None:  # slot-major: one contiguous copy
-                        host = slots["kv".index(name)][:L]
-                        host.copy_(t.permute(2, 0, 1, 3).contiguous(), non_blocking=self.pinned)
+                        contiguous = t.permute(2, 0, 1, 3).contiguous()
+                        slots[i][:L].copy_(contiguous, non_blocking=self.pinned)
                     else:  # read by CPU attention in place: [b, nkv, S, D], strided
-                        getattr(cache, name)[layer][:, :, :L].copy_(t, non_blocking=self.pinned)
+                        host[layer][:, :, :L].copy_(t, non_blocking=self.pinned)
 
             nbytes = 2 * mb.size * mb.padded_len * self.arch.kv_size * self.model.dtype.itemsize
             return Task(
@@ -392,8 +391,8 @@ assert set(TaskBuilder.BUILDERS) == set(Op)
 
 def _fetched(st: StepState, turn: int, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """The micro-batch's slot-major K and V [S, b, nkv, D] in a prefetch buffer's front."""
-    a = mb.cache
-    shape = (a.max_len, mb.size, a.k[0].shape[1], a.k[0].shape[3])
+    cache = mb.cache
+    shape = (cache.max_len, mb.size, cache.k[0].shape[1], cache.k[0].shape[3])
     flat = st.batch.prefetch[turn]
     return tuple(flat[n][: math.prod(shape)].view(shape) for n in "kv")
 
