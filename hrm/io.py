@@ -85,14 +85,37 @@ def check_writable_dir(path: str | os.PathLike) -> Path:
     return p
 
 
+IMAGE_FORMATS = (".png", ".pdf", ".svg")
+
+
+def check_image_path(path: str | os.PathLike, flag: str) -> Path:
+    """A chart's path, checked before any work: writable, and named for a format we draw."""
+    p = check_writable(path)
+    if p.suffix.lower() not in IMAGE_FORMATS:
+        raise HrmError(
+            f"{flag} {p}: a chart is written as {', '.join(IMAGE_FORMATS)}; "
+            f"name the file with one of these (e.g. {p.stem or 'chart'}.png)"
+        )
+    return p
+
+
+def new_file_mode() -> int:
+    """The mode a new file gets under the user's umask (mkstemp's 0600 would survive the rename
+    and hide outputs from teammates on a shared machine)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
     """Call `write(tmp_path)`, then rename the temporary file onto `path`.
 
     The temporary file sits in the destination directory, so the rename is atomic and a crash
-    or error inside `write` leaves no partial output behind.
+    or error inside `write` leaves no partial output behind. The file takes the user's umask.
     """
     p = check_writable(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=p.suffix, dir=p.parent)
+    os.fchmod(fd, new_file_mode())
     os.close(fd)
     tmp_path = Path(tmp)
     try:

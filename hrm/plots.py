@@ -155,7 +155,7 @@ def plot_roofline(report: RooflineReport, path: str | Path) -> Path:
     fig.tight_layout()
 
     def write(tmp: Path) -> None:
-        fig.savefig(tmp, format=Path(path).suffix.lstrip(".") or "png")
+        fig.savefig(tmp, format=Path(path).suffix.lstrip(".").lower())
 
     try:
         return atomic_write(path, write)

@@ -2,7 +2,9 @@
 cost per token where a price is known.
 
 Each option is a full search (planner.search) of one machine using some of its GPUs in tensor
-parallel (HardwareProfile.with_gpu_count). Cost per token combines the predicted throughput with
+parallel (HardwareProfile.with_gpu_count); a count above the profile's is a what-if machine
+with that many of its GPU, priced at the profile's price scaled by the GPU count. Cost per token
+combines the predicted throughput with
 a price per machine-hour the user gives or the profile carries:
   cost per million tokens = price_per_hour / (3600 * throughput) * 1e6
   dataset time = tokens / throughput;  dataset cost = dataset time / 3600 * price_per_hour
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from hrm.arch import ModelArch
@@ -35,12 +38,14 @@ class Option:
     why_not: str | None = None
     price_per_hour: float | None = None
     all_reduce_share: float = 0.0  # of the GPU queue's busy time
+    what_if: bool = False  # more GPUs than the profile has
 
     @property
     def label(self) -> str:
         if not self.gpus:
             return f"{self.machine} (CPU only)"
-        return f"{self.machine}, {self.gpus} GPU" + ("s" if self.gpus != 1 else "")
+        plural = "s" if self.gpus != 1 else ""
+        return f"{self.machine}, {self.gpus} GPU{plural}" + (" (what-if)" if self.what_if else "")
 
     @property
     def throughput_tok_s(self) -> float:
@@ -65,6 +70,7 @@ class Option:
         out: dict[str, Any] = {
             "machine": self.machine,
             "gpus": self.gpus,
+            "what_if": self.what_if,
             "throughput_tok_s": self.throughput_tok_s,
             "price_per_hour": self.price_per_hour,
             "cost_per_million_tokens": self.cost_per_million_tokens,
@@ -85,7 +91,15 @@ def cost_per_million_tokens(price_per_hour: float, throughput_tok_s: float) -> f
 
 
 def parse_prices(text: str, machines: Sequence[str]) -> dict[str, float]:
-    """`--price "t4=0.35,l4=0.70"` -> {name: USD per hour}; every name must be a listed machine."""
+    """`--price "t4=0.35,l4=0.70"` -> {name: USD per hour}; every name must be a listed machine.
+    One machine may take a bare number (`--price 0.9`)."""
+    if "=" not in text and len(machines) == 1:
+        text = f"{machines[0]}={text}"
+    elif "=" not in text:
+        raise HrmError(
+            f"--price {text.strip()!r}: with several machines name each, e.g. "
+            f"\"{machines[0]}=0.70,{machines[1]}=0.35\""
+        )
     prices: dict[str, float] = {}
     for item in (part.strip() for part in text.split(",")):
         if not item:
@@ -140,23 +154,19 @@ def plan_options(
     for key, count, sized in jobs:
         weights = dtype or sized.half_dtype
         options = {"schedule": schedule, "weight_dtype": weights, "kv_dtype": kv_dtype or weights}
-        price = price_of.get(key, sized.price_per_hour)
+        own = machines[key]
+        price = price_of.get(key, own.price_per_hour)
+        what_if = count > own.gpu_count
+        if what_if and price is not None:
+            price *= count / own.gpu_count
+        base = {"machine": key, "gpus": count, "price_per_hour": price, "what_if": what_if}
         try:
             plan = search(arch, sized, workload, top_k=1, **options).best
         except NoPolicyFits as exc:
-            out.append(
-                Option(machine=key, gpus=count, plan=None, why_not=str(exc), price_per_hour=price)
-            )
+            out.append(Option(**base, plan=None, why_not=str(exc)))
             continue
-        out.append(
-            Option(
-                machine=key,
-                gpus=count,
-                plan=plan,
-                price_per_hour=price,
-                all_reduce_share=_all_reduce_share(arch, sized, workload, plan, options),
-            )
-        )
+        share = _all_reduce_share(arch, sized, workload, plan, options)
+        out.append(Option(**base, plan=plan, all_reduce_share=share))
     return out
 
 
@@ -194,6 +204,6 @@ def plot_options(options: Sequence[Option], path, title: str):
     ax.set_title(title)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    out = atomic_write(path, lambda tmp: fig.savefig(tmp, format="png"))
+    out = atomic_write(path, lambda tmp: fig.savefig(tmp, format=Path(path).suffix.lstrip(".").lower()))
     plt.close(fig)
     return out

@@ -119,6 +119,6 @@ def plot_sweep(result: Sweep, path: str | Path, title: str) -> Path:
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    out = atomic_write(path, lambda tmp: fig.savefig(tmp, format="png"))
+    out = atomic_write(path, lambda tmp: fig.savefig(tmp, format=Path(path).suffix.lstrip(".").lower()))
     plt.close(fig)
     return out

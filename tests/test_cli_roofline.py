@@ -136,3 +136,37 @@ def test_usage_errors_are_one_line(run_cli):
     assert_one_line_error(status, err, "--context")
     status, _, err = run_cli("frobnicate")
     assert_one_line_error(status, err, "invalid choice")
+
+
+@pytest.mark.parametrize("name", ["r.txt", "noext", "r.png.bak"])
+def test_an_output_that_is_no_chart_format_is_refused_before_any_work(run_cli, tmp_path, name):
+    status, out, err = run_cli("roofline", "-o", tmp_path / name)
+    assert_one_line_error(status, err, f"-o {tmp_path / name}: a chart is written as .png")
+    assert out == "" and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("suffix", [".svg", ".pdf"])
+def test_the_chart_takes_the_format_its_name_says(run_cli, tmp_path, suffix):
+    out = tmp_path / f"r{suffix}"
+    assert run_cli("roofline", "-o", out)[0] == 0
+    head = out.read_bytes()[:5]
+    assert head == (b"%PDF-" if suffix == ".pdf" else b"<?xml")
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027, 0o077])
+def test_outputs_take_the_users_umask(run_cli, tmp_path, umask):
+    """mkstemp makes 0600 files and the rename kept that mode: teammates could not read plots,
+    plans or profiles. Every atomic write now takes the umask, as open() would."""
+    before = os.umask(umask)
+    try:
+        assert run_cli("roofline", "-o", tmp_path / "r.png")[0] == 0
+    finally:
+        os.umask(before)
+    assert (tmp_path / "r.png").stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_version(run_cli):
+    from hrm import __version__
+
+    status, out, _ = run_cli("--version")
+    assert status == 0 and out.strip() == f"hrm {__version__}"

@@ -12,6 +12,7 @@ import signal
 import sys
 import threading
 
+from hrm import __version__
 from hrm.errors import HrmError
 
 SUBCOMMANDS = ("roofline", "profile", "plan", "run", "report", "validate")
@@ -29,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="hrm",
         description="Plan and run high-throughput batch inference of MoE models on small GPUs.",
     )
+    parser.add_argument("--version", action="version", version=f"hrm {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in SUBCOMMANDS:
         importlib.import_module(f"hrm.cli.{name}").add_parser(subparsers)

@@ -292,7 +292,7 @@ def format_plan(result, base) -> str:
 
 
 def _run_sweep(args, arch, hardware, workload, options) -> int:
-    from hrm.io import check_writable
+    from hrm.io import check_image_path
     from planner.sweep import plot_sweep, sweep
 
     parse = parse_bandwidth if args.sweep == "pcie" else parse_bytes
@@ -304,7 +304,7 @@ def _run_sweep(args, arch, hardware, workload, options) -> int:
         if not values:
             raise HrmError("--sweep-values: give at least one value")
     plot_path = args.plot or f"sweep-{args.sweep}-{arch.name}-{hardware.name}.png"
-    check_writable(plot_path)
+    check_image_path(plot_path, "--plot")
     result = sweep(arch, hardware, workload, resource=args.sweep, values=values, top_k=1, **options)
     title = (
         f"{arch.name} on {hardware.name}: prompts {workload.prompt_len_mean:g}, "
@@ -360,14 +360,14 @@ def _dataset_tokens(args) -> float | None:
 
 def _run_comparison(args, arch, names: list[str], workload) -> int:
     """Several machines and/or GPU counts side by side, ordered by cost (else speed)."""
-    from hrm.io import check_writable
+    from hrm.io import check_image_path
     from planner.compare import parse_prices, plan_options, plot_options
 
     counts = _gpu_counts(args.gpus)
     prices = parse_prices(args.price, names) if args.price else None
     tokens = _dataset_tokens(args)
     if args.plot:
-        check_writable(args.plot)
+        check_image_path(args.plot, "--plot")
     machines = {name: _hardware(args, name) for name in names}
     options = plan_options(
         arch,
@@ -421,8 +421,9 @@ def _run_comparison(args, arch, names: list[str], workload) -> int:
 
 def format_comparison(options, title: str, tokens, *, fastest, cheapest) -> str:
     one_gpu = {o.machine: o.throughput_tok_s for o in options if o.gpus == 1 and o.plan}
+    width = max(22, *(len(o.label) + 2 for o in options))
     header = (
-        f"  {'option':<22}{'N':>6} {'mu':>5} {'tok/s':>9} {'scaling':>8} {'all-red':>8} "
+        f"  {'option':<{width}}{'N':>6} {'mu':>5} {'tok/s':>9} {'scaling':>8} {'all-red':>8} "
         f"{'$/h':>6} {'$/M tok':>8}"
     )
     if tokens is not None:
@@ -430,13 +431,13 @@ def format_comparison(options, title: str, tokens, *, fastest, cheapest) -> str:
     lines = [title, header]
     for o in options:
         if o.plan is None:
-            lines.append(f"  {o.label:<22}does not fit: {o.why_not}")
+            lines.append(f"  {o.label:<{width}}does not fit: {o.why_not}")
             continue
         q = o.plan.policy
         base = one_gpu.get(o.machine)
         scaling = f"{o.throughput_tok_s / base:.2f}x" if base else "-"
         row = (
-            f"  {o.label:<22}{q.batch_size:>6} {q.micro_batch_size:>5} {o.throughput_tok_s:>9.1f} "
+            f"  {o.label:<{width}}{q.batch_size:>6} {q.micro_batch_size:>5} {o.throughput_tok_s:>9.1f} "
             f"{scaling:>8} {_percent(o.all_reduce_share):>8} {_money(o.price_per_hour):>6} "
             f"{_money(o.cost_per_million_tokens):>8}"
         )

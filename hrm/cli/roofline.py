@@ -68,7 +68,7 @@ def _dtypes(text: str, flag: str) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     from hrm.arch import resolve_model
     from hrm.hardware import resolve_hardware
-    from hrm.io import check_writable
+    from hrm.io import check_image_path
     from hrm.plots import plot_roofline
     from hrm.roofline_report import build_roofline_report
 
@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     if _dtypes(dtype, "--dtype") != [dtype]:
         raise HrmError(f"--dtype: expected one dtype, got {dtype!r}")
     kv_dtypes = _dtypes(args.kv_dtypes or f"{dtype},int8,int4", "--kv-dtypes")
-    output = check_writable(args.output or f"roofline-{arch.name}-{hardware.name}.png")
+    output = check_image_path(args.output or f"roofline-{arch.name}-{hardware.name}.png", "-o")
     report = build_roofline_report(
         arch,
         hardware,

@@ -90,13 +90,43 @@ def test_with_free_communication_doubling_the_gpus_never_lowers_the_best(gpu_mem
     assert best(2 * count) >= best(count) * (1 - 1e-6)
 
 
-def test_fewer_gpus_of_a_machine_and_the_counts_it_does_not_have():
+def test_fewer_gpus_of_a_machine_and_more_as_a_what_if():
     hw = resolve_hardware("4xt4")
     two = hw.with_gpu_count(2)
     assert two.gpu.count == 2 and two.name == "4xt4@2gpu" and two.gpu.memory_bytes == 16e9
     assert hw.with_gpu_count(4) is hw
-    with pytest.raises(HrmError, match="--gpus 8: 4xt4 has 4 GPUs"):
-        hw.with_gpu_count(8)
+    eight = hw.with_gpu_count(8)
+    assert eight.gpu.count == 8 and eight.cpu == hw.cpu and eight.link == hw.link
+    assert eight.h2d_bytes_per_s == 2 * hw.h2d_bytes_per_s  # a link each
+    with pytest.raises(HrmError, match="--gpus 0: give a positive GPU count"):
+        hw.with_gpu_count(0)
+
+
+def test_the_readme_multi_gpu_example_plans_what_ifs_with_scaled_prices(run_cli):
+    """Two L4s on a one-L4 profile: planned, marked what-if, priced at twice the machine's
+    price, and faster than one (twice the GPU memory and two links)."""
+    status, out, _ = run_cli(
+        "plan", "--model", "mixtral-8x7b", "--hardware", "t4,l4", "--gpus", "1,2", *MTBENCH,
+        "--price", "t4=0.35,l4=0.70", "--json",
+    )  # fmt: skip
+    assert status == 0
+    options = {(o["machine"], o["gpus"]): o for o in json.loads(out)["options"]}
+    assert set(options) == {("t4", 1), ("t4", 2), ("l4", 1), ("l4", 2)}
+    assert [options["l4", g]["what_if"] for g in (1, 2)] == [False, True]
+    assert options["l4", 2]["price_per_hour"] == pytest.approx(1.40)
+    assert options["t4", 2]["price_per_hour"] == pytest.approx(0.70)
+    assert options["l4", 2]["throughput_tok_s"] > options["l4", 1]["throughput_tok_s"]
+    status, out, _ = run_cli("plan", "--model", "mixtral-8x7b", "--hardware", "l4", "--gpus",
+                             "1,2", *MTBENCH)  # fmt: skip
+    assert status == 0 and "l4, 2 GPUs (what-if)" in out and "l4, 1 GPU " in out
+
+
+def test_one_machine_takes_a_bare_price(run_cli):
+    assert parse_prices("0.9", ["l4"]) == {"l4": 0.9}
+    status, out, _ = run_cli(
+        "plan", "--model", "mixtral-8x7b", "--hardware", "l4", *MTBENCH, "--price", "0.9", "--json"
+    )
+    assert status == 0 and json.loads(out)["options"][0]["price_per_hour"] == 0.9
 
 
 def test_cost_per_token_combines_throughput_and_price():
@@ -143,7 +173,8 @@ def test_gpus_and_a_hardware_list_print_and_serialise_every_option(run_cli, tmp_
 @pytest.mark.parametrize(
     ("extra", "fragment"),
     [
-        (["--hardware", "4xt4", "--gpus", "8"], "--gpus 8: 4xt4 has 4 GPUs"),
+        (["--hardware", "t4,l4", "--price", "0.9"], "with several machines name each"),
+        (["--hardware", "l4", "--price", "free"], "'free' is not a number"),
         (["--hardware", "4xt4", "--gpus", "3"], "num_attention_heads = 32 does not divide by 3"),
         (["--hardware", "4xt4", "--gpus", "0"], "--gpus: expected positive GPU counts"),
         (["--hardware", "t4,l4", "--price", "a100-80g=3"], "'a100-80g' is not in --hardware"),
