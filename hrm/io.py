@@ -99,6 +99,12 @@ def check_image_path(path: str | os.PathLike, flag: str) -> Path:
     return p
 
 
+def save_figure(fig, path: str | os.PathLike) -> Path:
+    """A matplotlib figure written atomically, in the format its name says."""
+    fmt = Path(path).suffix.lstrip(".").lower()
+    return atomic_write(path, lambda tmp: fig.savefig(tmp, format=fmt))
+
+
 def new_file_mode() -> int:
     """The mode a new file gets under the user's umask (mkstemp's 0600 would survive the rename
     and hide outputs from teammates on a shared machine)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hrm.io import atomic_write
+from hrm.io import save_figure
 from hrm.roofline_report import RooflineReport
 from hrm.units import format_bandwidth, format_flops
 
@@ -153,11 +153,7 @@ def plot_roofline(report: RooflineReport, path: str | Path) -> Path:
     ax.grid(True, which="both", alpha=0.25)
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
-
-    def write(tmp: Path) -> None:
-        fig.savefig(tmp, format=Path(path).suffix.lstrip(".").lower())
-
     try:
-        return atomic_write(path, write)
+        return save_figure(fig, path)
     finally:
         plt.close(fig)

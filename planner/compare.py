@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from hrm.arch import ModelArch
@@ -98,7 +97,7 @@ def parse_prices(text: str, machines: Sequence[str]) -> dict[str, float]:
     elif "=" not in text:
         raise HrmError(
             f"--price {text.strip()!r}: with several machines name each, e.g. "
-            f"\"{machines[0]}=0.70,{machines[1]}=0.35\""
+            f'"{machines[0]}=0.70,{machines[1]}=0.35"'
         )
     prices: dict[str, float] = {}
     for item in (part.strip() for part in text.split(",")):
@@ -187,7 +186,7 @@ def plot_options(options: Sequence[Option], path, title: str):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from hrm.io import atomic_write
+    from hrm.io import save_figure
 
     priced = [o for o in options if o.cost_per_million_tokens is not None]
     if not priced:
@@ -204,6 +203,6 @@ def plot_options(options: Sequence[Option], path, title: str):
     ax.set_title(title)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    out = atomic_write(path, lambda tmp: fig.savefig(tmp, format=Path(path).suffix.lstrip(".").lower()))
+    out = save_figure(fig, path)
     plt.close(fig)
     return out

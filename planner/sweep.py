@@ -8,7 +8,7 @@ from pathlib import Path
 from hrm.arch import ModelArch
 from hrm.errors import HrmError
 from hrm.hardware import HardwareProfile
-from hrm.io import atomic_write
+from hrm.io import save_figure
 from hrm.plan import Plan
 from hrm.units import format_bandwidth, format_bytes
 from hrm.workload import Workload
@@ -119,6 +119,6 @@ def plot_sweep(result: Sweep, path: str | Path, title: str) -> Path:
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    out = atomic_write(path, lambda tmp: fig.savefig(tmp, format=Path(path).suffix.lstrip(".").lower()))
+    out = save_figure(fig, path)
     plt.close(fig)
     return out

@@ -437,9 +437,9 @@ def format_comparison(options, title: str, tokens, *, fastest, cheapest) -> str:
         base = one_gpu.get(o.machine)
         scaling = f"{o.throughput_tok_s / base:.2f}x" if base else "-"
         row = (
-            f"  {o.label:<{width}}{q.batch_size:>6} {q.micro_batch_size:>5} {o.throughput_tok_s:>9.1f} "
-            f"{scaling:>8} {_percent(o.all_reduce_share):>8} {_money(o.price_per_hour):>6} "
-            f"{_money(o.cost_per_million_tokens):>8}"
+            f"  {o.label:<{width}}{q.batch_size:>6} {q.micro_batch_size:>5} "
+            f"{o.throughput_tok_s:>9.1f} {scaling:>8} {_percent(o.all_reduce_share):>8} "
+            f"{_money(o.price_per_hour):>6} {_money(o.cost_per_million_tokens):>8}"
         )
         if tokens is not None:
             hours = o.dataset_seconds(tokens) / 3600
