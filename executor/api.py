@@ -110,6 +110,7 @@ def prepare_run(
             raise HrmError("--prompt-len and --batch must both be positive integers")
         g = torch.Generator().manual_seed(seed)
         ids = torch.randint(0, arch.vocab_size, (batch, prompt_len), generator=g).tolist()
+    arch.check_positions(max(len(p) for p in ids), gen_len)
     return RunSpec(
         checkpoint=directory,
         arch=arch,

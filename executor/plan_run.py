@@ -67,12 +67,7 @@ def check_plan(
             f"--gen-len {gen_len} exceeds the plan's {plan.workload.gen_len}: its KV cache is "
             "sized for that; plan with the --gen-len of the run"
         )
-    positions = arch.max_position_embeddings
-    if positions is not None and longest + gen_len > positions:
-        raise HrmError(
-            f"a prompt of {longest} tokens plus {gen_len} new ones exceeds the model's "
-            f"{positions} positions; shorten the prompts or --gen-len"
-        )
+    arch.check_positions(longest, gen_len)
     gpu, cpu = plan.memory.gpu_bytes, plan.memory.cpu_bytes
     if gpu_bytes is not None and not stand_in and gpu > gpu_bytes:
         raise HrmError(

@@ -72,6 +72,24 @@ class ModelArch:
                 f"{self.num_experts} experts"
             )
 
+    def check_positions(
+        self,
+        longest_prompt: int,
+        gen_len: int,
+        what: str = "a prompt",
+        fix: str = "shorten the prompts or the generation length",
+    ) -> None:
+        """Refuse a prompt plus its new tokens beyond the positions the model was made for: the
+        one count every command that takes lengths applies (rotary tables, the KV cache and the
+        planner's context all assume it)."""
+        limit = self.max_position_embeddings
+        if limit is not None and longest_prompt + gen_len > limit:
+            plus = f" plus {gen_len} new ones" if gen_len else ""
+            raise HrmError(
+                f"{what} of {longest_prompt} tokens{plus} needs {longest_prompt + gen_len} "
+                f"positions, more than {self.name}'s {limit}; {fix}"
+            )
+
     # -- parameter counts (per layer unless named otherwise) -----------------------------------
 
     @property

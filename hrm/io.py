@@ -150,40 +150,42 @@ def atomic_write_yaml(path: str | os.PathLike, obj: Any) -> Path:
 
 def read_prompts_file(path: Path) -> tuple[list[list[int] | str], bool]:
     """JSONL of {"prompt_token_ids": [...]} or {"prompt": "text"}, checked line by line; returns
-    the prompts and whether any is text (then the run needs a tokenizer)."""
+    the prompts and whether any is text (then the run needs a tokenizer). Output line i answers
+    input line i, so a blank line inside the file is refused (trailing ones end it)."""
     if not path.is_file():
         raise HrmError(f"{path}: no such prompts file; check the path")
-    prompts: list[list[int] | str] = []
-    needs_text = False
     with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                raise HrmError(f"{path}:{n}: not a JSON object; one prompt per line") from None
-            if (
-                not isinstance(record, dict)
-                or len(record.keys() & {"prompt_token_ids", "prompt"}) != 1
-            ):
-                raise HrmError(f"{path}:{n}: give exactly one of 'prompt_token_ids' or 'prompt'")
-            if "prompt" in record:
-                if not isinstance(record["prompt"], str) or not record["prompt"]:
-                    raise HrmError(f"{path}:{n}: 'prompt' must be a non-empty string")
-                prompts.append(record["prompt"])
-                needs_text = True
-            else:
-                ids = record["prompt_token_ids"]
-                if (
-                    not isinstance(ids, list)
-                    or not ids
-                    or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
-                ):
-                    raise HrmError(
-                        f"{path}:{n}: 'prompt_token_ids' must be a non-empty list of ints"
-                    )
-                prompts.append(ids)
-    if not prompts:
+        lines = f.read().splitlines()
+    while lines and not lines[-1].strip():
+        lines.pop()
+    if not lines:
         raise HrmError(f"{path}: no prompts in the file")
-    return prompts, needs_text
+    prompts = [_prompt(line, f"{path}:{n}") for n, line in enumerate(lines, 1)]
+    return prompts, any(isinstance(p, str) for p in prompts)
+
+
+def _prompt(line: str, where: str) -> list[int] | str:
+    """One line's prompt: token ids or text."""
+    if not line.strip():
+        raise HrmError(
+            f"{where}: a blank line; output line i answers input line i, so remove it or give "
+            "it a prompt"
+        )
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        raise HrmError(f"{where}: not a JSON object; one prompt per line") from None
+    if not isinstance(record, dict) or len(record.keys() & {"prompt_token_ids", "prompt"}) != 1:
+        raise HrmError(f"{where}: give exactly one of 'prompt_token_ids' or 'prompt'")
+    if "prompt" in record:
+        if not isinstance(record["prompt"], str) or not record["prompt"]:
+            raise HrmError(f"{where}: 'prompt' must be a non-empty string")
+        return record["prompt"]
+    ids = record["prompt_token_ids"]
+    if (
+        not isinstance(ids, list)
+        or not ids
+        or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
+    ):
+        raise HrmError(f"{where}: 'prompt_token_ids' must be a non-empty list of ints")
+    return ids

@@ -90,3 +90,7 @@ def format_bandwidth(value: float, digits: int | None = 4) -> str:
 
 def format_flops(value: float, digits: int | None = 4) -> str:
     return _format(value, "FLOP/s", digits)
+
+
+def format_percent(fraction: float) -> str:
+    return f"{100 * fraction:.0f}%"

@@ -32,6 +32,7 @@ from planner.memory import usable_bytes
 from planner.search import fill_gpu
 from planner.transfers import link_seconds
 
+_NO_CAP = 1 << 20  # sequences: far beyond any batch that fits
 FLEXGEN_GBS = (1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 BASELINE_SCHEDULE = "gpu-attention"
 
@@ -55,8 +56,9 @@ class Baseline:
         }
 
 
-def baselines(setting: Setting) -> list[Baseline]:
-    """Both baselines on the setting's machine and workload (none without a GPU)."""
+def baselines(setting: Setting, max_batch_size: int | None = None) -> list[Baseline]:
+    """Both baselines on the setting's machine and workload (none without a GPU), with at most
+    `max_batch_size` sequences in a batch (a job's prompts) when given."""
     if not setting.hardware.has_gpu:
         return []
     gpu_setting = Setting(
@@ -67,14 +69,15 @@ def baselines(setting: Setting) -> list[Baseline]:
         weight_dtype=setting.weight_dtype,
         kv_dtype=setting.kv_dtype,
     )
-    return [flexgen_like(gpu_setting), deepspeed_like(gpu_setting)]
+    cap = max_batch_size or _NO_CAP
+    return [flexgen_like(gpu_setting, cap), deepspeed_like(gpu_setting, cap)]
 
 
-def deepspeed_like(setting: Setting) -> Baseline:
+def deepspeed_like(setting: Setting, max_batch_size: int = _NO_CAP) -> Baseline:
     def policy(n: int) -> Policy:
         return _policy(setting, n, n, weights=0.0, kv=1.0)
 
-    n = _largest(lambda n: _fits(setting, policy(n)))
+    n = _largest(lambda n: _fits(setting, policy(n)), max_batch_size)
     plan = build_plan(batch_model(setting, n, n), policy(n)) if n else None
     return Baseline(
         name="deepspeed-like",
@@ -83,10 +86,13 @@ def deepspeed_like(setting: Setting) -> Baseline:
     )
 
 
-def flexgen_like(setting: Setting) -> Baseline:
+def flexgen_like(setting: Setting, max_batch_size: int = _NO_CAP) -> Baseline:
     best: tuple[float, Policy] | None = None
-    for gbs in FLEXGEN_GBS:
-        blocks = _largest(lambda ngb, gbs=gbs: _fits(setting, _flexgen_policy(setting, gbs, ngb)))
+    for gbs in (g for g in FLEXGEN_GBS if g <= max_batch_size):
+        blocks = _largest(
+            lambda ngb, gbs=gbs: _fits(setting, _flexgen_policy(setting, gbs, ngb)),
+            max_batch_size // gbs,
+        )
         if not blocks:
             break  # a larger gbs needs more memory still
         policy = _flexgen_policy(setting, gbs, blocks)
@@ -168,7 +174,7 @@ def _fits(setting: Setting, policy: Policy) -> bool:
     )
 
 
-def _largest(fits: Callable[[int], bool], limit: int = 1 << 20) -> int:
+def _largest(fits: Callable[[int], bool], limit: int = _NO_CAP) -> int:
     """The largest n >= 1 with fits(n) (monotone), by doubling then bisection; 0 if none."""
     if not fits(1):
         return 0

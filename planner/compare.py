@@ -133,6 +133,7 @@ def plan_options(
     schedule: str = "cgopipe",
     dtype: str | None = None,
     kv_dtype: str | None = None,
+    max_batch_size: int | None = None,
 ) -> list[Option]:
     """The best plan for each machine (keyed by the name the user gave) at each GPU count
     (default: all its GPUs), in `dtype` (default: each machine's faster 16-bit dtype). Counts
@@ -160,7 +161,9 @@ def plan_options(
             price *= count / own.gpu_count
         base = {"machine": key, "gpus": count, "price_per_hour": price, "what_if": what_if}
         try:
-            plan = search(arch, sized, workload, top_k=1, **options).best
+            plan = search(
+                arch, sized, workload, top_k=1, max_batch_size=max_batch_size, **options
+            ).best
         except NoPolicyFits as exc:
             out.append(Option(**base, plan=None, why_not=str(exc)))
             continue

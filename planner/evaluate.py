@@ -236,13 +236,14 @@ TIGHT_FRACTION = 0.99
 
 
 def binding_memory(memory: MemoryFootprint) -> str:
-    """The devices whose usable memory is (nearly) full, e.g. "gpu+cpu"; else the most used."""
+    """The devices whose usable memory is (nearly) full, e.g. "gpu+cpu"; "none" when no memory
+    is (a plan bound by time, not space)."""
     use = {
         "gpu": memory.gpu_bytes / memory.gpu_capacity_bytes if memory.gpu_capacity_bytes else 0.0,
         "cpu": memory.cpu_bytes / memory.cpu_capacity_bytes,
     }
     tight = [name for name, u in use.items() if u >= TIGHT_FRACTION]
-    return "+".join(tight) if tight else max(use, key=use.get)
+    return "+".join(tight) if tight else "none"
 
 
 def check_policy(policy: Policy, hardware: HardwareProfile, schedule: str) -> None:

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 
 from hrm.errors import HrmError
 from hrm.plan import SCHEDULES
 from hrm.policy import DTYPE_BYTES
-from hrm.units import format_bandwidth, format_bytes, parse_bandwidth, parse_bytes
+from hrm.units import format_bandwidth, format_bytes, format_percent, parse_bandwidth, parse_bytes
 
 SWEEPS = ("cpu-mem", "gpu-mem", "pcie")
 
@@ -42,9 +41,13 @@ def add_parser(subparsers) -> None:
         "--dataset-tokens", type=float, help="tokens to generate in all: time and cost of the job"
     )
     dataset.add_argument(
-        "--prompts", help="JSONL prompts file: time and cost of its prompts x --gen-len tokens"
+        "--prompts",
+        help="JSONL prompts file: plan for its prompts' lengths, at most as many as it has, and "
+        "report the job's hours",
     )
-    p.add_argument("--prompt-len", type=float, required=True, help="mean prompt length (tokens)")
+    p.add_argument(
+        "--prompt-len", type=float, help="mean prompt length (tokens; --prompts counts them)"
+    )
     p.add_argument("--max-prompt-len", type=int, help="longest prompt (default: the mean)")
     p.add_argument("--padding", action="store_true", help="pad every prompt to the longest")
     p.add_argument("--gen-len", type=int, required=True, help="tokens generated per sequence")
@@ -70,7 +73,12 @@ def add_parser(subparsers) -> None:
         'w=0,kv=0" (w and kv fractions of the weights and KV cache on the GPU)',
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("-o", "--output", help="write the best plan here (for hrm run --plan)")
+    p.add_argument(
+        "-o",
+        "--output",
+        help="write the best plan (or --policy) here, for hrm run --plan",
+    )
+    p.add_argument("--layers", type=int, help="plan only the model's first L layers")
     p.add_argument("--sweep", choices=SWEEPS, help="best throughput as this resource changes")
     p.add_argument("--sweep-values", help="comma-separated sizes or bandwidths (default 1/4x-4x)")
     p.add_argument(
@@ -81,41 +89,62 @@ def add_parser(subparsers) -> None:
     p.set_defaults(run=run)
 
 
-def _workload(args):
-    from hrm.workload import Workload
-
-    if not math.isfinite(args.prompt_len) or args.prompt_len <= 0:
-        raise HrmError(f"--prompt-len must be positive, got {args.prompt_len:g}")
-    longest = args.max_prompt_len if args.max_prompt_len is not None else math.ceil(args.prompt_len)
-    if longest <= 0:
-        raise HrmError(f"--max-prompt-len must be positive, got {longest}")
-    if args.gen_len <= 0:
-        raise HrmError(f"--gen-len must be positive, got {args.gen_len}")
-    return Workload(
-        prompt_len_mean=args.prompt_len,
-        prompt_len_max=longest,
-        gen_len=args.gen_len,
-        padding=args.padding,
-    )
-
-
-def _hardware(args, name: str | None = None):
-    """The named machine (default --hardware) with --cpu-mem, --gpu-mem and --pcie applied."""
-    from hrm.hardware import resolve_hardware
-
-    hardware = resolve_hardware(name or args.hardware)
-    return hardware.with_resources(
-        cpu_memory_bytes=parse_bytes(args.cpu_mem, "--cpu-mem") if args.cpu_mem else None,
-        gpu_memory_bytes=parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None,
-        link_bytes_per_s=parse_bandwidth(args.pcie, "--pcie") if args.pcie else None,
-    )
-
-
 def run(args: argparse.Namespace) -> int:
-    from hrm.arch import resolve_model
+    from hrm.cli.plan_job import hardware_of, max_batch, model, workload_and_job
+
+    names = _check_flags(args)
+    comparing = len(names) > 1 or args.gpus is not None or args.price is not None
+    if comparing and (args.output or args.sweep):
+        raise HrmError(
+            "-o and --sweep take one machine; leave them out when comparing options "
+            "(--gpus, --price or several --hardware)"
+        )
+    if args.plot and not (args.sweep or comparing):
+        raise HrmError("--plot draws a sweep (--sweep) or a comparison (--price with --hardware)")
+    arch = model(args)
+    workload, job = workload_and_job(args, arch)
+    cap = max_batch(args, job)
+    if comparing:
+        from hrm.cli.plan_compare import run_comparison
+
+        return run_comparison(args, arch, names, workload, job, cap)
+    hardware = hardware_of(args)
+    dtype = args.dtype or hardware.half_dtype
+    options = {"schedule": args.schedule, "weight_dtype": dtype, "kv_dtype": args.kv_dtype or dtype}
+    if args.sweep:
+        return _run_sweep(args, arch, hardware, workload, options)
+    from planner.baselines import baselines
+    from planner.cost import Setting
+    from planner.search import search
+
+    named = _named(args, arch, hardware, workload, options)
+    result = search(arch, hardware, workload, top_k=args.top, max_batch_size=cap, **options)
+    base = baselines(Setting(arch=arch, hardware=hardware, workload=workload, **options), cap)
+    written = named if named is not None and args.output else result.best
+    if args.output:
+        written.save(args.output)
+    rate, price = written.predicted.throughput_tok_s, hardware.price_per_hour
+    if args.json:
+        data = plan_json(result, base, args.output)
+        if named is not None:
+            data["named_policy"] = {**named.to_dict(), "shortfall": shortfall(named)}
+        data["job"] = job.to_dict(rate, price) if job is not None else None
+        print(json.dumps(data, indent=2))
+        return 0
+    print(format_plan(result, base))
+    if named is not None:
+        print(format_named(named, result.best))
+    if job is not None:
+        print(job.describe(rate, price))
+    if args.output:
+        print(f"wrote {args.output}" + (" (the named policy)" if written is named else ""))
+    return 0
+
+
+def _check_flags(args) -> list[str]:
+    """Flags checked before any work; returns the --hardware names."""
     from hrm.io import check_writable
 
-    workload = _workload(args)
     if args.top < 1:
         raise HrmError(f"--top must be at least 1, got {args.top}")
     names = [name.strip() for name in args.hardware.split(",")]
@@ -123,60 +152,32 @@ def run(args: argparse.Namespace) -> int:
         raise HrmError("--hardware: give at least one machine (a bundled name or a .yaml)")
     if not all(names):
         raise HrmError(f"--hardware {args.hardware!r}: an empty name in the list; remove it")
-    comparing = len(names) > 1 or any(
-        x is not None for x in (args.gpus, args.price, args.dataset_tokens, args.prompts)
-    )
     if args.output:
         check_writable(args.output)
-    if comparing and (args.output or args.sweep):
-        raise HrmError(
-            "-o and --sweep take one machine; leave them out when comparing options "
-            "(--gpus, --price, --dataset-tokens, --prompts or several --hardware)"
-        )
-    if args.plot and not (args.sweep or comparing):
-        raise HrmError("--plot draws a sweep (--sweep) or a comparison (--price with --hardware)")
     if args.sweep and args.output:
         raise HrmError("-o writes one plan; leave it out with --sweep (use --plot for the chart)")
-    arch = resolve_model(args.model)
-    if comparing:
-        return _run_comparison(args, arch, names, workload)
-    hardware = _hardware(args)
-    dtype = args.dtype or hardware.half_dtype
-    options = {"schedule": args.schedule, "weight_dtype": dtype, "kv_dtype": args.kv_dtype or dtype}
-    if args.sweep:
-        return _run_sweep(args, arch, hardware, workload, options)
+    return names
+
+
+def _named(args, arch, hardware, workload, options):
+    """--policy's prediction (None without it). With -o it is the plan written, so it must fit."""
+    if args.policy is None:
+        return None
+    from hrm.policy import parse_policy_text
     from planner import predict
-    from planner.baselines import baselines
-    from planner.cost import Setting
-    from planner.search import search
 
-    named = None
-    if args.policy is not None:
-        from hrm.policy import parse_policy_text
-
-        policy = parse_policy_text(
-            args.policy, weight_dtype=options["weight_dtype"], kv_dtype=options["kv_dtype"]
-        )
-        named = predict(arch, hardware, workload, policy, args.schedule)
-    result = search(
-        arch, hardware, workload, top_k=args.top, max_batch_size=args.max_batch_size, **options
+    policy = parse_policy_text(
+        args.policy, weight_dtype=options["weight_dtype"], kv_dtype=options["kv_dtype"]
     )
-    setting = Setting(arch=arch, hardware=hardware, workload=workload, **options)
-    base = baselines(setting)
-    if args.output:
-        result.best.save(args.output)
-    if args.json:
-        data = plan_json(result, base, args.output)
-        if named is not None:
-            data["named_policy"] = {**named.to_dict(), "shortfall": shortfall(named)}
-        print(json.dumps(data, indent=2))
-    else:
-        print(format_plan(result, base))
-        if named is not None:
-            print(format_named(named, result.best))
-        if args.output:
-            print(f"wrote {args.output}")
-    return 0
+    named = predict(arch, hardware, workload, policy, args.schedule)
+    short = shortfall(named)
+    if short and args.output:
+        raise HrmError(
+            f"--policy does not fit on {hardware.name}: "
+            + ", ".join(f"{d.upper()} memory {format_bytes(b, 3)} short" for d, b in short.items())
+            + "; lower N, mu, w or kv, or leave out -o to see it beside the best"
+        )
+    return named
 
 
 def shortfall(plan) -> dict[str, float]:
@@ -212,12 +213,13 @@ def _breakdown(plan) -> list[str]:
         f"  predicted   {pred.throughput_tok_s:.1f} tok/s: prefill {pred.prefill_s:.1f} s + decode "
         f"{pred.decode_s:.1f} s for {pred.generated_tokens} tokens",
         "  busy        "
-        + "  ".join(f"{r.upper()} {_percent(f)}" for r, f in plan.busy_fraction.items()),
+        + "  ".join(f"{r.upper()} {format_percent(f)}" for r, f in plan.busy_fraction.items()),
     ]
     if mem.gpu_capacity_bytes > 0:
         lines.append(_memory_line("GPU", mem.gpu_bytes, mem.gpu_capacity_bytes, mem.gpu))
     lines.append(_memory_line("CPU", mem.cpu_bytes, mem.cpu_capacity_bytes, mem.cpu))
-    lines.append(f"  binds       {plan.bottleneck}; memory: {plan.binding_memory}")
+    full = "none full" if plan.binding_memory == "none" else f"{plan.binding_memory} full"
+    lines.append(f"  binds       {plan.bottleneck}; memory: {full}")
     return lines
 
 
@@ -233,23 +235,19 @@ def plan_json(result, base, output: str | None) -> dict:
     }
 
 
-def _percent(x: float) -> str:
-    return f"{100 * x:.0f}%"
-
-
 def _placement(policy) -> str:
     return (
         f"N={policy.batch_size} mu={policy.micro_batch_size} "
         f"attention {'GPU' if policy.attention_on_gpu else 'CPU'} "
         f"FFN {'GPU' if policy.ffn_on_gpu else 'CPU'} "
-        f"weights-on-GPU {_percent(policy.weights_gpu_fraction)} "
-        f"KV-on-GPU {_percent(policy.kv_gpu_fraction)}"
+        f"weights-on-GPU {format_percent(policy.weights_gpu_fraction)} "
+        f"KV-on-GPU {format_percent(policy.kv_gpu_fraction)}"
     )
 
 
 def _buffers(parts: dict[str, float]) -> str:
     shown = [f"{name} {format_bytes(b, 3)}" for name, b in parts.items() if b >= 1e6]
-    return ", ".join(shown)
+    return ", ".join(shown) or "nothing"
 
 
 def _memory_line(device: str, used: float, usable: float, parts: dict[str, float]) -> str:
@@ -285,7 +283,7 @@ def format_plan(result, base) -> str:
         lines.append(
             f"  {name:<16}{q.batch_size:>6} {q.micro_batch_size:>5} "
             f"{'GPU' if q.attention_on_gpu else 'CPU':>5} {'GPU' if q.ffn_on_gpu else 'CPU':>4} "
-            f"{_percent(q.weights_gpu_fraction):>6} {_percent(q.kv_gpu_fraction):>7} "
+            f"{format_percent(q.weights_gpu_fraction):>6} {format_percent(q.kv_gpu_fraction):>7} "
             f"{p.predicted.throughput_tok_s:>9.1f} {ratio:>7.2f}x"
         )
     return "\n".join(lines)
@@ -306,6 +304,10 @@ def _run_sweep(args, arch, hardware, workload, options) -> int:
     plot_path = args.plot or f"sweep-{args.sweep}-{arch.name}-{hardware.name}.png"
     check_image_path(plot_path, "--plot")
     result = sweep(arch, hardware, workload, resource=args.sweep, values=values, top_k=1, **options)
+    if not any(p.plan for p in result.points):
+        raise HrmError(
+            f"--sweep {args.sweep}: no value fits; at the largest, {result.points[-1].reason}"
+        )
     title = (
         f"{arch.name} on {hardware.name}: prompts {workload.prompt_len_mean:g}, "
         f"gen {workload.gen_len}"
@@ -318,7 +320,7 @@ def _run_sweep(args, arch, hardware, workload, options) -> int:
     lines = [f"{title}: best throughput against {args.sweep} (profile: {unit(result.current, 3)})"]
     for p in result.points:
         if p.plan is None:
-            lines.append(f"  {unit(p.value, 3):>12}  does not fit")
+            lines.append(f"  {unit(p.value, 3):>12}  does not fit: {p.reason}")
             continue
         q = p.plan.policy
         lines.append(
@@ -328,131 +330,3 @@ def _run_sweep(args, arch, hardware, workload, options) -> int:
     lines.append(f"wrote {plot_path}")
     print("\n".join(lines))
     return 0
-
-
-def _gpu_counts(text: str | None) -> list[int] | None:
-    if text is None:
-        return None
-    counts = []
-    for part in (p.strip() for p in text.split(",")):
-        if not part.isdigit() or int(part) < 1:
-            raise HrmError(f"--gpus: expected positive GPU counts like 1,2,4, got {text!r}")
-        counts.append(int(part))
-    return sorted(set(counts))
-
-
-def _dataset_tokens(args) -> float | None:
-    """--dataset-tokens, or the prompts of --prompts times --gen-len."""
-    if args.dataset_tokens is not None:
-        if not math.isfinite(args.dataset_tokens) or args.dataset_tokens <= 0:
-            raise HrmError(f"--dataset-tokens must be positive, got {args.dataset_tokens:g}")
-        return args.dataset_tokens
-    if args.prompts is None:
-        return None
-    from pathlib import Path
-
-    from hrm.io import read_prompts_file
-
-    prompts, _ = read_prompts_file(Path(args.prompts))
-    count = len(prompts)
-    return float(count * args.gen_len)
-
-
-def _run_comparison(args, arch, names: list[str], workload) -> int:
-    """Several machines and/or GPU counts side by side, ordered by cost (else speed)."""
-    from hrm.io import check_image_path
-    from planner.compare import parse_prices, plan_options, plot_options
-
-    counts = _gpu_counts(args.gpus)
-    prices = parse_prices(args.price, names) if args.price else None
-    tokens = _dataset_tokens(args)
-    if args.plot:
-        check_image_path(args.plot, "--plot")
-    machines = {name: _hardware(args, name) for name in names}
-    options = plan_options(
-        arch,
-        machines,
-        workload,
-        gpu_counts=counts,
-        prices=prices,
-        schedule=args.schedule,
-        dtype=args.dtype,
-        kv_dtype=args.kv_dtype,
-    )
-    priced = any(o.cost_per_million_tokens is not None for o in options)
-
-    def order(o):
-        if not o.plan:
-            return (2, 0.0)
-        cost = o.cost_per_million_tokens
-        return (0, cost) if priced and cost is not None else (1, -o.throughput_tok_s)
-
-    options.sort(key=order)
-    fitting = [o for o in options if o.plan]
-    fastest = max(fitting, key=lambda o: o.throughput_tok_s).label if fitting else None
-    costed = [o for o in fitting if o.cost_per_million_tokens is not None]
-    cheapest = min(costed, key=lambda o: o.cost_per_million_tokens).label if costed else None
-    title = (
-        f"{arch.name}: prompts {workload.prompt_len_mean:g} (max {workload.prompt_len_max}), "
-        f"{workload.gen_len} new tokens, {args.schedule}"
-    )
-    if args.plot:
-        plot_options(options, args.plot, title)
-    if args.json:
-        print(
-            json.dumps(
-                {
-                    "model": arch.name,
-                    "workload": workload.to_dict(),
-                    "options": [o.to_dict(tokens) for o in options],
-                    "fastest": fastest,
-                    "cheapest": cheapest,
-                    "plot": args.plot,
-                },
-                indent=2,
-            )
-        )
-        return 0
-    print(format_comparison(options, title, tokens, fastest=fastest, cheapest=cheapest))
-    if args.plot:
-        print(f"wrote {args.plot}")
-    return 0
-
-
-def format_comparison(options, title: str, tokens, *, fastest, cheapest) -> str:
-    one_gpu = {o.machine: o.throughput_tok_s for o in options if o.gpus == 1 and o.plan}
-    width = max(22, *(len(o.label) + 2 for o in options))
-    header = (
-        f"  {'option':<{width}}{'N':>6} {'mu':>5} {'tok/s':>9} {'scaling':>8} {'all-red':>8} "
-        f"{'$/h':>6} {'$/M tok':>8}"
-    )
-    if tokens is not None:
-        header += f" {'job h':>8} {'job $':>8}"
-    lines = [title, header]
-    for o in options:
-        if o.plan is None:
-            lines.append(f"  {o.label:<{width}}does not fit: {o.why_not}")
-            continue
-        q = o.plan.policy
-        base = one_gpu.get(o.machine)
-        scaling = f"{o.throughput_tok_s / base:.2f}x" if base else "-"
-        row = (
-            f"  {o.label:<{width}}{q.batch_size:>6} {q.micro_batch_size:>5} "
-            f"{o.throughput_tok_s:>9.1f} {scaling:>8} {_percent(o.all_reduce_share):>8} "
-            f"{_money(o.price_per_hour):>6} {_money(o.cost_per_million_tokens):>8}"
-        )
-        if tokens is not None:
-            hours = o.dataset_seconds(tokens) / 3600
-            row += f" {hours:>8.2f} {_money(o.dataset_cost(tokens)):>8}"
-        marks = [
-            m for m, label in (("fastest", fastest), ("cheapest", cheapest)) if label == o.label
-        ]
-        row += f"  binds: {o.plan.bottleneck}" + (f"  <- {', '.join(marks)}" if marks else "")
-        lines.append(row)
-    if tokens is not None:
-        lines.append(f"  job: {tokens:.4g} generated tokens")
-    return "\n".join(lines)
-
-
-def _money(x) -> str:
-    return "-" if x is None else f"{x:.2f}"

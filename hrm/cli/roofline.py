@@ -76,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
     if args.context <= 0 or args.micro_batch <= 0:
         raise HrmError("--context and --micro-batch must be positive")
     arch = resolve_model(args.model)
+    arch.check_positions(args.context, 0, "--context", fix="give a shorter --context")
     hardware = resolve_hardware(args.hardware)
     dtype = args.dtype or hardware.half_dtype
     if _dtypes(dtype, "--dtype") != [dtype]:

@@ -213,8 +213,11 @@ def _random_arch(args):
         return None
     arch = resolve_model(args.model)
     if args.layers is not None:
-        if args.layers < 1:
-            raise HrmError(f"--layers must be at least 1, got {args.layers}")
+        if not 1 <= args.layers <= arch.num_layers:
+            raise HrmError(
+                f"--layers {args.layers}: {arch.name} has {arch.num_layers} layers; "
+                f"give 1 to {arch.num_layers}"
+            )
         arch = dataclasses.replace(arch, num_layers=args.layers)
     return arch
 

@@ -196,19 +196,21 @@ def test_bad_comparisons_are_one_line(run_cli, tmp_path, monkeypatch, extra, fra
 
 def test_a_prompts_file_sizes_the_job(run_cli, tmp_path):
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text('{"prompt_token_ids": [1, 2]}\n{"prompt": "hello"}\n\n{"prompt": "x"}\n')
+    prompts.write_text('{"prompt_token_ids": [1, 2]}\n{"prompt_token_ids": [3]}\n' * 2)
     status, out, _ = run_cli(
-        "plan", "--model", "mixtral-8x7b", "--hardware", "t4,l4", *MTBENCH, "--price", "t4=0.35",
-        "--prompts", prompts, "--json",
+        "plan", "--model", "mixtral-8x7b", "--hardware", "t4,l4", "--gen-len", "128",
+        "--price", "t4=0.35", "--prompts", prompts, "--json",
     )  # fmt: skip
     assert status == 0
     options = json.loads(out)["options"]
-    assert all(o["dataset_tokens"] == 3 * 128 for o in options)
+    assert all(o["dataset_tokens"] == 4 * 128 for o in options)
+    assert all(o["plan"]["policy"]["batch_size"] <= 4 for o in options)
     t4 = next(o for o in options if o["machine"] == "t4")
     assert t4["dataset_cost"] == pytest.approx(t4["dataset_seconds"] / 3600 * 0.35)
     assert next(o for o in options if o["machine"] == "l4")["dataset_cost"] is None
     prompts.write_text('{"text": 1}\n')
     status, _, err = run_cli(
-        "plan", "--model", "mixtral-8x7b", "--hardware", "t4,l4", *MTBENCH, "--prompts", prompts
-    )
+        "plan", "--model", "mixtral-8x7b", "--hardware", "t4,l4", "--gen-len", "8", "--prompts",
+        prompts,
+    )  # fmt: skip
     assert_one_line_error(status, err, "p.jsonl:1: give exactly one of")

@@ -1,0 +1,147 @@
+"""What `hrm plan` plans for: the model (with --layers), the workload from the lengths given or
+from a prompts file, and the job's size, so a plan never assumes more prompts than there are."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from hrm.errors import HrmError
+from hrm.units import parse_bandwidth, parse_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class Job:
+    """The whole batch job: how many prompts (None: only a token count was given) and how many
+    tokens they generate in all."""
+
+    prompts: int | None
+    tokens: float
+
+    def hours(self, throughput_tok_s: float) -> float:
+        return self.tokens / throughput_tok_s / 3600.0
+
+    def describe(self, throughput_tok_s: float, price_per_hour: float | None) -> str:
+        what = (
+            f"{self.prompts} prompts, {self.tokens:.0f} generated tokens"
+            if self.prompts is not None
+            else f"{self.tokens:.4g} generated tokens"
+        )
+        hours = self.hours(throughput_tok_s)
+        cost = (
+            f", {price_per_hour * hours:.2f} USD at {price_per_hour:g}/h" if price_per_hour else ""
+        )
+        return f"job: {what} in {hours:.3g} h at the plan's throughput{cost}"
+
+    def to_dict(self, throughput_tok_s: float, price_per_hour: float | None) -> dict:
+        hours = self.hours(throughput_tok_s)
+        return {
+            "prompts": self.prompts,
+            "tokens": self.tokens,
+            "hours": hours,
+            "cost": price_per_hour * hours if price_per_hour else None,
+        }
+
+
+def model(args):
+    """--model, cut to its first --layers layers when given (as `hrm run --layers` runs it)."""
+    from hrm.arch import resolve_model
+
+    arch = resolve_model(args.model)
+    if args.layers is None:
+        return arch
+    if not 1 <= args.layers <= arch.num_layers:
+        raise HrmError(
+            f"--layers {args.layers}: {arch.name} has {arch.num_layers} layers; "
+            f"give 1 to {arch.num_layers}"
+        )
+    return dataclasses.replace(arch, num_layers=args.layers)
+
+
+def workload_and_job(args, arch):
+    """The Workload to plan and the Job (None without --prompts or --dataset-tokens); the
+    lengths fit the model's positions."""
+    from hrm.workload import Workload
+
+    if args.gen_len <= 0:
+        raise HrmError(f"--gen-len must be positive, got {args.gen_len}")
+    if args.prompts is not None:
+        if args.prompt_len is not None or args.max_prompt_len is not None:
+            raise HrmError(
+                "--prompts gives the prompt lengths; leave out --prompt-len and --max-prompt-len"
+            )
+        lens = prompt_lengths(Path(args.prompts), args.model)
+        workload = Workload.from_prompt_lens(lens, args.gen_len, padding=args.padding)
+        job = Job(prompts=len(lens), tokens=float(len(lens) * args.gen_len))
+    else:
+        workload = _given_workload(args)
+        job = None
+        if args.dataset_tokens is not None:
+            if not math.isfinite(args.dataset_tokens) or args.dataset_tokens <= 0:
+                raise HrmError(f"--dataset-tokens must be positive, got {args.dataset_tokens:g}")
+            job = Job(prompts=None, tokens=args.dataset_tokens)
+    arch.check_positions(workload.prompt_len_max, workload.gen_len, "the longest prompt")
+    return workload, job
+
+
+def _given_workload(args):
+    from hrm.workload import Workload
+
+    if args.prompt_len is None:
+        raise HrmError("give --prompt-len (the mean prompt length) or --prompts FILE.jsonl")
+    if not math.isfinite(args.prompt_len) or args.prompt_len <= 0:
+        raise HrmError(f"--prompt-len must be positive, got {args.prompt_len:g}")
+    longest = args.max_prompt_len if args.max_prompt_len is not None else math.ceil(args.prompt_len)
+    if longest <= 0:
+        raise HrmError(f"--max-prompt-len must be positive, got {longest}")
+    return Workload(
+        prompt_len_mean=args.prompt_len,
+        prompt_len_max=longest,
+        gen_len=args.gen_len,
+        padding=args.padding,
+    )
+
+
+def prompt_lengths(path: Path, model: str) -> list[int]:
+    """Every prompt's length in tokens: token ids counted, text tokenized with the tokenizer of
+    the --model checkpoint directory (a bundled config has none)."""
+    from hrm.io import read_prompts_file
+
+    prompts, needs_text = read_prompts_file(path)
+    tokenizer = None
+    if needs_text:
+        directory = Path(model)
+        directory = directory.parent if directory.name == "config.json" else directory
+        if directory.is_dir():
+            from executor.checkpoint import load_tokenizer
+
+            tokenizer = load_tokenizer(directory)
+        if tokenizer is None:
+            line = next(n for n, p in enumerate(prompts, 1) if isinstance(p, str))
+            raise HrmError(
+                f"{path}:{line}: a text prompt, and --model {model} has no tokenizer to count its "
+                "tokens; give --model a checkpoint directory with one, or prompt_token_ids"
+            )
+    return [len(p) if isinstance(p, list) else len(tokenizer(p)["input_ids"]) for p in prompts]
+
+
+def max_batch(args, job: Job | None) -> int | None:
+    """The largest N to plan: --max-batch-size, and never more than the prompts there are."""
+    if args.max_batch_size is not None and args.max_batch_size < 1:
+        raise HrmError(f"--max-batch-size must be at least 1, got {args.max_batch_size}")
+    caps = [c for c in (args.max_batch_size, job.prompts if job else None) if c is not None]
+    return min(caps) if caps else None
+
+
+def hardware_of(args, name: str | None = None):
+    """The named machine (default --hardware) with --cpu-mem, --gpu-mem and --pcie applied."""
+    from hrm.hardware import resolve_hardware
+
+    hardware = resolve_hardware(name or args.hardware)
+    return hardware.with_resources(
+        cpu_memory_bytes=parse_bytes(args.cpu_mem, "--cpu-mem") if args.cpu_mem else None,
+        gpu_memory_bytes=parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None,
+        link_bytes_per_s=parse_bandwidth(args.pcie, "--pcie") if args.pcie else None,
+    )

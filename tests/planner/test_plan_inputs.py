@@ -1,0 +1,206 @@
+"""`hrm plan` plans what the user gives: a prompts file's lengths and count, a named policy to
+write, a truncated model, and only lengths the model can hold."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hrm.plan import Plan
+from tests.conftest import assert_one_line_error
+
+L4 = ["--model", "mixtral-8x7b", "--hardware", "l4"]
+
+
+def _prompts(tmp_path, lens):
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"prompt_token_ids": [1] * n}) + "\n" for n in lens))
+    return path
+
+
+def test_a_prompts_file_gives_the_lengths_the_batch_cap_and_the_jobs_hours(run_cli, tmp_path):
+    """200 prompts: the plan's N is at most 200 (it was 7680, 17x too fast), the workload is
+    the file's mean and longest, and the job's hours follow from the plan's throughput."""
+    lens = [10 + (i * 37) % 300 for i in range(200)]
+    path = _prompts(tmp_path, lens)
+    status, out, _ = run_cli("plan", *L4, "--prompts", path, "--gen-len", "64", "--json")
+    assert status == 0
+    data = json.loads(out)
+    assert data["workload"]["prompt_len_mean"] == pytest.approx(sum(lens) / 200)
+    assert data["workload"]["prompt_len_max"] == max(lens)
+    assert data["policy"]["batch_size"] <= 200
+    assert all(p["policy"]["batch_size"] <= 200 for p in data["top"])
+    assert all(b["policy"]["batch_size"] <= 200 for b in data["baselines"] if b["policy"])
+    job, rate = data["job"], data["predicted"]["throughput_tok_s"]
+    assert job["prompts"] == 200 and job["tokens"] == 200 * 64
+    assert job["hours"] == pytest.approx(200 * 64 / rate / 3600)
+    uncapped = json.loads(
+        run_cli(
+            "plan",
+            *L4,
+            "--prompt-len",
+            "150",
+            "--max-prompt-len",
+            "309",
+            "--gen-len",
+            "64",
+            "--json",
+        )[1]  # fmt: skip
+    )
+    assert uncapped["policy"]["batch_size"] > 200  # so the cap above is what held N down
+    status, out, _ = run_cli("plan", *L4, "--prompts", path, "--gen-len", "64")
+    assert status == 0 and "job: 200 prompts, 12800 generated tokens in" in out
+
+
+def test_a_text_prompt_is_counted_with_the_checkpoints_tokenizer(run_cli, tmp_path):
+    """The word-level test tokenizer makes "w5 w6 w7" three tokens."""
+    from hrm.arch import BUNDLED_DIR
+    from tests.executor.conftest import save_tokenizer
+
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "w5 w6 w7"}\n{"prompt_token_ids": [1, 2, 3, 4, 5, 6, 7]}\n')
+    status, _, err = run_cli("plan", *L4, "--prompts", path, "--gen-len", "8")
+    assert_one_line_error(status, err, "p.jsonl:1: a text prompt", "no tokenizer")
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    save_tokenizer(checkpoint)
+    (checkpoint / "config.json").write_text((BUNDLED_DIR / "mixtral-8x7b.json").read_text())
+    status, out, err = run_cli("plan", "--model", checkpoint, "--hardware", "l4", "--prompts",
+                               path, "--gen-len", "8", "--json")  # fmt: skip
+    assert status == 0, err
+    workload = json.loads(out)["workload"]
+    assert (workload["prompt_len_mean"], workload["prompt_len_max"]) == (5.0, 7)
+
+
+@pytest.mark.parametrize(
+    ("extra", "fragment"),
+    [
+        (["--prompt-len", "77"], "--prompts gives the prompt lengths; leave out --prompt-len"),
+        (["--max-prompt-len", "400"], "leave out --prompt-len and --max-prompt-len"),
+    ],
+)
+def test_a_prompts_file_and_given_lengths_are_refused_together(run_cli, tmp_path, extra, fragment):
+    path = _prompts(tmp_path, [5, 9])
+    status, out, err = run_cli("plan", *L4, "--prompts", path, "--gen-len", "8", *extra)
+    assert_one_line_error(status, err, fragment)
+    assert out == ""
+
+
+def test_a_blank_line_inside_a_prompts_file_is_refused(run_cli, tmp_path):
+    """Skipping it would shift every later output line off its input line."""
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt_token_ids": [1]}\n\n{"prompt_token_ids": [2]}\n\n\n')
+    status, _, err = run_cli("plan", *L4, "--prompts", path, "--gen-len", "8")
+    assert_one_line_error(status, err, "p.jsonl:2: a blank line")
+    path.write_text('{"prompt_token_ids": [1]}\n{"prompt_token_ids": [2]}\n\n\n')
+    assert run_cli("plan", *L4, "--prompts", path, "--gen-len", "8")[0] == 0
+
+
+def test_without_lengths_or_a_file_the_plan_says_what_to_give(run_cli):
+    status, _, err = run_cli("plan", *L4, "--gen-len", "8")
+    assert_one_line_error(status, err, "give --prompt-len (the mean prompt length) or --prompts")
+
+
+def test_a_named_policy_with_o_is_the_plan_written(run_cli, tmp_path):
+    out_path = tmp_path / "plan.json"
+    args = ["plan", *L4, "--prompt-len", "77", "--gen-len", "32", "-o", out_path]
+    status, out, _ = run_cli(*args, "--policy", "N=512,mu=64,attn=cpu,ffn=gpu,w=0,kv=0")
+    assert status == 0 and "(the named policy)" in out
+    policy = Plan.load(out_path).policy
+    assert (policy.batch_size, policy.micro_batch_size, policy.weights_gpu_fraction) == (512, 64, 0)
+    run_cli(*args)
+    assert Plan.load(out_path).policy.batch_size != 512  # the best, written without --policy
+
+
+def test_a_named_policy_that_does_not_fit_is_not_written(run_cli, tmp_path):
+    out_path = tmp_path / "plan.json"
+    status, out, err = run_cli("plan", *L4, "--prompt-len", "77", "--gen-len", "32", "-o",
+                               out_path, "--policy", "N=512,mu=64,w=0.5")  # fmt: skip
+    assert_one_line_error(status, err, "--policy does not fit on l4: GPU memory", "short")
+    assert out == "" and not out_path.exists()
+
+
+def test_layers_plans_the_truncated_model_that_hrm_run_layers_runs(run_cli, tmp_path):
+    out_path = tmp_path / "plan.json"
+    status, _, _ = run_cli("plan", *L4, "--prompt-len", "8", "--gen-len", "4", "--layers", "2",
+                           "-o", out_path)  # fmt: skip
+    assert status == 0
+    plan = Plan.load(out_path)
+    assert plan.geometry["num_layers"] == 2
+    status, _, err = run_cli("plan", *L4, "--prompt-len", "8", "--gen-len", "4", "--layers", "33")
+    assert_one_line_error(status, err, "--layers 33: mixtral-8x7b has 32 layers; give 1 to 32")
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["plan", *L4, "--prompt-len", "40000", "--gen-len", "8"], "40008 positions, more than"),
+        (
+            ["plan", *L4, "--prompt-len", "100", "--max-prompt-len", "32760", "--gen-len", "9"],
+            "32769 positions, more than mixtral-8x7b's 32768",
+        ),  # fmt: skip
+        (["roofline", *L4, "--context", "40000"], "--context of 40000 tokens needs 40000"),
+        (
+            [
+                "run",
+                "--model",
+                "mixtral-8x7b",
+                "--random-weights",
+                "--layers",
+                "1",
+                "--prompt-len",
+                "32760",
+                "--batch",
+                "1",
+                "--gen-len",
+                "9",
+            ],
+            "32769 positions",
+        ),  # fmt: skip
+        (
+            [
+                "run",
+                "--model",
+                "mixtral-8x7b",
+                "--random-weights",
+                "--layers",
+                "99",
+                "--prompt-len",
+                "4",
+                "--batch",
+                "1",
+                "--gen-len",
+                "2",
+            ],
+            "--layers 99: mixtral-8x7b has 32 layers",
+        ),  # fmt: skip
+    ],
+)
+def test_lengths_past_the_models_positions_are_refused_by_every_command(run_cli, tmp_path,
+                                                                         monkeypatch, args,
+                                                                         fragment):  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    status, out, err = run_cli(*args)
+    assert_one_line_error(status, err, fragment)
+    assert out == "" and not list(tmp_path.iterdir())
+
+
+def test_a_sweep_where_nothing_fits_is_refused_and_draws_nothing(run_cli, tmp_path):
+    plot = tmp_path / "s.png"
+    status, out, err = run_cli("plan", "--model", "mixtral-8x7b", "--hardware", "ci-cpu",
+                               "--prompt-len", "8", "--gen-len", "4", "--sweep", "cpu-mem",
+                               "--sweep-values", "1GB,2GB", "--plot", plot)  # fmt: skip
+    assert_one_line_error(status, err, "--sweep cpu-mem: no value fits", "GB short")
+    assert out == "" and not plot.exists()
+
+
+def test_a_plan_that_no_memory_binds_says_so_and_lists_no_empty_memory(run_cli, tmp_path):
+    """Two prompts on an L4: everything on the CPU, GPU memory unused; it printed 'memory: cpu'
+    with 93 of 173 GB used and a dangling colon after the empty GPU list."""
+    status, out, _ = run_cli("plan", *L4, "--prompts", _prompts(tmp_path, [5, 9]), "--gen-len",
+                             "8")  # fmt: skip
+    assert status == 0
+    assert "memory: none full" in out
+    gpu_line = next(line for line in out.splitlines() if "GPU memory" in line)
+    assert gpu_line.rstrip().endswith("usable: nothing")
