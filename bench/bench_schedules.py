@@ -128,7 +128,8 @@ def run(args) -> int:
     import torch
 
     from executor.checkpoint import random_checkpoint
-    from executor.plan_run import check_plan, host_memory_bytes
+    from executor.plan_run import check_plan
+    from hrm.cli.memory_check import available_host_bytes
 
     arch = dataclasses.replace(resolve_model("mixtral-8x7b"), num_layers=args.layers)
     hardware = resolve_hardware(args.hardware)
@@ -165,7 +166,7 @@ def run(args) -> int:
             args.gen_len,
             where=f"{schedule} plan",
             gpu_bytes=budget,
-            host_bytes=host_memory_bytes(),
+            host_bytes=available_host_bytes(),
             stand_in=device.type == "cpu",
         )
         row.update(fits=True, plan=plan.to_dict())

@@ -125,6 +125,14 @@ class PartialOutput:
             os.fsync(f.fileno())
         self.done.update(zip(indices, rows, strict=True))
 
+    def saved(self) -> int:
+        """Outputs whole on disk now: an interrupt may land between a write and `done`'s
+        update, so what the user is told is read from the file."""
+        if not self.path.exists():
+            return 0
+        with open(self.path, "rb") as f:
+            return max(0, sum(1 for line in f if line.endswith(b"\n")) - 1)
+
     def lines(self, count: int) -> str:
         return "".join(json.dumps(self.done[i]) + "\n" for i in range(count))
 

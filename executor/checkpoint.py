@@ -278,8 +278,8 @@ def random_checkpoint(
     torch_dtype = DTYPES[dtype]
     g = torch.Generator().manual_seed(seed)
 
-    def weight(*shape: int) -> torch.Tensor:
-        return (torch.randn(shape, generator=g) * 0.02).to(torch_dtype).to(device)
+    def weight(*shape: int) -> torch.Tensor:  # drawn in place: no fp32 transient to count
+        return torch.empty(shape, dtype=torch_dtype).normal_(0.0, 0.02, generator=g).to(device)
 
     def ones(n: int) -> torch.Tensor:
         return torch.ones(n, dtype=torch_dtype, device=device)

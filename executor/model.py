@@ -200,18 +200,21 @@ class MoEModel:
         counts = torch.bincount(top_i.flatten(), minlength=self.arch.num_experts).tolist()  # [E]
         xs = x[order // K]  # [A, H]
         ys = torch.empty_like(xs)  # [A, H]
+        scale = top_w.flatten()[order, None]  # [A, 1] fp32
         start = 0
+        # transformers scales each expert's output by its fp32 weight, rounds to the model dtype
+        # and adds the experts to zeros in index order; the scaling is per expert here, so no
+        # fp32 copy of all A rows exists at once (planner/memory.py counts the workspace).
         for e, n in enumerate(counts):
             if n:
-                ex, chunk = w.experts[e], xs[start : start + n]  # [n, H]
-                hidden = F.silu(self.linear(chunk, ex.w1)) * self.linear(chunk, ex.w3)  # [n, I]
-                ys[start : start + n] = self.linear(hidden, ex.w2)  # [n, H]
+                ex, rows = w.experts[e], slice(start, start + n)
+                hidden = F.silu(self.linear(xs[rows], ex.w1)) * self.linear(xs[rows], ex.w3)
+                ys[rows] = self.linear(hidden, ex.w2) * scale[rows]  # [n, H], rounded
                 start += n
-        # transformers scales each expert's output by its fp32 weight, rounds to the model dtype
-        # and adds the experts to zeros in index order. index_add_ would too on a CPU, but on
-        # CUDA it adds with atomics in any order (top-k >= 3 rounds differently run to run), so
-        # each token's K outputs are put in expert order and added in turn.
-        ys = (ys * top_w.flatten()[order, None]).to(x.dtype)  # [A, H]
+        del xs
+        # index_add_ would add in index order on a CPU, but on CUDA it adds with atomics in any
+        # order (top-k >= 3 rounds differently run to run), so each token's K outputs are put in
+        # expert order and added in turn.
         rank = top_i.argsort(dim=-1).argsort(dim=-1).flatten()  # [A] place among the token's
         by_token = torch.empty_like(ys)
         by_token[(order // K) * K + rank[order]] = ys

@@ -77,3 +77,20 @@ class HostPins:
         for tensor in self.pinned:
             self.cudart.cudaHostUnregister(tensor.data_ptr())
         self.pinned.clear()
+
+
+def release_host_tensor(t: torch.Tensor) -> None:
+    """Give a host tensor's memory back once its bytes have been copied elsewhere: storage the
+    tensor owns is freed (resized to nothing); a view of a file map (a checkpoint's) has its
+    whole pages dropped, clean pages that a later touch would read again from the file."""
+    storage = t.untyped_storage()
+    if storage.resizable():
+        storage.resize_(0)
+        return
+    import ctypes
+
+    start, end = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+    first = -(-start // PAGE_BYTES) * PAGE_BYTES
+    last = end // PAGE_BYTES * PAGE_BYTES
+    if last > first:
+        ctypes.CDLL(None).madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), 4)

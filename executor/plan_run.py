@@ -83,13 +83,6 @@ def check_plan(
         )
 
 
-def host_memory_bytes() -> float:
-    """This machine's memory (MemTotal)."""
-    from hrm.profiling.cpu import host_facts
-
-    return host_facts().memory_bytes
-
-
 @dataclass(frozen=True, kw_only=True)
 class PlanRun:
     outputs: dict[int, dict[str, Any]]  # input index -> output line, of the batches run now
@@ -112,12 +105,16 @@ def execute_plan(
     stop_token_ids=(),
     quiet: bool = False,
     on_batch: Callable[[list[int], list[dict[str, Any]]], None] | None = None,
+    take_over: bool = False,
 ) -> PlanRun:
     """Run every pending batch of `prompts` under `plan` on `device`; on_batch(indices, rows)
-    hears each finished batch."""
+    hears each finished batch; take_over: the checkpoint was loaded for this run alone, and
+    its layers are released once placed (executor/weight_store.py)."""
     policy = plan.policy
     staged = plan.memory.cpu.get("weight staging", 0.0) > 0
-    runtime = placed_runtime(checkpoint, policy, plan.schedule, device, cpu_gemm, staged=staged)
+    runtime = placed_runtime(
+        checkpoint, policy, plan.schedule, device, cpu_gemm, staged=staged, take_over=take_over
+    )
     store = runtime.store  # how its weights are held, read now: closing unpins them
     weights = {
         "pinned_weights": bool(store is not None and store.pinned),

@@ -273,19 +273,27 @@ def placed_runtime(
     cpu_gemm: CpuGemmChoice | None = None,
     *,
     staged: bool = False,
+    take_over: bool = False,
 ) -> Runtime:
     """A host-loaded checkpoint placed as `policy` says, on `device` (CUDA, or the CPU standing
     in for a GPU): the weights hrm.placement makes resident copied there, the rest packed into
     host arenas and paged in, m pages per layer under cgopipe and gpu-attention, one whole-layer
     copy under serial and overlap; staged: through a pinned staging ring (the plan's "weight
-    staging")."""
+    staging"); take_over: the store releases the checkpoint's layers as it copies them (a
+    checkpoint loaded for this run only)."""
     model = MoEModel(checkpoint, cpu_gemm, device=device if policy.ffn_on_gpu else None)
     store = None
     if policy.ffn_on_gpu:
         placement = place_weights(model.arch, policy.weights_gpu_fraction, policy.weight_dtype)
         pages = policy.num_micro_batches if schedule in ("cgopipe", "gpu-attention") else 1
         store = WeightStore(
-            checkpoint.weights, model.arch, placement, device, pages=pages, staged=staged
+            checkpoint.weights,
+            model.arch,
+            placement,
+            device,
+            pages=pages,
+            staged=staged,
+            take_over=take_over,
         )
     try:
         return Runtime(

@@ -22,7 +22,7 @@ import torch
 
 from executor.buffers import TURNS
 from executor.checkpoint import ExpertWeights, LayerWeights, ModelWeights
-from executor.pinning import HostPins, page_aligned_empty
+from executor.pinning import HostPins, page_aligned_empty, release_host_tensor
 from hrm.arch import ModelArch
 from hrm.placement import (
     DENSE_TENSORS,
@@ -45,9 +45,13 @@ class WeightStore:
         *,
         pages: int,
         staged: bool = False,
+        take_over: bool = False,
     ):
         """staged: keep the arenas pageable and copy each page through a ring of two pinned
-        staging pages (the plan's "weight staging"); also taken when the host refuses to pin."""
+        staging pages (the plan's "weight staging"); also taken when the host refuses to pin.
+        take_over: the checkpoint's layers and LM head are released as soon as they are copied
+        here, so the host never holds the model twice (the plan counts one copy); the caller
+        must not read them again."""
         self.arch, self.placement, self.device = arch, placement, device
         dtype = weights.embed.dtype
         self.layout: list[tuple[tuple, tuple[int, ...], int]] = []
@@ -58,7 +62,16 @@ class WeightStore:
         self.streamed_elements = offset
         self.pages = cut_pages([math.prod(shape) for _, shape, _ in self.layout], pages)
         self.staged = staged
-        self.arenas = [self._fill_arena(w, dtype) for w in weights.layers] if offset else []
+        self.arenas, self.resident = [], []
+        for w in weights.layers:
+            if offset:
+                self.arenas.append(self._fill_arena(w, dtype))
+            self.resident.append(self._resident(w))
+            if take_over:
+                for t in (getattr(w, n) for n in DENSE_TENSORS):
+                    release_host_tensor(t)
+                for t in (getattr(e, n) for e in w.experts for n in EXPERT_TENSORS):
+                    release_host_tensor(t)
         self.pins = HostPins()
         self.pinned = False
         if self.arenas and device.type == "cuda" and not staged:
@@ -71,7 +84,6 @@ class WeightStore:
         ]
         self._ring_turn = 0
         self._ring_done: list = [None] * len(self.ring)  # CUDA events: DMA out of each ring page
-        self.resident = [self._resident(w) for w in weights.layers]
         self.slots = [
             torch.empty(offset, dtype=dtype, device=device) for _ in range(TURNS if offset else 0)
         ]
@@ -81,6 +93,8 @@ class WeightStore:
         self.h2d_bytes = 0
         self.lm_head = _copy_to(weights.lm_head, device)
         self.final_norm = _copy_to(weights.final_norm, device)
+        if take_over and weights.lm_head is not weights.embed:
+            release_host_tensor(weights.lm_head)
 
     # -- building ------------------------------------------------------------------------------
 

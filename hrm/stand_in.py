@@ -20,6 +20,8 @@ from hrm.errors import HrmError
 from hrm.hardware import HardwareProfile
 from hrm.hardware_parts import LinkSpec
 
+STAND_IN_SUFFIX = "-stand-in"
+
 
 def stand_in_profile(host: HardwareProfile, gpu_memory_bytes: float) -> HardwareProfile:
     """`host` (CPU-only) with its CPU also standing in for a GPU of `gpu_memory_bytes`."""
@@ -35,7 +37,7 @@ def stand_in_profile(host: HardwareProfile, gpu_memory_bytes: float) -> Hardware
     )
     return dataclasses.replace(
         host,
-        name=f"{host.name}-stand-in",
+        name=f"{host.name}{STAND_IN_SUFFIX}",
         description=f"{host.description} with its CPU standing in for a GPU".strip(),
         gpu=gpu,
         link=LinkSpec(h2d_bytes_per_s=copy, d2h_bytes_per_s=copy),

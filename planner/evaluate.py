@@ -32,7 +32,7 @@ from planner.cost import (
     weight_stream_seconds,
     with_last_micro_batch,
 )
-from planner.memory import RC, MemoryTerms, placement_vector, usable_bytes
+from planner.memory import RC, MemoryTerms, memory_terms, placement_vector, usable_bytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -321,3 +321,23 @@ def predict_resident_run(
         kv_dtype=dtype,
     )
     return predict(arch, hardware, workload, policy, cpu_gemm=cpu_gemm, padded_kv_cache=True)
+
+
+def resident_run_memory(
+    arch: ModelArch, workload: Workload, *, batch_size: int, dtype: str, on_gpu: bool = False
+) -> tuple[float, float]:
+    """(host bytes, device bytes) of the one-device run predict_resident_run prices: what `hrm
+    run` checks against the memory present before it allocates anything."""
+    terms = memory_terms(
+        arch,
+        workload,
+        batch_size=batch_size,
+        micro_batch_size=batch_size,
+        weight_dtype=dtype,
+        kv_dtype=dtype,
+    )
+    v = placement_vector(one=1.0, att=float(on_gpu), ffn=float(on_gpu), rw=float(on_gpu),
+                         rc=float(on_gpu))  # fmt: skip
+    gpu = {name: float(c @ v) for name, c in terms.gpu.items()}
+    gpu["kv prefetch"] = 0.0 if on_gpu else gpu["kv prefetch"]
+    return float(sum(float(c @ v) for c in terms.cpu.values())), float(sum(gpu.values()))

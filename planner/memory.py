@@ -76,16 +76,38 @@ def kv_cache_bytes(arch: ModelArch, workload: Workload, batch_size, kv_dtype: st
 
 
 def workspace_bytes(arch: ModelArch, workload: Workload, micro_batch_size: int) -> float:
-    """Largest transient of one prefill chunk: its QKV and attention output, or its routed token
-    copies (k*h) plus one expert's gate and up outputs (2*i) for at most all of its tokens; plus the
-    fp32 logits of one micro-batch (mu * V * 4)."""
+    """Largest transient of one prefill chunk (executor/model.py): its QKV and attention output;
+    the experts' routed token copies and their outputs (2 k h) with one expert's SiLU(gate), up
+    and their product (3 i) for at most all of the chunk's tokens; or the norm's two fp32 copies
+    of its hidden states (2 h * 4 bytes a token). Plus the fp32 logits of one micro-batch
+    (mu * V * 4)."""
     adt = dtype_bytes(ACTIVATION_DTYPE)
     chunk = min(micro_batch_size * workload.prompt_len_max, PREFILL_CHUNK_TOKENS)
     per_token = max(
-        2 * arch.q_size + 2 * arch.kv_size,
-        arch.experts_per_token * arch.hidden_size + 2 * arch.intermediate_size,
+        (2 * arch.q_size + 2 * arch.kv_size) * adt,
+        (2 * arch.experts_per_token * arch.hidden_size + 3 * arch.intermediate_size) * adt,
+        2 * arch.hidden_size * 4.0,
     )
-    return chunk * per_token * adt + micro_batch_size * arch.vocab_size * 4.0
+    return chunk * per_token + micro_batch_size * arch.vocab_size * 4.0
+
+
+def prefill_tensors_bytes(
+    arch: ModelArch, workload: Workload, micro_batch_size: int, gpu_count: int = 1
+) -> float:
+    """What one micro-batch's prefill holds whole (T = mu * S tokens; chunking bounds only the
+    GEMMs' transients), per device: its hidden states (h), Q/K/V (q + 2 kv, kept until the next
+    layer), and at the peak of one of three moments:
+    - pre-attention's chunks and their concatenation: a second Q/K/V;
+    - attention: the padded queries, SDPA's output and the output gathered back (3 q);
+    - post-attention: the attention output, and the new hidden states' chunks and concatenation
+      (q + 2 h).
+    Over g GPUs in tensor parallel each holds its 1/g of the heads and the whole h."""
+    h, g = arch.hidden_size, gpu_count
+    q, kv = arch.q_size / g, arch.kv_size / g
+    held = h + q + 2 * kv
+    peak = max(q + 2 * kv, 3 * q, q + 2 * h)
+    tokens = micro_batch_size * workload.prompt_len_max
+    return tokens * (held + peak) * dtype_bytes(ACTIVATION_DTYPE)
 
 
 def memory_terms(
@@ -109,8 +131,11 @@ def memory_terms(
     layers = w.num_layers * w.layer
     kv = kv_cache_bytes(arch, workload, n, kv_dtype)
     h, s_max = arch.hidden_size, workload.prompt_len_max
-    # residual stream of all N sequences between layers (decode) + a double-buffered prefill page
-    activations = n * h * adt + 2 * mu * min(s_max, PREFILL_CHUNK_TOKENS) * h * adt
+    # residual stream of all N sequences between layers (decode), or one micro-batch's prefill
+    def activations_of(g: int):  # on each of g devices: decode's residual stream, or prefill
+        return np.maximum(n * h * adt, prefill_tensors_bytes(arch, workload, micro_batch_size, g))
+
+    activations = activations_of(1)
     workspace = workspace_bytes(arch, workload, micro_batch_size)
     # D1 (QKV to the CPU) and D2 (attention output back), double-buffered per micro-batch
     staging = 2 * mu * (2 * arch.q_size + 2 * arch.kv_size) * adt
@@ -132,7 +157,7 @@ def memory_terms(
         # slices of the host part of the cache being copied in. Needed whenever r_c < 1, so the
         # affine form counts it always; a plan at r_c = 1 reports 0 (planner/evaluate.footprint)
         "kv prefetch": v(att=prefetch) * np.ones_like(n),
-        "activations": v(ffn=gpu_count) * activations,
+        "activations": v(ffn=gpu_count) * activations_of(gpu_count),
         "workspace": v(ffn=workspace) * np.ones_like(n),
     }
     cpu = {

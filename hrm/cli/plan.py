@@ -93,11 +93,14 @@ def run(args: argparse.Namespace) -> int:
     from hrm.cli.plan_job import hardware_of, max_batch, model, workload_and_job
 
     names = _check_flags(args)
-    comparing = len(names) > 1 or args.gpus is not None or args.price is not None
+    from hrm.cli.plan_compare import gpu_counts
+
+    counts = gpu_counts(args.gpus)
+    comparing = len(names) > 1 or len(counts or ()) > 1 or args.price is not None
     if comparing and (args.output or args.sweep):
         raise HrmError(
             "-o and --sweep take one machine; leave them out when comparing options "
-            "(--gpus, --price or several --hardware)"
+            "(several --gpus counts, --price or several --hardware)"
         )
     if args.plot and not (args.sweep or comparing):
         raise HrmError("--plot draws a sweep (--sweep) or a comparison (--price with --hardware)")
@@ -109,6 +112,8 @@ def run(args: argparse.Namespace) -> int:
 
         return run_comparison(args, arch, names, workload, job, cap)
     hardware = hardware_of(args)
+    if counts:
+        hardware = hardware.with_gpu_count(counts[0])
     dtype = args.dtype or hardware.half_dtype
     options = {"schedule": args.schedule, "weight_dtype": dtype, "kv_dtype": args.kv_dtype or dtype}
     if args.sweep:

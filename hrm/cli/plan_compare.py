@@ -10,7 +10,7 @@ from hrm.errors import HrmError
 from hrm.units import format_percent
 
 
-def _gpu_counts(text: str | None) -> list[int] | None:
+def gpu_counts(text: str | None) -> list[int] | None:
     if text is None:
         return None
     counts = []
@@ -26,7 +26,7 @@ def run_comparison(args, arch, names: list[str], workload, job, max_batch) -> in
     from hrm.io import check_image_path
     from planner.compare import parse_prices, plan_options, plot_options
 
-    counts = _gpu_counts(args.gpus)
+    counts = gpu_counts(args.gpus)
     prices = parse_prices(args.price, names) if args.price else None
     tokens = job.tokens if job is not None else None
     if args.plot:

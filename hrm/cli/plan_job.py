@@ -136,10 +136,18 @@ def max_batch(args, job: Job | None) -> int | None:
 
 
 def hardware_of(args, name: str | None = None):
-    """The named machine (default --hardware) with --cpu-mem, --gpu-mem and --pcie applied."""
+    """The named machine (default --hardware) with --cpu-mem, --gpu-mem and --pcie applied. A
+    CPU-only machine given --gpu-mem has its CPU stand in for a GPU of that size (the offloaded
+    schedules as `hrm validate` runs them there)."""
     from hrm.hardware import resolve_hardware
 
     hardware = resolve_hardware(name or args.hardware)
+    if not hardware.has_gpu and args.gpu_mem and not args.pcie:
+        from hrm.stand_in import stand_in_profile
+
+        cpu = parse_bytes(args.cpu_mem, "--cpu-mem") if args.cpu_mem else None
+        gpu = parse_bytes(args.gpu_mem, "--gpu-mem")
+        return stand_in_profile(hardware.with_resources(cpu_memory_bytes=cpu), gpu)
     return hardware.with_resources(
         cpu_memory_bytes=parse_bytes(args.cpu_mem, "--cpu-mem") if args.cpu_mem else None,
         gpu_memory_bytes=parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None,

@@ -127,6 +127,9 @@ def run(args: argparse.Namespace) -> int:
     from hrm.cli.run_plan import run_spec
 
     spec = run_spec(args, random_arch, args.dtype)
+    from hrm.cli.memory_check import check_resident_run
+
+    check_resident_run(spec, random_weights=args.random_weights)
 
     def choose(checkpoint):  # at the run's own thread count, once the checkpoint has opened
         return cpu_gemm_for_run(

@@ -17,7 +17,8 @@ def run_planned(args, hardware, random_arch, sampling, output: Path | None, warn
     import torch
 
     from executor.batching import InOrder, PartialOutput, run_digest
-    from executor.plan_run import check_plan, host_memory_bytes
+    from executor.plan_run import check_plan
+    from hrm.cli.memory_check import host_budget
     from hrm.errors import HrmError
     from hrm.plan import Plan
     from hrm.units import parse_bytes
@@ -36,10 +37,11 @@ def run_planned(args, hardware, random_arch, sampling, output: Path | None, warn
     else:
         where = args.plan
     device = torch.device(spec.device)
+    _check_one_gpu(plan, where)
     gpu_bytes = parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None
     if device.type == "cuda" and gpu_bytes is None:
         gpu_bytes = float(torch.cuda.get_device_properties(device).total_memory)
-    host = parse_bytes(args.cpu_mem, "--cpu-mem") if args.cpu_mem else host_memory_bytes()
+    host, _ = host_budget(parse_bytes(args.cpu_mem, "--cpu-mem") if args.cpu_mem else None)
     check_plan(
         plan,
         spec.arch,
@@ -68,10 +70,11 @@ def run_planned(args, hardware, random_arch, sampling, output: Path | None, warn
             args, spec, plan, hardware, device, partial, stream, sampling, warn
         )
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (hrm.cli.Terminated)
-        if partial is None or not partial.done:
+        saved = partial.saved() if partial is not None else 0
+        if not saved:
             raise
         raise type(exc)(
-            f"{len(partial.done)} of {len(spec.prompts)} outputs are in {partial.path}: run the "
+            f"{saved} of {len(spec.prompts)} outputs are in {partial.path}: run the "
             "same command with --resume to go on"
         ) from None
     if partial is not None:
@@ -140,21 +143,72 @@ def _execute(args, spec, plan, hardware, device, partial, stream, sampling, warn
             stop_token_ids=() if args.ignore_eos else spec.arch.eos_token_ids,
             quiet=args.quiet,
             on_batch=stream.add if stream is not None else None,
+            take_over=True,
         )
     return result, choice
 
 
+def plan_machine(plan):
+    """The machine a plan was made for, from its name (a bundled profile, NAME@Ngpu for N of
+    its GPUs, NAME-stand-in for its CPU standing in for a GPU); None when it cannot be found."""
+    from hrm.errors import HrmError
+    from hrm.hardware import resolve_hardware
+    from hrm.stand_in import STAND_IN_SUFFIX
+
+    name, _, count = plan.hardware.removesuffix(STAND_IN_SUFFIX).partition("@")
+    try:
+        machine = resolve_hardware(name)
+    except HrmError:
+        return None
+    if count.endswith("gpu") and count[:-3].isdigit() and machine.has_gpu:
+        machine = machine.with_gpu_count(int(count[:-3]))
+    return machine
+
+
+def _check_one_gpu(plan, where: str) -> None:
+    """A plan for several GPUs (tensor parallel) needs several devices, which a run cannot use
+    yet: refused rather than run on one device against a prediction for several."""
+    from hrm.errors import HrmError
+
+    machine = plan_machine(plan)
+    gpus = machine.gpu_count if machine is not None else 1
+    if gpus > 1:
+        name = plan.hardware.partition("@")[0]
+        raise HrmError(
+            f"{where}: the plan is for {gpus} GPUs in tensor parallel ({plan.hardware}), and a "
+            f"run uses one device; plan for one: hrm plan --hardware {name} --gpus 1 -o plan.json"
+        )
+
+
 def _plan_for(args, spec, hardware):
-    """The best plan for these prompts on `hardware` (with --gpu-mem / --cpu-mem), N at most the
-    number of prompts."""
-    from hrm.units import parse_bytes
+    """The best plan for these prompts on `hardware` (with --gpu-mem), N at most the number of
+    prompts, in the host memory there is (--cpu-mem, never more than is available); where the
+    CPU stands in for the GPU, the host holds both, so the GPU's memory comes out of it."""
+    from hrm.cli.memory_check import host_budget
+    from hrm.errors import HrmError
+    from hrm.units import format_bytes, parse_bytes
     from hrm.workload import Workload
     from planner.search import search
 
-    hardware = hardware.with_resources(
-        cpu_memory_bytes=parse_bytes(args.cpu_mem, "--cpu-mem") if args.cpu_mem else None,
-        gpu_memory_bytes=parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None,
-    )
+    if not hardware.has_gpu and not args.gpu_mem:
+        raise HrmError(
+            f"{hardware.name} has no GPU: give --gpu-mem SIZE for the CPU to stand in for one, "
+            "or leave out the planning flags for a resident run"
+        )
+    gpu = parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else hardware.gpu.memory_bytes
+    host, named = host_budget(parse_bytes(args.cpu_mem, "--cpu-mem") if args.cpu_mem else None)
+    cpu = host - gpu if spec.device == "cpu" else host
+    if cpu <= 0:
+        raise HrmError(
+            f"the CPU stands in for a GPU of {format_bytes(gpu, 3)} and {named}, which leaves "
+            "nothing for the host's side; give a smaller --gpu-mem"
+        )
+    if hardware.has_gpu:
+        hardware = hardware.with_resources(cpu_memory_bytes=cpu, gpu_memory_bytes=gpu)
+    else:
+        from hrm.stand_in import stand_in_profile
+
+        hardware = stand_in_profile(hardware.with_resources(cpu_memory_bytes=cpu), gpu)
     workload = Workload.from_prompt_lens(spec.prompt_lens, spec.gen_len)
     result = search(
         spec.arch,
@@ -174,18 +228,11 @@ def plan_record(spec, plan, result, hardware, cpu_gemm, warn):
     each batch's own prompts, on the machine it was made for), and the measurement."""
     import dataclasses
 
-    from hrm.errors import HrmError
-    from hrm.hardware import resolve_hardware
     from hrm.record import RunRecord
     from hrm.workload import Workload
     from planner import MODEL_VERSION, predict
 
-    profile = hardware
-    if profile is None:
-        try:
-            profile = resolve_hardware(plan.hardware)
-        except HrmError:
-            warn(f"note: cannot open the plan's machine {plan.hardware!r}: no prediction")
+    profile = prediction_profile(plan, hardware, result.environment["device"], warn)
     predicted = None
     if profile is not None and result.batches:
         totals = {"prefill_s": 0.0, "decode_s": 0.0, "generated_tokens": 0}
@@ -233,6 +280,36 @@ def plan_record(spec, plan, result, hardware, cpu_gemm, warn):
         measured=result.measured,
         environment=environment,
     )
+
+
+def prediction_profile(plan, hardware, device: str, warn):
+    """The machine this run is predicted on, or None (with a note saying why). On a CPU only
+    this host can be predicted: a GPU machine's plan is predicted with this host's stand-in
+    model (--hardware naming a CPU-only profile, else a bundled measurement of this host);
+    comparing an L4 with this CPU would give a meaningless error."""
+    from hrm.profiling.host_gemm import bundled_profile_of_this_host
+    from hrm.stand_in import stand_in_profile
+    from planner.memory import USABLE_MEMORY_FRACTION
+
+    profile = hardware if hardware is not None else plan_machine(plan)
+    if profile is None:
+        warn(f"note: cannot open the plan's machine {plan.hardware!r}: no prediction")
+        return None
+    if not device.startswith("cpu") or profile.stand_in:
+        return profile
+    if profile.has_gpu:
+        own = bundled_profile_of_this_host()
+        if own is None:
+            warn(
+                f"note: no prediction: the plan is for {profile.name}, and this run is on this "
+                "host's CPU; hrm profile -o me.yaml, then --hardware me.yaml, predicts it here"
+            )
+            return None
+        profile = own
+    if not plan.policy.ffn_on_gpu:
+        return profile
+    gpu_bytes = plan.memory.gpu_capacity_bytes / USABLE_MEMORY_FRACTION
+    return stand_in_profile(profile, gpu_memory_bytes=gpu_bytes or profile.cpu.memory_bytes)
 
 
 def format_plan_summary(record) -> str:

@@ -27,6 +27,18 @@ PROBE_TOKENS = (1, 12, 16, 64, 256)
 PROBE_BUDGET_S = 1.0
 
 
+def bundled_profile_of_this_host() -> HardwareProfile | None:
+    """A bundled CPU-only profile measured on this very host's kind of CPU (host_differs finds
+    nothing), or None: what predicts a run here when the user names no profile."""
+    from hrm.hardware import bundled_profile_names, resolve_hardware
+
+    for name in bundled_profile_names():
+        profile = resolve_hardware(name)
+        if not profile.has_gpu and profile.source == "measured" and host_differs(profile) is None:
+            return profile
+    return None
+
+
 def host_differs(profile: HardwareProfile) -> str | None:
     """Why `profile` does not describe this host's CPU (None when it does): a datasheet, or a
     measurement of another CPU model, set of matrix features or last-level cache size. VMs

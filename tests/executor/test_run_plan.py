@@ -22,6 +22,17 @@ GENERATE = executor.plan_run.generate
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.fixture(autouse=True)
+def this_host(monkeypatch):
+    """Plans for an L4 run here are predicted with this host's stand-in model: whichever CI
+    machine runs the tests, a bundled CPU profile plays this host's."""
+    from hrm.profiling import host_gemm
+
+    monkeypatch.setattr(
+        host_gemm, "bundled_profile_of_this_host", lambda: resolve_hardware("ci-cpu-avx512")
+    )
+
+
 @pytest.fixture
 def files(checkpoints, tmp_path):
     """A prompts file and a paging plan (CPU attention, nothing resident, N=3, mu=2)."""
@@ -194,6 +205,8 @@ def test_random_weight_arguments(run_cli, args, fragment):
 
 
 def test_hardware_with_a_gpu_plans_first_and_caps_n_at_the_prompts(run_cli, files):
+    """Planned for an L4, run by the CPU standing in for it: predicted with this host's
+    stand-in (the profile `this_host` names), not as an L4."""
     path, prompts, _ = files
     status, out, err = run_cli(
         "run", "--checkpoint", path, "--hardware", "l4", "--gpu-mem", "1.2MB", "--prompts",
@@ -202,7 +215,8 @@ def test_hardware_with_a_gpu_plans_first_and_caps_n_at_the_prompts(run_cli, file
     assert status == 0, err
     record = json.loads(out)
     assert record["plan"]["policy"]["batch_size"] <= len(LENGTHS)
-    assert record["hardware"] == "l4" and record["predicted"] is not None
+    assert record["plan"]["hardware"] == "l4" and record["predicted"] is not None
+    assert record["hardware"] == "ci-cpu-avx512-stand-in"
     assert record["environment"]["prompts"] == len(LENGTHS)
 
 

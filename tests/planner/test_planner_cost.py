@@ -100,9 +100,12 @@ def test_memory_by_hand(arch, make_gpu_profile):
     assert gpu["paged buffer"] == pytest.approx(2 * (1 - rw) * W_LAYER)  # 2 * (1 - r_w) * W_l
     assert gpu["lm head"] == (6400 + 64) * 4  # LM head + final norm
     assert gpu["kv cache"] == 0.0
-    assert gpu["activations"] == 2 * 64 * 2 + 2 * 1 * 8 * 64 * 2  # N*h + 2 prefill pages of mu*S*h
-    # one prefill chunk of 8 tokens: max(QKV+out 192, k*h + 2*i = 384) * 2 B; fp32 logits 1*100*4
-    assert gpu["workspace"] == 8 * 384 * 2 + 100 * 4
+    # one micro-batch's prefill, mu*S = 8 tokens: held h + q + 2kv = 192, at its peak another
+    # max(q + 2kv, 3q, q + 2h) = 192 (more than decode's N*h = 128), in bf16
+    assert gpu["activations"] == 8 * (192 + 192) * 2
+    # one prefill chunk of 8 tokens: max((QKV+out 192) * 2 B, (2kh + 3i = 640) * 2 B, fp32 norm
+    # 2h * 4 B = 512) = 1280 B a token; fp32 logits 1*100*4
+    assert gpu["workspace"] == 8 * 1280 + 100 * 4
     assert cpu["layer weights"] == pytest.approx((1 - rw) * 2 * W_LAYER)
     assert cpu["embedding and head"] == 100 * 64 * 4
     # K and V: 2 sequences * 11 tokens * 2 layers * 2 * 32 * 4 B
