@@ -131,6 +131,7 @@ def memory_terms(
     layers = w.num_layers * w.layer
     kv = kv_cache_bytes(arch, workload, n, kv_dtype)
     h, s_max = arch.hidden_size, workload.prompt_len_max
+
     # residual stream of all N sequences between layers (decode), or one micro-batch's prefill
     def activations_of(g: int):  # on each of g devices: decode's residual stream, or prefill
         return np.maximum(n * h * adt, prefill_tensors_bytes(arch, workload, micro_batch_size, g))
