@@ -150,9 +150,12 @@ class DeviceSpec:
         return self.launch_overhead.get(dtype, self.launch_overhead.get("float32"))
 
     def elementwise_elements_per_s(self, dtype: str) -> float:
-        """Rate of elementwise passes in `dtype`: measured, else each element from memory once."""
-        if dtype in self.elementwise_rate:
-            return self.elementwise_rate[dtype] * self.count
+        """Rate of elementwise passes in `dtype`: measured, else float32's (a quick profile times
+        float32 and bfloat16 only, as it does the fixed costs), else each element from memory
+        once."""
+        measured = self.elementwise_rate.get(dtype, self.elementwise_rate.get("float32"))
+        if measured is not None:
+            return measured * self.count
         return self.total_memory_bandwidth_bytes_per_s / DTYPE_BYTES[dtype]
 
     @property

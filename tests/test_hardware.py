@@ -319,6 +319,9 @@ def test_elementwise_rate_is_the_cpus_positive_and_round_trips(tmp_path):
     data["cpu"]["elementwise_rate"] = {"bfloat16": 4e9, "float32": 3e9}
     profile = HardwareProfile.from_dict(copy.deepcopy(data))
     assert profile.cpu.elementwise_elements_per_s("bfloat16") == 4e9
+    # a quick profile times float32 and bfloat16 only: float16 takes float32's, as its fixed
+    # costs do
+    assert profile.cpu.elementwise_elements_per_s("float16") == 3e9
     assert HardwareProfile.load(profile.save(tmp_path / "p.yaml")) == profile
     for bad, message in (
         ({"bfloat16": 0}, "must be a positive number"),

@@ -84,3 +84,33 @@ def _free_device_bytes(device: str) -> float:
 
     free, _ = torch.cuda.mem_get_info(torch.device(device))
     return float(free)
+
+
+def check_runs(arch, runs, *, what: str, layers_flag: bool) -> None:
+    """A series of resident runs on the CPU, (batch, longest prompt, generation length, dtype)
+    each, as `hrm validate` makes them: refused before anything is written when the largest
+    would not fit in the memory available; with `layers_flag`, naming the --layers that fit."""
+    from hrm.workload import Workload
+    from planner import resident_run_memory
+
+    def need(arch) -> tuple[float, float]:
+        return max(
+            resident_run_memory(
+                arch,
+                Workload(prompt_len_mean=longest, prompt_len_max=longest, gen_len=gen),
+                batch_size=batch,
+                dtype=dtype,
+            )
+            for batch, longest, gen, dtype in runs
+        )
+
+    host, _ = need(arch)
+    budget, named = host_budget(None)
+    if host <= budget:
+        return
+    fits = _layers_that_fit(arch, need, budget, None) if layers_flag else 0
+    fix = f"--layers {fits} (the most that fit)" if fits else "a smaller model"
+    raise HrmError(
+        f"{what} needs {format_bytes(host, 3)} of host memory at its largest run and {named}; "
+        f"try {fix}"
+    )

@@ -105,8 +105,12 @@ def with_launch_overhead(profile: HardwareProfile, arch, *, quick: bool = False)
     from hrm.profiling import PRESETS, SWEPT_DTYPES
 
     paths = {d: choose_cpu_gemm(profile.cpu, d) for d in CPU_RUN_DTYPES}
-    elementwise = {d: measure_elementwise_rate(arch, d, cpu_gemm=paths[d]) for d in CPU_RUN_DTYPES}
     preset = "quick" if quick else "full"
+    # --quick: the dtypes whose fixed costs it times, two repeats (float16 takes float32's)
+    elementwise = {
+        d: measure_elementwise_rate(arch, d, repeats=2 if quick else 3, cpu_gemm=paths[d])
+        for d in cpu_overhead.DTYPES[preset]
+    }
     cpu = dataclasses.replace(
         profile.cpu,
         launch_overhead={

@@ -29,21 +29,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from hrm.cli.validate_inputs import DTYPES, OFFLOADED, OFFLOADED_DTYPES, SWEEPS
 from hrm.plan import SCHEDULES
 
-# (batch sizes, (prompt length, ragged) pairs, generation lengths): ragged prompts spread their
-# lengths over [L/2, 3L/2]; uniform ones all have L tokens
-SWEEPS = {
-    "quick": ((1, 16), ((16, False), (64, True)), (8,)),
-    "full": ((1, 8, 32, 64), ((32, False), (128, True)), (16, 64)),
-}
-DTYPES = ("bfloat16", "float32")
-# offloaded runs on a CPU-only host: (batch, micro-batch, prompt length, generation length)
-OFFLOADED = {"quick": (16, 8, 32, 8), "full": (32, 16, 64, 16)}
-# the dtypes they run in: --quick keeps bfloat16, the dtype offloading serves, to stay within 3
-# minutes on 2 cores (the offloaded runs took half of a 196 s quick sweep at hidden 1024);
-# float32 is in its resident runs and in the full sweep's offloaded ones
-OFFLOADED_DTYPES = {"quick": ("bfloat16",), "full": DTYPES}
 # how often the host is profiled, by default per sweep: the quick sweep's passes take half a
 # minute, and profiling before each would take it past 3 minutes on 2 cores
 PROFILE_EVERY = {"quick": "sweep", "full": "pass"}
@@ -122,39 +110,14 @@ def run(args: argparse.Namespace) -> int:
                 f"--hardware: {differs}; a sweep here needs a profile of this host "
                 "(leave out --hardware to profile it first)"
             )
+    from hrm.cli.validate_inputs import check_memory, random_checkpoint
+
+    check_memory(args)
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = (
             Path(args.checkpoint) if args.checkpoint else random_checkpoint(args, Path(tmp))
         )
         return _validate(args, checkpoint, hardware)
-
-
-def random_checkpoint(args, tmp: Path) -> Path:
-    """The model's real architecture with random weights, saved by transformers into `tmp`."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    from hrm.arch import resolve_model
-    from hrm.io import load_json
-
-    arch = resolve_model(args.model)  # the one place that checks the name
-    path = Path(args.model)
-    if not path.exists():
-        path = Path(__file__).resolve().parent.parent / "model_configs" / f"{args.model}.json"
-    elif path.is_dir():
-        path = path / "config.json"
-    config = dict(load_json(path))
-    if args.layers is not None:
-        config["n_layers" if arch.model_type == "dbrx" else "num_hidden_layers"] = args.layers
-    hf_config = AutoConfig.for_model(**config)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16)
-    out = tmp / f"{arch.name}-random"
-    if args.quiet:  # transformers' own shard-writing bar ignores our --quiet otherwise
-        hf_logging.disable_progress_bar()
-    model.save_pretrained(out)
-    return out
 
 
 def _validate(args, checkpoint: Path, hardware) -> int:

@@ -137,3 +137,36 @@ def test_cpu_mem_beyond_what_the_host_has_is_not_believed(checkpoints, run_cli, 
                              "l4", "--gpu-mem", "1.2MB", "--prompt-len", "8", "--batch", "4",
                              "--gen-len", "2")  # fmt: skip
     assert_one_line_error(status, err, "this host has 1 MB available", "give a smaller --gpu-mem")
+
+
+def test_a_validate_that_would_not_fit_is_refused_before_writing_anything(
+    run_cli, monkeypatch, tmp_path
+):
+    """hrm validate --quick at Mixtral's shape peaked at 21 of 24 GB; all 32 layers would be
+    killed. The sweep's largest run is counted first, with the --layers that fit."""
+    from hrm.cli import memory_check
+
+    monkeypatch.setattr(memory_check, "available_host_bytes", lambda: 16e9)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    status, out, err = run_cli("validate", "--model", "mixtral-8x7b", "--random-weights",
+                               "--quick", "-o", tmp_path / "v")  # fmt: skip
+    assert_one_line_error(status, err, "hrm validate of mixtral-8x7b needs", "--layers 2 (the")
+    assert out == "" and not list(tmp_path.iterdir())
+
+
+def test_validate_says_where_its_random_checkpoint_goes_and_how_large(tmp_path, monkeypatch):
+    import argparse
+    import dataclasses
+
+    from hrm.cli.validate_inputs import random_checkpoint
+
+    args = argparse.Namespace(model=str(BUNDLED_DIR / "mixtral-8x7b.json"), layers=1, quiet=True)
+    monkeypatch.setattr("shutil.disk_usage", lambda p: type("U", (), {"free": 1e9})())
+    arch = dataclasses.replace(resolve_model("mixtral-8x7b"), num_layers=1)
+    from hrm.errors import HrmError
+
+    with pytest.raises(
+        HrmError, match=f"random checkpoint of {arch.total_params * 2 / 1e9:.3g} GB"
+    ):
+        random_checkpoint(args, tmp_path)
+    assert not list(tmp_path.iterdir())
