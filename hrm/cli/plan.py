@@ -132,13 +132,17 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         data = plan_json(result, base, args.output)
         if named is not None:
-            data["named_policy"] = {**named.to_dict(), "shortfall": shortfall(named)}
+            data["named_policy"] = {
+                **named.to_dict(),
+                "shortfall": shortfall(named),
+                "requested_weights_gpu_fraction": _requested_weights(args),
+            }
         data["job"] = job.to_dict(rate, price) if job is not None else None
         print(json.dumps(data, indent=2))
         return 0
     print(format_plan(result, base))
     if named is not None:
-        print(format_named(named, result.best))
+        print(format_named(named, result.best, _requested_weights(args)))
     if job is not None:
         print(job.describe(rate, price))
     if args.output:
@@ -195,8 +199,18 @@ def shortfall(plan) -> dict[str, float]:
     return {device: b for device, b in short.items() if b > 0}
 
 
-def format_named(plan, best) -> str:
-    """The named policy with the same breakdown as the best, marked when it does not fit."""
+def _requested_weights(args) -> float:
+    """The w of --policy as given (0 when left out)."""
+    from hrm.policy import parse_policy_text
+
+    return parse_policy_text(
+        args.policy, weight_dtype="bfloat16", kv_dtype="bfloat16"
+    ).weights_gpu_fraction
+
+
+def format_named(plan, best, requested_weights: float | None = None) -> str:
+    """The named policy with the same breakdown as the best, marked when it does not fit, and
+    saying when its weights fraction was rounded to whole tensors (hrm.placement)."""
     ratio = plan.predicted.throughput_tok_s / best.predicted.throughput_tok_s
     short = shortfall(plan)
     fits = (
@@ -205,9 +219,14 @@ def format_named(plan, best) -> str:
         else "DOES NOT FIT: "
         + ", ".join(f"{d.upper()} memory {format_bytes(b, 3)} short" for d, b in short.items())
     )
-    return "\n".join(
-        ["", f"named policy ({fits}): {ratio:.2f}x the best's throughput", *_breakdown(plan)]
-    )
+    lines = ["", f"named policy ({fits}): {ratio:.2f}x the best's throughput", *_breakdown(plan)]
+    placed = plan.policy.weights_gpu_fraction
+    if requested_weights is not None and abs(placed - requested_weights) > 1e-9:
+        lines.append(
+            f"  note        w={requested_weights:g} is placed as {placed:.4f}: the GPU holds whole "
+            "tensors (a layer's dense weights, then whole experts)"
+        )
+    return "\n".join(lines)
 
 
 def _breakdown(plan) -> list[str]:

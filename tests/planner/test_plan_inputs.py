@@ -204,3 +204,18 @@ def test_a_plan_that_no_memory_binds_says_so_and_lists_no_empty_memory(run_cli, 
     assert "memory: none full" in out
     gpu_line = next(line for line in out.splitlines() if "GPU memory" in line)
     assert gpu_line.rstrip().endswith("usable: nothing")
+
+
+def test_a_named_weights_fraction_rounded_to_whole_tensors_is_said(run_cli):
+    """w=0.1 of Mixtral on an L4 places one layer's dense weights only (2.9%): it was silent."""
+    args = ["plan", *L4, "--prompt-len", "77", "--gen-len", "32", "--policy", "N=512,mu=64,w=0.1"]
+    status, out, _ = run_cli(*args)
+    assert status == 0
+    note = next(line for line in out.splitlines() if line.strip().startswith("note"))
+    assert "w=0.1 is placed as 0.0289" in note
+    data = json.loads(run_cli(*args, "--json")[1])["named_policy"]
+    assert data["requested_weights_gpu_fraction"] == 0.1
+    assert data["policy"]["weights_gpu_fraction"] == pytest.approx(0.0289, abs=1e-4)
+    status, out, _ = run_cli("plan", *L4, "--prompt-len", "77", "--gen-len", "32", "--policy",
+                             "N=512,mu=64,w=0")  # fmt: skip
+    assert status == 0 and "is placed as" not in out
