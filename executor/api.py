@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from executor.checkpoint import (
-    DTYPES,
+    TORCH_DTYPES,
     Checkpoint,
     load_tokenizer,
     open_checkpoint,
@@ -88,8 +88,8 @@ def prepare_run(
     random_arch (with checkpoint None): random weights of that architecture, made in memory."""
     directory = Path(checkpoint) if checkpoint is not None else None
     arch = read_arch(directory) if directory is not None else random_arch
-    if dtype is not None and dtype not in DTYPES:
-        raise HrmError(f"--dtype: unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    if dtype is not None and dtype not in TORCH_DTYPES:
+        raise HrmError(f"--dtype: unknown dtype {dtype!r}; use one of {', '.join(TORCH_DTYPES)}")
     dtype = dtype or (stored_dtype(directory, arch) if directory is not None else "bfloat16")
     if gen_len < 1:
         raise HrmError(f"--gen-len must be a positive integer, got {gen_len}")

@@ -24,7 +24,7 @@ from hrm.errors import HrmError
 from hrm.io import load_json
 
 SUPPORTED_MODEL_TYPES = ("mixtral", "dbrx")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 
@@ -248,10 +248,10 @@ def open_checkpoint(
     directory = Path(directory)
     arch = read_arch(directory)
     dtype = dtype or stored_dtype(directory, arch)
-    if dtype not in DTYPES:
-        raise HrmError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+    if dtype not in TORCH_DTYPES:
+        raise HrmError(f"unknown dtype {dtype!r}: use one of {', '.join(TORCH_DTYPES)}")
     embed_name, norm_name = _GLOBAL_NAMES[arch.model_type]
-    t = _Tensors(directory, DTYPES[dtype], device)
+    t = _Tensors(directory, TORCH_DTYPES[dtype], device)
     H, V = arch.hidden_size, arch.vocab_size
     embed = t.get(embed_name, (V, H))
     weights = ModelWeights(
@@ -271,11 +271,11 @@ def random_checkpoint(
     as transformers initialises them, norms 1; every tensor its own allocation, as if loaded.
     Layers after the first are copies of it: a speed run needs every layer's bytes, not new
     random numbers, and copying is ~50x faster than drawing (a 32-layer Mixtral in seconds)."""
-    if dtype not in DTYPES:
-        raise HrmError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+    if dtype not in TORCH_DTYPES:
+        raise HrmError(f"unknown dtype {dtype!r}: use one of {', '.join(TORCH_DTYPES)}")
     from hrm.placement import dense_shapes, expert_shapes
 
-    torch_dtype = DTYPES[dtype]
+    torch_dtype = TORCH_DTYPES[dtype]
     g = torch.Generator().manual_seed(seed)
 
     def weight(*shape: int) -> torch.Tensor:  # drawn in place: no fp32 transient to count

@@ -44,7 +44,7 @@ DECODE_STEPS = 6
 # float32's figures, DeviceSpec.launch_overhead_for, so that `hrm validate --quick`, which
 # runs float32 and bfloat16 only, keeps within its 3 minutes on 2 cores)
 ROUNDS = {"quick": 3, "full": 5}
-DTYPES = {"quick": ("float32", "bfloat16"), "full": ("float32", "bfloat16", "float16")}
+TIMED_DTYPES = {"quick": ("float32", "bfloat16"), "full": ("float32", "bfloat16", "float16")}
 # distinct expert weights at most (more experts cycle through these): enough to stream far past
 # any last-level cache between two small ops, as a real model does, without a model's memory
 EXPERT_BYTES_CAP = 512 * 2**20

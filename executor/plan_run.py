@@ -14,7 +14,7 @@ import torch
 
 from executor.api import peak_memory_bytes
 from executor.batching import PartialOutput, plan_batches
-from executor.checkpoint import DTYPES, Checkpoint
+from executor.checkpoint import TORCH_DTYPES, Checkpoint
 from executor.generate import Sampling, generate
 from executor.runtime import placed_runtime
 from hrm.arch import ModelArch
@@ -51,10 +51,10 @@ def check_plan(
             f"{where}: the plan is for another model ({k} {theirs.get(k)} in the plan, "
             f"{ours[k]} in {arch.name}); plan for this model with hrm plan --model"
         )
-    if plan.policy.weight_dtype not in DTYPES:
+    if plan.policy.weight_dtype not in TORCH_DTYPES:
         raise HrmError(
             f"{where}: weights in {plan.policy.weight_dtype} cannot be run by the executor; "
-            f"plan with --dtype {' or '.join(DTYPES)}"
+            f"plan with --dtype {' or '.join(TORCH_DTYPES)}"
         )
     longest, limit = max(prompt_lens), plan.workload.prompt_len_max
     if longest > limit:

@@ -21,7 +21,7 @@ import torch
 
 from hrm.errors import HrmError
 
-DTYPES = {
+STORED_DTYPES = {
     "F32": torch.float32,
     "F16": torch.float16,
     "BF16": torch.bfloat16,
@@ -79,7 +79,7 @@ class SafetensorsFile:
 
     def _check_entry(self, name: str, entry, file_size: int) -> _Entry:
         try:
-            dtype = DTYPES[entry["dtype"]]
+            dtype = STORED_DTYPES[entry["dtype"]]
             shape = tuple(int(n) for n in entry["shape"])
             begin, end = (int(n) for n in entry["data_offsets"])
         except (KeyError, TypeError, ValueError):

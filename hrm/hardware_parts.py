@@ -17,7 +17,7 @@ from hrm.errors import HrmError
 from hrm.policy import DTYPE_BYTES
 from hrm.schema import check_keys, positive_float, positive_int
 
-DTYPES = ("float32", "bfloat16", "float16", "int8", "float8")
+RATE_DTYPES = ("float32", "bfloat16", "float16", "int8", "float8")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -232,10 +232,10 @@ _GPU_ONLY = ("expert_ffn_curves",)
 def _device_from_dict(data: Any, where: str, is_cpu: bool = False) -> DeviceSpec:
     data = check_keys(data, where=where, required=_DEVICE_KEYS, optional=_DEVICE_OPTIONAL)
     # only a CPU widens 16-bit weights (the executor's CPU path), so only a CPU has those rates
-    rate_keys = set(DTYPES) | (set(WIDENED_KEYS.values()) if is_cpu else set())
+    rate_keys = set(RATE_DTYPES) | (set(WIDENED_KEYS.values()) if is_cpu else set())
     flops = check_keys(data["flops"], where=f"{where}: flops", required=set(), optional=rate_keys)
     if not flops:
-        raise HrmError(f"{where}: flops must name at least one dtype ({', '.join(DTYPES)})")
+        raise HrmError(f"{where}: flops must name at least one dtype ({', '.join(RATE_DTYPES)})")
     curves_in = data.get("matmul_curves") or {}
     curves_in = check_keys(
         curves_in, where=f"{where}: matmul_curves", required=set(), optional=rate_keys
@@ -257,14 +257,17 @@ def _device_from_dict(data: Any, where: str, is_cpu: bool = False) -> DeviceSpec
         attention = {"bfloat16": data["attention_curve"]}
     elementwise = data.get("elementwise_rate")
     elementwise = check_keys(
-        elementwise or {}, where=f"{where}: elementwise_rate", required=set(), optional=set(DTYPES)
+        elementwise or {},
+        where=f"{where}: elementwise_rate",
+        required=set(),
+        optional=set(RATE_DTYPES),
     )
     copy = data.get("copy_bandwidth")
     sustained = check_keys(
         data.get("sustained_flops") or {},
         where=f"{where}: sustained_flops",
         required=set(),
-        optional=set(DTYPES),
+        optional=set(RATE_DTYPES),
     )
     return DeviceSpec(
         gemm_shape_curves=_shape_curves_from_dict(
@@ -316,7 +319,7 @@ def _device_from_dict(data: Any, where: str, is_cpu: bool = False) -> DeviceSpec
 
 def _dtype_curves(data: Any, where: str, parse_rate) -> dict[str, Curve]:
     """A mapping of dtype -> [size, rate] pairs (absent: empty), checked and parsed."""
-    curves = check_keys(data or {}, where=where, required=set(), optional=set(DTYPES))
+    curves = check_keys(data or {}, where=where, required=set(), optional=set(RATE_DTYPES))
     return {
         dtype: _curve_from_list(points, f"{where}: {dtype}", parse_rate)
         for dtype, points in curves.items()
@@ -389,7 +392,7 @@ def _overheads_from_dict(data: Any, where: str) -> dict[str, LaunchOverhead]:
         return {}
     if isinstance(data, dict) and "per_layer_s" in data:
         return {"float32": _overhead_from_dict(data, where)}
-    data = check_keys(data, where=where, required=set(), optional=set(DTYPES))
+    data = check_keys(data, where=where, required=set(), optional=set(RATE_DTYPES))
     return {d: _overhead_from_dict(o, f"{where}: {d}") for d, o in data.items()}
 
 

@@ -75,7 +75,7 @@ class Row:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Setting:
+class Repeats:
     """One setting's repeats, judged by the median of their errors: each run against the
     prediction made for it, so that no run is set against another moment's profile."""
 
@@ -107,7 +107,7 @@ class ErrorSummary:
     settings: int
     runs: int
     mape: float  # mean of |error| over settings (each the median of its runs' errors)
-    worst: Setting  # the setting with the largest |error|
+    worst: Repeats  # the setting with the largest |error|
     run_mape: float  # mean of |error| over single runs
     worst_run: Row  # the run with the largest |error|
 
@@ -151,12 +151,12 @@ def _row(name: str, record: RunRecord) -> Row:
     )
 
 
-def settings_of(rows: Sequence[Row]) -> list[Setting]:
+def settings_of(rows: Sequence[Row]) -> list[Repeats]:
     """The rows grouped into settings (Row.repeat_key), in the order each first appears."""
     groups: dict[tuple, list[Row]] = {}
     for r in rows:
         groups.setdefault(r.repeat_key, []).append(r)
-    return [Setting(runs=tuple(g)) for g in groups.values()]
+    return [Repeats(runs=tuple(g)) for g in groups.values()]
 
 
 def summarize(rows: Sequence[Row]) -> ErrorSummary:

@@ -109,7 +109,7 @@ def with_launch_overhead(profile: HardwareProfile, arch, *, quick: bool = False)
     # --quick: the dtypes whose fixed costs it times, two repeats (float16 takes float32's)
     elementwise = {
         d: measure_elementwise_rate(arch, d, repeats=2 if quick else 3, cpu_gemm=paths[d])
-        for d in cpu_overhead.DTYPES[preset]
+        for d in cpu_overhead.TIMED_DTYPES[preset]
     }
     cpu = dataclasses.replace(
         profile.cpu,
@@ -121,7 +121,7 @@ def with_launch_overhead(profile: HardwareProfile, arch, *, quick: bool = False)
                 elementwise_rate=elementwise[d],
                 rounds=cpu_overhead.ROUNDS[preset],
             )
-            for d in cpu_overhead.DTYPES[preset]
+            for d in cpu_overhead.TIMED_DTYPES[preset]
         },
         attention_curves={d: measure_attention_curve(arch, d, quick=quick) for d in CPU_RUN_DTYPES},
         prefill_attention_curves={

@@ -29,7 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from hrm.cli.validate_inputs import DTYPES, OFFLOADED, OFFLOADED_DTYPES, SWEEPS
+from hrm.cli.validate_inputs import OFFLOADED, OFFLOADED_DTYPES, SWEEP_DTYPES, SWEEPS
 from hrm.plan import SCHEDULES
 
 # how often the host is profiled, by default per sweep: the quick sweep's passes take half a
@@ -131,7 +131,7 @@ def _validate(args, checkpoint: Path, hardware) -> int:
 
     sweep = "quick" if args.quick else "full"
     batches, prompts, gens = SWEEPS[sweep]
-    settings = list(itertools.product(DTYPES, batches, prompts, gens))
+    settings = list(itertools.product(SWEEP_DTYPES, batches, prompts, gens))
     schedules = SCHEDULES if hardware is None or not hardware.has_gpu else ()
     offloaded = list(itertools.product(OFFLOADED_DTYPES[sweep], schedules))
     records: dict[str, dict] = {}
@@ -189,7 +189,7 @@ def _validate(args, checkpoint: Path, hardware) -> int:
     settle: dict[int, float] = {}  # timed pass -> throughput of the untimed run after its profile
     with torch_threads(args.threads):
         hardware = hardware or _profile_host(checkpoint, args.quiet)
-        speed = HostSpeedCheck.for_profile(resolve_model(checkpoint), hardware, DTYPES)
+        speed = HostSpeedCheck.for_profile(resolve_model(checkpoint), hardware, SWEEP_DTYPES)
         total = (repeats + 1) * (len(settings) + len(offloaded))
         bar = progress_bar(total=total, desc="validate", quiet=args.quiet)
         with bar:
