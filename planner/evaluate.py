@@ -216,16 +216,22 @@ def _bottleneck(model: BatchModel, layer_values: dict[str, np.ndarray], v: np.nd
     return f"{top} {max(parts, key=parts.get)}"
 
 
-def footprint(memory: MemoryTerms, hardware: HardwareProfile, v: np.ndarray) -> MemoryFootprint:
-    """Bytes per buffer at placement v; the KV prefetch buffer is not allocated when the whole
-    cache lives on the GPU (the affine terms count it for any r_c, planner/memory.py)."""
-    gpu_total = hardware.gpu.total_memory_bytes if hardware.gpu else 0.0
+def buffer_bytes(memory: MemoryTerms, v: np.ndarray) -> tuple[dict, dict]:
+    """(GPU, CPU) bytes per buffer at placement v; the KV prefetch buffer is not allocated when
+    the whole cache lives on the GPU (the affine terms count it for any r_c, planner/memory.py)."""
     gpu = {name: float(c @ v) for name, c in memory.gpu.items()}
     if v[RC] >= 1.0:
         gpu["kv prefetch"] = 0.0
+    return gpu, {name: float(c @ v) for name, c in memory.cpu.items()}
+
+
+def footprint(memory: MemoryTerms, hardware: HardwareProfile, v: np.ndarray) -> MemoryFootprint:
+    """Bytes per buffer at placement v, with the usable memory of each device."""
+    gpu_total = hardware.gpu.total_memory_bytes if hardware.gpu else 0.0
+    gpu, cpu = buffer_bytes(memory, v)
     return MemoryFootprint(
         gpu=gpu,
-        cpu={name: float(c @ v) for name, c in memory.cpu.items()},
+        cpu=cpu,
         gpu_capacity_bytes=usable_bytes(gpu_total),
         cpu_capacity_bytes=usable_bytes(hardware.cpu.memory_bytes),
     )
@@ -310,7 +316,13 @@ def predict_resident_run(
     """The prediction for a run held wholly by one device in `dtype` (`hrm run --hardware`): the
     weights and KV cache in that device's memory, the whole batch as one micro-batch, prefill
     packed, decode over the executor's left-padded cache."""
-    policy = Policy(
+    policy = _resident_policy(batch_size, dtype, on_gpu)
+    return predict(arch, hardware, workload, policy, cpu_gemm=cpu_gemm, padded_kv_cache=True)
+
+
+def _resident_policy(batch_size: int, dtype: str, on_gpu: bool) -> Policy:
+    """Everything on one device, the whole batch one micro-batch."""
+    return Policy(
         batch_size=batch_size,
         micro_batch_size=batch_size,
         attention_on_gpu=on_gpu,
@@ -320,7 +332,6 @@ def predict_resident_run(
         weight_dtype=dtype,
         kv_dtype=dtype,
     )
-    return predict(arch, hardware, workload, policy, cpu_gemm=cpu_gemm, padded_kv_cache=True)
 
 
 def resident_run_memory(
@@ -336,8 +347,5 @@ def resident_run_memory(
         weight_dtype=dtype,
         kv_dtype=dtype,
     )
-    v = placement_vector(one=1.0, att=float(on_gpu), ffn=float(on_gpu), rw=float(on_gpu),
-                         rc=float(on_gpu))  # fmt: skip
-    gpu = {name: float(c @ v) for name, c in terms.gpu.items()}
-    gpu["kv prefetch"] = 0.0 if on_gpu else gpu["kv prefetch"]
-    return float(sum(float(c @ v) for c in terms.cpu.values())), float(sum(gpu.values()))
+    gpu, cpu = buffer_bytes(terms, policy_vector(_resident_policy(batch_size, dtype, on_gpu)))
+    return sum(cpu.values()), sum(gpu.values())

@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     from planner.cost import Setting
     from planner.search import search
 
-    named = _named(args, arch, hardware, workload, options)
+    named, requested_weights = _named(args, arch, hardware, workload, options)
     result = search(arch, hardware, workload, top_k=args.top, max_batch_size=cap, **options)
     base = baselines(Setting(arch=arch, hardware=hardware, workload=workload, **options), cap)
     written = named if named is not None and args.output else result.best
@@ -135,14 +135,14 @@ def run(args: argparse.Namespace) -> int:
             data["named_policy"] = {
                 **named.to_dict(),
                 "shortfall": shortfall(named),
-                "requested_weights_gpu_fraction": _requested_weights(args),
+                "requested_weights_gpu_fraction": requested_weights,
             }
         data["job"] = job.to_dict(rate, price) if job is not None else None
         print(json.dumps(data, indent=2))
         return 0
     print(format_plan(result, base))
     if named is not None:
-        print(format_named(named, result.best, _requested_weights(args)))
+        print(format_named(named, result.best, requested_weights))
     if job is not None:
         print(job.describe(rate, price))
     if args.output:
@@ -169,9 +169,10 @@ def _check_flags(args) -> list[str]:
 
 
 def _named(args, arch, hardware, workload, options):
-    """--policy's prediction (None without it). With -o it is the plan written, so it must fit."""
+    """--policy's prediction and the weights fraction it asked for ((None, None) without it).
+    With -o it is the plan written, so it must fit."""
     if args.policy is None:
-        return None
+        return None, None
     from hrm.policy import parse_policy_text
     from planner import predict
 
@@ -182,11 +183,10 @@ def _named(args, arch, hardware, workload, options):
     short = shortfall(named)
     if short and args.output:
         raise HrmError(
-            f"--policy does not fit on {hardware.name}: "
-            + ", ".join(f"{d.upper()} memory {format_bytes(b, 3)} short" for d, b in short.items())
-            + "; lower N, mu, w or kv, or leave out -o to see it beside the best"
+            f"--policy does not fit on {hardware.name}: {_shortfall_text(short)}; lower N, mu, "
+            "w or kv, or leave out -o to see it beside the best"
         )
-    return named
+    return named, policy.weights_gpu_fraction
 
 
 def shortfall(plan) -> dict[str, float]:
@@ -199,13 +199,8 @@ def shortfall(plan) -> dict[str, float]:
     return {device: b for device, b in short.items() if b > 0}
 
 
-def _requested_weights(args) -> float:
-    """The w of --policy as given (0 when left out)."""
-    from hrm.policy import parse_policy_text
-
-    return parse_policy_text(
-        args.policy, weight_dtype="bfloat16", kv_dtype="bfloat16"
-    ).weights_gpu_fraction
+def _shortfall_text(short: dict[str, float]) -> str:
+    return ", ".join(f"{d.upper()} memory {format_bytes(b, 3)} short" for d, b in short.items())
 
 
 def format_named(plan, best, requested_weights: float | None = None) -> str:
@@ -213,12 +208,7 @@ def format_named(plan, best, requested_weights: float | None = None) -> str:
     saying when its weights fraction was rounded to whole tensors (hrm.placement)."""
     ratio = plan.predicted.throughput_tok_s / best.predicted.throughput_tok_s
     short = shortfall(plan)
-    fits = (
-        "fits"
-        if not short
-        else "DOES NOT FIT: "
-        + ", ".join(f"{d.upper()} memory {format_bytes(b, 3)} short" for d, b in short.items())
-    )
+    fits = "fits" if not short else f"DOES NOT FIT: {_shortfall_text(short)}"
     lines = ["", f"named policy ({fits}): {ratio:.2f}x the best's throughput", *_breakdown(plan)]
     placed = plan.policy.weights_gpu_fraction
     if requested_weights is not None and abs(placed - requested_weights) > 1e-9:
