@@ -7,6 +7,7 @@ mixtral, dbrx, qwen2_moe and olmoe.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -71,6 +72,18 @@ class ModelArch:
                 f"{self.name}: {self.experts_per_token} experts per token exceeds "
                 f"{self.num_experts} experts"
             )
+
+    def first_layers(self, layers: int | None) -> ModelArch:
+        """The model cut to its first `layers` layers (`--layers`; None: all of them), as `hrm
+        plan` plans and `hrm run --random-weights` runs it."""
+        if layers is None:
+            return self
+        if not 1 <= layers <= self.num_layers:
+            raise HrmError(
+                f"--layers {layers}: {self.name} has {self.num_layers} layers; "
+                f"give 1 to {self.num_layers}"
+            )
+        return dataclasses.replace(self, num_layers=layers)
 
     def check_positions(
         self,

@@ -3,7 +3,6 @@ from a prompts file, and the job's size, so a plan never assumes more prompts th
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,15 +48,7 @@ def model(args):
     """--model, cut to its first --layers layers when given (as `hrm run --layers` runs it)."""
     from hrm.arch import resolve_model
 
-    arch = resolve_model(args.model)
-    if args.layers is None:
-        return arch
-    if not 1 <= args.layers <= arch.num_layers:
-        raise HrmError(
-            f"--layers {args.layers}: {arch.name} has {arch.num_layers} layers; "
-            f"give 1 to {arch.num_layers}"
-        )
-    return dataclasses.replace(arch, num_layers=args.layers)
+    return resolve_model(args.model).first_layers(args.layers)
 
 
 def workload_and_job(args, arch):

@@ -199,8 +199,6 @@ def _check_flags(args) -> list[str]:
 
 def _random_arch(args):
     """The architecture of --model --random-weights (with --layers), or None for --checkpoint."""
-    import dataclasses
-
     from hrm.arch import resolve_model
     from hrm.errors import HrmError
 
@@ -214,15 +212,7 @@ def _random_arch(args):
         raise HrmError("--layers goes with --random-weights (a checkpoint has its own layers)")
     if args.model is None:
         return None
-    arch = resolve_model(args.model)
-    if args.layers is not None:
-        if not 1 <= args.layers <= arch.num_layers:
-            raise HrmError(
-                f"--layers {args.layers}: {arch.name} has {arch.num_layers} layers; "
-                f"give 1 to {arch.num_layers}"
-            )
-        arch = dataclasses.replace(arch, num_layers=args.layers)
-    return arch
+    return resolve_model(args.model).first_layers(args.layers)
 
 
 def build_record(result, hardware=None):
