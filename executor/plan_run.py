@@ -115,11 +115,7 @@ def execute_plan(
     runtime = placed_runtime(
         checkpoint, policy, plan.schedule, device, cpu_gemm, staged=staged, take_over=take_over
     )
-    store = runtime.store  # how its weights are held, read now: closing unpins them
-    weights = {
-        "pinned_weights": bool(store is not None and store.pinned),
-        "staged_weights": bool(store is not None and store.staged),
-    }
+    weights = _weights_held(runtime.store)  # read now: closing unpins them
     batches = plan_batches([len(p) for p in prompts], policy.batch_size, policy.micro_batch_size)
     pending = partial.pending(batches) if partial is not None else batches
     done: dict[int, dict[str, Any]] = {}
@@ -157,17 +153,7 @@ def execute_plan(
         runtime.close()
     wall = time.perf_counter() - start
     busy = runtime.engine.busy_seconds()
-    stats = runtime.engine.stats
-    total = prefill_s + decode_s
-    measured = Measurement(
-        prefill_s=prefill_s,
-        decode_s=decode_s,
-        generated_tokens=tokens,
-        busy_fraction={q: (s / total if total else 0.0) for q, s in busy.items()},
-        peak_memory_bytes=peak_memory_bytes(device),
-        link_bytes={"h2d": float(stats["h2d"].nbytes), "d2h": float(stats["d2h"].nbytes)},
-        buffer_bytes=peak_buffers,
-    )
+    measured = _measurement(runtime, device, busy, prefill_s, decode_s, tokens, peak_buffers)
     environment = (
         _environment(plan, device, runtime, wall, busy)
         | weights
@@ -181,6 +167,27 @@ def execute_plan(
         measured=measured,
         batches=[[len(prompts[i]) for i in b.indices] for b in pending],
         environment=environment,
+    )
+
+
+def _weights_held(store) -> dict[str, bool]:
+    return {
+        "pinned_weights": bool(store is not None and store.pinned),
+        "staged_weights": bool(store is not None and store.staged),
+    }
+
+
+def _measurement(runtime, device, busy, prefill_s, decode_s, tokens, peak_buffers) -> Measurement:
+    """The run's times, each queue's busy share, the bytes each way and the buffers' peaks."""
+    stats, total = runtime.engine.stats, prefill_s + decode_s
+    return Measurement(
+        prefill_s=prefill_s,
+        decode_s=decode_s,
+        generated_tokens=tokens,
+        busy_fraction={q: (s / total if total else 0.0) for q, s in busy.items()},
+        peak_memory_bytes=peak_memory_bytes(device),
+        link_bytes={"h2d": float(stats["h2d"].nbytes), "d2h": float(stats["d2h"].nbytes)},
+        buffer_bytes=peak_buffers,
     )
 
 

@@ -229,6 +229,11 @@ _CPU_ONLY = (
 _GPU_ONLY = ("expert_ffn_curves",)
 
 
+def _by_dtype(data, key: str, where: str, keys: set[str]) -> dict:
+    """The optional mapping `key` of a device, keyed by the dtypes (or rate keys) in `keys`."""
+    return check_keys(data.get(key) or {}, where=f"{where}: {key}", required=set(), optional=keys)
+
+
 def _device_from_dict(data: Any, where: str, is_cpu: bool = False) -> DeviceSpec:
     data = check_keys(data, where=where, required=_DEVICE_KEYS, optional=_DEVICE_OPTIONAL)
     # only a CPU widens 16-bit weights (the executor's CPU path), so only a CPU has those rates
@@ -236,10 +241,7 @@ def _device_from_dict(data: Any, where: str, is_cpu: bool = False) -> DeviceSpec
     flops = check_keys(data["flops"], where=f"{where}: flops", required=set(), optional=rate_keys)
     if not flops:
         raise HrmError(f"{where}: flops must name at least one dtype ({', '.join(RATE_DTYPES)})")
-    curves_in = data.get("matmul_curves") or {}
-    curves_in = check_keys(
-        curves_in, where=f"{where}: matmul_curves", required=set(), optional=rate_keys
-    )
+    curves_in = _by_dtype(data, "matmul_curves", where, rate_keys)
     count = positive_int(data.get("count", 1), where=f"{where}: count")
     if is_cpu and count != 1:
         raise HrmError(f"{where}: count must be 1 for the cpu (give the total cores and memory)")
@@ -255,20 +257,9 @@ def _device_from_dict(data: Any, where: str, is_cpu: bool = False) -> DeviceSpec
         if attention:
             raise HrmError(f"{where}: give attention_curves only (attention_curve is its old name)")
         attention = {"bfloat16": data["attention_curve"]}
-    elementwise = data.get("elementwise_rate")
-    elementwise = check_keys(
-        elementwise or {},
-        where=f"{where}: elementwise_rate",
-        required=set(),
-        optional=set(RATE_DTYPES),
-    )
+    elementwise = _by_dtype(data, "elementwise_rate", where, set(RATE_DTYPES))
     copy = data.get("copy_bandwidth")
-    sustained = check_keys(
-        data.get("sustained_flops") or {},
-        where=f"{where}: sustained_flops",
-        required=set(),
-        optional=set(RATE_DTYPES),
-    )
+    sustained = _by_dtype(data, "sustained_flops", where, set(RATE_DTYPES))
     return DeviceSpec(
         gemm_shape_curves=_shape_curves_from_dict(
             data.get("gemm_shape_curves") or {}, f"{where}: gemm_shape_curves", rate_keys
