@@ -171,11 +171,11 @@ def _seconds_per_call(cache: KVCache, step: tuple) -> float:
     return _median_seconds(call)
 
 
-def _median_seconds(call) -> float:
-    """Median seconds of one call: warm-up, then 5 samples of at least 0.05 s."""
+def _median_seconds(call, repeats: int = 5) -> float:
+    """Median seconds of one call: warm-up, then `repeats` samples of at least 0.05 s."""
     from hrm.profiling.timing import perf_counter_clock, time_calls
 
-    return time_calls(call, clock=perf_counter_clock, repeats=5, min_sample_s=0.05).median_s
+    return time_calls(call, clock=perf_counter_clock, repeats=repeats, min_sample_s=0.05).median_s
 
 
 # (batch, padded prompt length) of the prefill points `hrm profile` times, by FLOPs per call:
@@ -185,12 +185,12 @@ def _median_seconds(call) -> float:
 PREFILL_CURVE_POINTS = ((1, 32), (4, 128), (64, 64), (16, 256), (64, 192), (8, 1024))
 
 
-def measure_prefill_attention_curve(arch, dtype: str = "bfloat16"):
+def measure_prefill_attention_curve(arch, dtype: str = "bfloat16", *, quick: bool = False):
     """The achieved FLOP/s of the executor's prefill attention stage on this CPU against the
     FLOPs it computes per call (hrm.ops.prefill_attention_flops), at the model's heads, a
     quarter of each batch's prompts half as long: what the planner charges CPU prefill attention
     at (planner/cost.py). Each call is store_and_attend_prompts on a KVCache, the K/V store, the
-    query scatter and the mask included."""
+    query scatter and the mask included. quick: 3 samples a point, not 5."""
     from hrm.hardware_parts import Curve
     from hrm.ops import prefill_attention_flops
 
@@ -219,5 +219,5 @@ def measure_prefill_attention_curve(arch, dtype: str = "bfloat16"):
                 store_and_attend_prompts(cache, 0, *step, batch_idx, slot_idx)
 
             flops = prefill_attention_flops(arch, batch=batch, length=length)
-            points.append((flops, flops / _median_seconds(call)))
+            points.append((flops, flops / _median_seconds(call, 3 if quick else 5)))
     return Curve(points=tuple(points))

@@ -146,14 +146,13 @@ class DeviceSpec:
         return self.flops_per_s(dtype)
 
     def launch_overhead_for(self, dtype: str) -> LaunchOverhead | None:
-        """The fixed costs measured in `dtype`, else in float32, else None (not measured)."""
-        return self.launch_overhead.get(dtype, self.launch_overhead.get("float32"))
+        """The fixed costs measured in `dtype`, else in another (_measured_in), else None."""
+        return _measured_in(self.launch_overhead, dtype)
 
     def elementwise_elements_per_s(self, dtype: str) -> float:
-        """Rate of elementwise passes in `dtype`: measured, else float32's (a quick profile times
-        float32 and bfloat16 only, as it does the fixed costs), else each element from memory
-        once."""
-        measured = self.elementwise_rate.get(dtype, self.elementwise_rate.get("float32"))
+        """Rate of elementwise passes in `dtype`: measured in it or another (_measured_in), else
+        each element from memory once."""
+        measured = _measured_in(self.elementwise_rate, dtype)
         if measured is not None:
             return measured * self.count
         return self.total_memory_bandwidth_bytes_per_s / DTYPE_BYTES[dtype]
@@ -165,6 +164,17 @@ class DeviceSpec:
     @property
     def total_memory_bandwidth_bytes_per_s(self) -> float:
         return self.memory_bandwidth_bytes_per_s * self.count
+
+
+def _measured_in(by_dtype: Mapping[str, Any], dtype: str) -> Any:
+    """A per-dtype figure that only some dtypes have: `dtype`'s, else float32's (a profile
+    older than per-dtype figures has only that), else any dtype's (a quick profile times
+    bfloat16 alone), else None."""
+    if dtype in by_dtype:
+        return by_dtype[dtype]
+    if "float32" in by_dtype:
+        return by_dtype["float32"]
+    return next(iter(by_dtype.values()), None)
 
 
 @dataclass(frozen=True, kw_only=True)

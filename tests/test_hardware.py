@@ -175,6 +175,10 @@ def test_launch_overhead_is_measured_per_dtype_on_either_device_and_round_trips(
     assert profile.cpu.launch_overhead_for("bfloat16").per_expert_s == 0.5e-4
     assert profile.cpu.launch_overhead_for("float32").per_expert_s == 1.5e-4
     assert profile.cpu.launch_overhead_for("float16").per_expert_s == 1.5e-4  # float32's
+    data["cpu"]["launch_overhead"] = {"bfloat16": bf16}  # a quick profile's
+    quick = HardwareProfile.from_dict(copy.deepcopy(data)).cpu
+    assert quick.launch_overhead_for("float32") == quick.launch_overhead_for("bfloat16")
+    data["cpu"]["launch_overhead"] = {"float32": fp32, "bfloat16": bf16}
     assert HardwareProfile.load(profile.save(tmp_path / "p.yaml")) == profile
     assert profile.gpu.launch_overhead_for("bfloat16") is None  # not measured
     bad = copy.deepcopy(data)
@@ -319,9 +323,13 @@ def test_elementwise_rate_is_the_cpus_positive_and_round_trips(tmp_path):
     data["cpu"]["elementwise_rate"] = {"bfloat16": 4e9, "float32": 3e9}
     profile = HardwareProfile.from_dict(copy.deepcopy(data))
     assert profile.cpu.elementwise_elements_per_s("bfloat16") == 4e9
-    # a quick profile times float32 and bfloat16 only: float16 takes float32's, as its fixed
-    # costs do
+    # a dtype not measured takes float32's (profiles older than per-dtype figures have only
+    # that), else another's: a quick profile times bfloat16 alone
     assert profile.cpu.elementwise_elements_per_s("float16") == 3e9
+    data["cpu"]["elementwise_rate"] = {"bfloat16": 4e9}
+    quick = HardwareProfile.from_dict(copy.deepcopy(data)).cpu
+    assert quick.elementwise_elements_per_s("float32") == 4e9
+    assert quick.elementwise_elements_per_s("float16") == 4e9
     assert HardwareProfile.load(profile.save(tmp_path / "p.yaml")) == profile
     for bad, message in (
         ({"bfloat16": 0}, "must be a positive number"),

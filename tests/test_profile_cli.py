@@ -72,7 +72,8 @@ def test_a_quick_run_writes_a_measured_cpu_profile(capsys, tmp_path, monkeypatch
     assert f"wrote {output}" in out and "t4 (datasheet)" in out
     profile = HardwareProfile.load(output)
     assert profile.name == "box" and profile.source == "measured" and not profile.has_gpu
-    assert set(profile.cpu.launch_overhead) == {"float32", "bfloat16"}  # a quick profile's
+    assert set(profile.cpu.launch_overhead) == {"bfloat16"}  # a quick profile's
+    assert set(profile.cpu.elementwise_rate) == {"bfloat16"}
     assert "executor overhead (bfloat16)" in out
     assert profile.provenance["command"] == " ".join(["hrm", *argv, "-o", str(output)])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["box.yaml", "config.json"]

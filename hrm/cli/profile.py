@@ -81,7 +81,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def with_launch_overhead(profile: HardwareProfile, arch, *, quick: bool = False) -> HardwareProfile:
+def with_launch_overhead(
+    profile: HardwareProfile, arch, *, quick: bool = False, timed=None
+) -> HardwareProfile:
     """The profile with what only the executor's own code shows: on the CPU, per dtype, its
     decode-attention stage's K/V read rate, its prefill attention stage's FLOP/s
     (executor/attention.py), the element passes per second of its grouped expert FFN beyond the
@@ -89,7 +91,8 @@ def with_launch_overhead(profile: HardwareProfile, arch, *, quick: bool = False)
     (executor/cpu_overhead.py: its decode at the model's own shapes); on a GPU its fixed costs
     (executor/overhead.py: the host's issue time, on a miniature of the model, in float32) and
     the whole grouped expert FFN's rate at decode and prefill token counts, each point held for
-    the sweep's sustain time."""
+    the sweep's sustain time. timed: the CPU's fixed costs' preset (default: quick's or full's;
+    their dtypes are those whose elementwise rates are timed too)."""
     import dataclasses
 
     from executor import cpu_overhead
@@ -106,10 +109,10 @@ def with_launch_overhead(profile: HardwareProfile, arch, *, quick: bool = False)
 
     paths = {d: choose_cpu_gemm(profile.cpu, d) for d in CPU_RUN_DTYPES}
     preset = "quick" if quick else "full"
-    # --quick: the dtypes whose fixed costs it times, two repeats (float16 takes float32's)
+    timed = timed or cpu_overhead.PRESETS[preset]  # --quick: bfloat16 alone (others take its)
     elementwise = {
-        d: measure_elementwise_rate(arch, d, repeats=2 if quick else 3, cpu_gemm=paths[d])
-        for d in cpu_overhead.TIMED_DTYPES[preset]
+        d: measure_elementwise_rate(arch, d, repeats=timed.elementwise_repeats, cpu_gemm=paths[d])
+        for d in timed.dtypes
     }
     cpu = dataclasses.replace(
         profile.cpu,
@@ -119,13 +122,13 @@ def with_launch_overhead(profile: HardwareProfile, arch, *, quick: bool = False)
                 d,
                 cpu_gemm=paths[d],
                 elementwise_rate=elementwise[d],
-                rounds=cpu_overhead.ROUNDS[preset],
+                preset=timed,
             )
-            for d in cpu_overhead.TIMED_DTYPES[preset]
+            for d in timed.dtypes
         },
         attention_curves={d: measure_attention_curve(arch, d, quick=quick) for d in CPU_RUN_DTYPES},
         prefill_attention_curves={
-            d: measure_prefill_attention_curve(arch, d) for d in CPU_RUN_DTYPES
+            d: measure_prefill_attention_curve(arch, d, quick=quick) for d in CPU_RUN_DTYPES
         },
         elementwise_rate=elementwise,
     )

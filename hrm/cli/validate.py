@@ -29,7 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from hrm.cli.validate_inputs import OFFLOADED, OFFLOADED_DTYPES, SWEEP_DTYPES, SWEEPS
+from hrm.cli.validate_inputs import OFFLOADED, SWEEP_DTYPES, SWEEPS
 from hrm.plan import SCHEDULES
 
 # how often the host is profiled, by default per sweep: the quick sweep's passes take half a
@@ -131,9 +131,9 @@ def _validate(args, checkpoint: Path, hardware) -> int:
 
     sweep = "quick" if args.quick else "full"
     batches, prompts, gens = SWEEPS[sweep]
-    settings = list(itertools.product(SWEEP_DTYPES, batches, prompts, gens))
+    settings = list(itertools.product(SWEEP_DTYPES[sweep], batches, prompts, gens))
     schedules = SCHEDULES if hardware is None or not hardware.has_gpu else ()
-    offloaded = list(itertools.product(OFFLOADED_DTYPES[sweep], schedules))
+    offloaded = list(itertools.product(SWEEP_DTYPES[sweep], schedules))
     records: dict[str, dict] = {}
     spreads: dict[str, list[float]] = {}
     warm_up: dict[str, float] = {}  # setting -> the untimed first pass's throughput
@@ -188,8 +188,8 @@ def _validate(args, checkpoint: Path, hardware) -> int:
     profiles: dict[int, object] = {}  # timed pass -> the profile that predicted its runs
     settle: dict[int, float] = {}  # timed pass -> throughput of the untimed run after its profile
     with torch_threads(args.threads):
-        hardware = hardware or _profile_host(checkpoint, args.quiet)
-        speed = HostSpeedCheck.for_profile(resolve_model(checkpoint), hardware, SWEEP_DTYPES)
+        hardware = hardware or _profile_host(checkpoint, args.quiet, sweep)
+        speed = HostSpeedCheck.for_profile(resolve_model(checkpoint), hardware, SWEEP_DTYPES[sweep])
         total = (repeats + 1) * (len(settings) + len(offloaded))
         bar = progress_bar(total=total, desc="validate", quiet=args.quiet)
         with bar:
@@ -197,7 +197,7 @@ def _validate(args, checkpoint: Path, hardware) -> int:
             for rep in (None, *range(repeats)):
                 if rep is not None and every_pass:
                     bar.set_description(f"validate (profiling for pass {rep + 1})")
-                    hardware = _profile_host(checkpoint, quiet=True)
+                    hardware = _profile_host(checkpoint, quiet=True, sweep=sweep)
                     speed = speed.against(hardware)
                     # the first run after a profile is not steady (_settle_notes): one untimed
                     settle[rep] = resident(settings[0], hardware)["measured"]["throughput_tok_s"]
@@ -353,8 +353,10 @@ def _prompts(spec, batch: int, length: int, ragged: bool) -> tuple[tuple[int, ..
     return tuple(tuple(torch.randint(0, vocab, (n,), generator=g).tolist()) for n in lens)
 
 
-def _profile_host(checkpoint: Path, quiet: bool):
-    """A quick profile of this host at the model's shape, taken right before the sweep."""
+def _profile_host(checkpoint: Path, quiet: bool, sweep: str):
+    """A quick profile of this host at the model's shape, taken right before the sweep (the full
+    sweep's with the fixed costs of both dtypes it runs)."""
+    from executor.cpu_overhead import PRESETS as TIMED
     from hrm.arch import resolve_model
     from hrm.cli.profile import with_launch_overhead
     from hrm.profiling import PRESETS, measure_profile
@@ -369,7 +371,8 @@ def _profile_host(checkpoint: Path, quiet: bool):
         quiet=quiet,
         warn=lambda message: print(f"hrm validate: warning: {message}", file=sys.stderr),
     )
-    return with_launch_overhead(profile, arch, quick=True)
+    timed = TIMED["quick" if sweep == "quick" else "pass"]
+    return with_launch_overhead(profile, arch, quick=True, timed=timed)
 
 
 def _spread_notes(

@@ -150,7 +150,7 @@ def test_a_validate_that_would_not_fit_is_refused_before_writing_anything(
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     status, out, err = run_cli("validate", "--model", "mixtral-8x7b", "--random-weights",
                                "--quick", "-o", tmp_path / "v")  # fmt: skip
-    assert_one_line_error(status, err, "hrm validate of mixtral-8x7b needs", "--layers 2 (the")
+    assert_one_line_error(status, err, "hrm validate of mixtral-8x7b needs", "--layers 5 (the")
     assert out == "" and not list(tmp_path.iterdir())
 
 
