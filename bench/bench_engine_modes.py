@@ -39,8 +39,9 @@ def main() -> int:
 
     import torch
 
+    from executor.api import RunSpec
     from executor.checkpoint import random_checkpoint
-    from executor.plan_run import execute_plan
+    from executor.run import execute
     from hrm.arch import resolve_model
     from hrm.hardware import resolve_hardware
     from hrm.policy import parse_policy_text
@@ -56,6 +57,8 @@ def main() -> int:
     prompts = tuple(
         tuple(x) for x in torch.randint(0, arch.vocab_size, (32, args.prompt_len), generator=g)
     )
+    spec = RunSpec(checkpoint=None, arch=arch, prompts=prompts, gen_len=args.gen_len,
+                   dtype="bfloat16", device="cpu")  # fmt: skip
     plans = {}
     for schedule in SCHEDULES:
         attn = "gpu" if schedule == "gpu-attention" else "cpu"
@@ -69,11 +72,8 @@ def main() -> int:
         for schedule in SCHEDULES:
             for mode in MODES:
                 os.environ["HRM_ENGINE"] = mode
-                run = execute_plan(
-                    checkpoint, plans[schedule], prompts, args.gen_len,
-                    device=torch.device("cpu"), partial=None, decode_text=lambda ids: None,
-                    quiet=True,
-                )  # fmt: skip
+                plan = plans[schedule]
+                run = execute(spec, plan.policy, schedule, checkpoint=checkpoint, quiet=True)
                 timed = run.measured.prefill_s + run.measured.decode_s  # not load or probe
                 seconds.setdefault((schedule, mode), []).append(timed)
                 ids = [run.outputs[i]["output_token_ids"] for i in range(len(prompts))]

@@ -69,22 +69,21 @@ def measure_plan(plan, arch, checkpoint, prompts, gen_len, device, budget, hardw
     import torch
 
     from executor.api import RunSpec
-    from executor.plan_run import execute_plan
-    from hrm.cli.run_plan import plan_record
+    from executor.run import execute
+    from hrm.cli.records import run_record
 
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), device)
-    t0 = time.perf_counter()
-    result = execute_plan(
-        checkpoint, plan, prompts, gen_len, device=device, partial=None,
-        decode_text=lambda ids: None, quiet=True,
-    )  # fmt: skip
     spec = RunSpec(checkpoint=None, arch=arch, prompts=prompts, gen_len=gen_len,
                    dtype=dtype, device=str(device))  # fmt: skip
-    record = plan_record(spec, plan, result, hardware, None, print)
+    t0 = time.perf_counter()
+    result = execute(spec, plan.policy, plan.schedule, checkpoint=checkpoint,
+                     staged=plan.stages_weights, quiet=True)  # fmt: skip
+    record = run_record(spec, result, policy=plan.policy, schedule=plan.schedule,
+                        profile=hardware, plan=plan)  # fmt: skip
     m = record.measured
     h2d_s = result.environment["busy_s"]["h2d"]
     return record, {
@@ -128,7 +127,7 @@ def run(args) -> int:
     import torch
 
     from executor.checkpoint import random_checkpoint
-    from executor.plan_run import check_plan
+    from executor.run import check_plan
     from hrm.cli.memory_check import available_host_bytes
 
     arch = dataclasses.replace(resolve_model("mixtral-8x7b"), num_layers=args.layers)

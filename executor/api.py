@@ -1,17 +1,15 @@
-"""What `hrm run` calls: describe a run from its arguments, then execute it.
+"""What a run is, fixed before it starts: `prepare_run` turns a run's arguments into a RunSpec.
 
-`prepare_run` reads only config.json, the safetensors headers, the prompts and (for text) the
-tokenizer, so the planner's prediction for the run can be built from its RunSpec before any weight
-is touched.  `execute` loads the weights, generates and measures.
+It reads only config.json, the safetensors headers, the prompts and (for text) the tokenizer, so
+the planner's prediction and memory count for the run can be built before any weight is touched.
+executor/run.py `execute` loads the weights, generates and measures.
 """
 
 from __future__ import annotations
 
 import os
-import platform
 import resource
 import sys
-from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,16 +27,9 @@ from executor.checkpoint import (
     stored_dtype,
 )
 from executor.engine import engine_mode, jitter_seed
-from executor.generate import Generation, Sampling, generate, resident_runtime
-from executor.model import MoEModel
 from hrm.arch import ModelArch
-from hrm.cpu_gemm import CpuGemmChoice
 from hrm.errors import HrmError
 from hrm.io import read_prompts_file
-from hrm.profiling import BUSY_WARNING_SHARE
-from hrm.profiling.cpu import cpu_times, measured_others_share
-from hrm.progress import progress_bar
-from hrm.record import Measurement
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,15 +51,6 @@ class RunSpec:
     @property
     def prompt_lens(self) -> list[int]:
         return [len(p) for p in self.prompts]
-
-
-@dataclass(frozen=True, kw_only=True)
-class RunResult:
-    spec: RunSpec
-    outputs: list[dict[str, Any]]  # {"output_token_ids": [...], "text": str | None}, input order
-    measured: Measurement
-    environment: dict[str, Any]
-    cpu_gemm: CpuGemmChoice | None = None  # the GEMM path the run took on a CPU
 
 
 def prepare_run(
@@ -156,90 +138,11 @@ def torch_threads(threads: int | None):
         torch.set_num_threads(before)
 
 
-def execute(
-    spec: RunSpec,
-    *,
-    cpu_gemm: CpuGemmChoice | Callable[[Checkpoint], CpuGemmChoice] | None = None,
-    sampling: Sampling | None = None,
-    ignore_eos: bool = False,
-    quiet: bool = False,
-    warn: Callable[[str], None] = lambda message: None,
-) -> RunResult:
-    """Load the weights, generate, and measure prefill and decode time.
-
-    cpu_gemm: the CPU GEMM path (MoEModel), or a function of the opened checkpoint that chooses
-    it (so a broken checkpoint fails before a probe, which times its weights). `warn` hears when
-    other processes took enough of the CPU that the measurement is not comparable."""
-    checkpoint = load_weights(spec, spec.device)
-    model = MoEModel(checkpoint, cpu_gemm(checkpoint) if callable(cpu_gemm) else cpu_gemm)
-    bar = progress_bar(total=1, desc="prefill", quiet=quiet)
-
-    def on_step(phase: str) -> None:
-        if phase == "prefill":  # the decode steps get a bar of their own
-            bar.reset(total=spec.gen_len - 1)
-            bar.set_description("decode")
-        else:
-            bar.update()
-
-    times_before = cpu_times()
-    runtime = resident_runtime(model)
-    try:
-        generation: Generation = generate(
-            runtime,
-            spec.prompts,
-            spec.gen_len,
-            sampling=sampling or Sampling(),
-            stop_token_ids=() if ignore_eos else spec.arch.eos_token_ids,
-            on_step=on_step,
-        )
-    finally:
-        bar.close()
-        runtime.close()
-    times_after = cpu_times()
-    busy = measured_others_share(times_before, times_after)
-    if busy is not None and busy > BUSY_WARNING_SHARE:
-        warn(
-            f"other processes took {busy:.0%} of the CPU time during the run: its timings are "
-            "not comparable with a quiet run; run again on a quiet machine"
-        )
-    outputs = [
-        {"output_token_ids": ids, "text": _decode(spec.tokenizer, ids)}
-        for ids in generation.output_token_ids
-    ]
-    measured = Measurement(
-        prefill_s=generation.prefill_s,
-        decode_s=generation.decode_s,
-        generated_tokens=generation.generated_tokens,
-        peak_memory_bytes=peak_memory_bytes(spec.device),
-        # on a CPU the one device is the CPU, busy the whole run; a GPU's queues are not timed yet
-        busy_fraction={"cpu": 1.0} if spec.device == "cpu" else {},
-    )
-    environment = {
-        **_environment(spec),
-        "other_processes_cpu_share": round(busy, 3) if busy is not None else "unknown",
-        "engine": runtime.engine.mode,
-        "cpu_gemm": None
-        if model.cpu_gemm is None
-        else {**model.cpu_gemm.to_dict(), "calls": dict(model.gemm_calls)},
-    }
-    return RunResult(
-        spec=spec,
-        outputs=outputs,
-        measured=measured,
-        environment=environment,
-        cpu_gemm=model.cpu_gemm,
-    )
-
-
 def load_weights(spec: RunSpec, device: str = "cpu") -> Checkpoint:
     """The run's weights: its checkpoint mapped (in its dtype, on `device`), or random ones."""
     if spec.checkpoint is None:
         return random_checkpoint(spec.arch, spec.dtype, device=device)
     return open_checkpoint(spec.checkpoint, spec.dtype, device=device)
-
-
-def _decode(tokenizer, ids: list[int]) -> str | None:
-    return None if tokenizer is None else tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def peak_rss_bytes() -> float:
@@ -262,16 +165,3 @@ def peak_memory_bytes(device: str | torch.device) -> dict[str, float]:
     if torch.device(device).type == "cuda":
         peak["gpu"] = float(torch.cuda.max_memory_allocated(device))
     return peak
-
-
-def _environment(spec: RunSpec) -> dict[str, Any]:
-    return {
-        "checkpoint": str(spec.checkpoint) if spec.checkpoint else "random weights (in memory)",
-        "batch_size": spec.batch_size,
-        "dtype": spec.dtype,
-        "device": spec.device,
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "host": platform.node(),
-        "python": platform.python_version(),
-    }

@@ -280,10 +280,12 @@ def placed_runtime(
     host arenas and paged in, m pages per layer under cgopipe and gpu-attention, one whole-layer
     copy under serial and overlap; staged: through a pinned staging ring (the plan's "weight
     staging"); take_over: the store releases the checkpoint's layers as it copies them (a
-    checkpoint loaded for this run only)."""
+    checkpoint loaded for this run only). A policy that holds everything on a GPU the weights
+    were loaded onto runs them there, with no store: a resident run (Policy.resident)."""
     model = MoEModel(checkpoint, cpu_gemm, device=device if policy.ffn_on_gpu else None)
+    on_gpu_already = device.type == "cuda" == checkpoint.weights.embed.device.type
     store = None
-    if policy.ffn_on_gpu:
+    if policy.ffn_on_gpu and not (policy.all_on_gpu and on_gpu_already):
         placement = place_weights(model.arch, policy.weights_gpu_fraction, policy.weight_dtype)
         pages = policy.num_micro_batches if schedule in ("cgopipe", "gpu-attention") else 1
         store = WeightStore(

@@ -129,6 +129,11 @@ class Plan:
         check_schedule(self.schedule)
 
     @property
+    def stages_weights(self) -> bool:
+        """Weights cross the link through a pinned staging ring (the memory model counts one)."""
+        return self.memory.cpu.get("weight staging", 0.0) > 0
+
+    @property
     def busy_fraction(self) -> dict[str, float]:
         total = self.predicted.total_s
         return {r: (self.busy_s.get(r, 0.0) / total if total > 0 else 0.0) for r in RESOURCES}

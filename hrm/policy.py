@@ -54,6 +54,31 @@ class Policy:
         dtype_bytes(self.weight_dtype)
         dtype_bytes(self.kv_dtype)
 
+    @classmethod
+    def resident(cls, batch_size: int, dtype: str, on_gpu: bool) -> Policy:
+        """A run held wholly by one device (`hrm run` without a plan): everything there, the
+        whole batch one micro-batch."""
+        return cls(
+            batch_size=batch_size,
+            micro_batch_size=batch_size,
+            attention_on_gpu=on_gpu,
+            ffn_on_gpu=on_gpu,
+            weights_gpu_fraction=float(on_gpu),
+            kv_gpu_fraction=float(on_gpu),
+            weight_dtype=dtype,
+            kv_dtype=dtype,
+        )
+
+    @property
+    def all_on_gpu(self) -> bool:
+        """Every weight, the KV cache and all compute on the GPU: nothing to page or offload."""
+        return (
+            self.ffn_on_gpu
+            and self.attention_on_gpu
+            and self.weights_gpu_fraction == 1.0
+            and self.kv_gpu_fraction == 1.0
+        )
+
     @property
     def num_micro_batches(self) -> int:
         return math.ceil(self.batch_size / self.micro_batch_size)

@@ -316,22 +316,8 @@ def predict_resident_run(
     """The prediction for a run held wholly by one device in `dtype` (`hrm run --hardware`): the
     weights and KV cache in that device's memory, the whole batch as one micro-batch, prefill
     packed, decode over the executor's left-padded cache."""
-    policy = _resident_policy(batch_size, dtype, on_gpu)
+    policy = Policy.resident(batch_size, dtype, on_gpu)
     return predict(arch, hardware, workload, policy, cpu_gemm=cpu_gemm, padded_kv_cache=True)
-
-
-def _resident_policy(batch_size: int, dtype: str, on_gpu: bool) -> Policy:
-    """Everything on one device, the whole batch one micro-batch."""
-    return Policy(
-        batch_size=batch_size,
-        micro_batch_size=batch_size,
-        attention_on_gpu=on_gpu,
-        ffn_on_gpu=on_gpu,
-        weights_gpu_fraction=float(on_gpu),
-        kv_gpu_fraction=float(on_gpu),
-        weight_dtype=dtype,
-        kv_dtype=dtype,
-    )
 
 
 def resident_run_memory(
@@ -347,5 +333,5 @@ def resident_run_memory(
         weight_dtype=dtype,
         kv_dtype=dtype,
     )
-    gpu, cpu = buffer_bytes(terms, policy_vector(_resident_policy(batch_size, dtype, on_gpu)))
+    gpu, cpu = buffer_bytes(terms, policy_vector(Policy.resident(batch_size, dtype, on_gpu)))
     return sum(cpu.values()), sum(gpu.values())

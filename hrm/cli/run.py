@@ -1,8 +1,9 @@
 """`hrm run`: generate with a real checkpoint and report measured prefill/decode time.
 
-The executor does the work (executor/api.py); this module parses arguments, writes the outputs
-atomically and assembles the RunRecord in `build_record`, the one place where a prediction for
-the same run will be joined to the measurement.
+This module parses the arguments; hrm/cli/run_plan.py settles the job (resident, or under a
+plan); the one run driver (executor/run.py) runs it, batch by batch into OUTPUT.partial (so
+`--resume` picks up a killed run) or onto stdout in input order; hrm/cli/records.py joins the
+planner's prediction for the same run to the measurement.
 """
 
 from __future__ import annotations
@@ -94,12 +95,9 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     import sys
 
-    from executor.api import execute, torch_threads
-    from executor.generate import Sampling
-    from hrm.errors import HrmError
+    from hrm.cli.run_plan import settle_job
     from hrm.hardware import resolve_hardware
-    from hrm.io import atomic_write_text, check_writable
-    from hrm.profiling.host_gemm import cpu_gemm_for_run, host_differs
+    from hrm.io import check_writable
 
     def warn(message: str) -> None:
         print(f"hrm run: {message}", file=sys.stderr)
@@ -108,63 +106,89 @@ def run(args: argparse.Namespace) -> int:
     random_arch = _random_arch(args)
     output = check_writable(args.output) if args.output else None
     hardware = resolve_hardware(args.hardware) if args.hardware else None
-    on_gpu = args.device.startswith("cuda")
-    planned = args.plan is not None or (
-        hardware is not None and (hardware.has_gpu or bool(planner_args))
-    )
-    sampling = Sampling(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-    if planned:
-        from hrm.cli.run_plan import run_planned
+    job = settle_job(args, hardware, random_arch, planner_args, warn)
+    partial = None
+    if output is not None:
+        from executor.batching import PartialOutput, run_digest
 
-        return run_planned(args, hardware, random_arch, sampling, output, warn)
-    if args.resume:
-        raise HrmError("--resume continues a planned run (--plan, or --hardware with a GPU)")
-    if hardware is not None and on_gpu and not hardware.has_gpu:
-        raise HrmError(
-            f"--hardware {args.hardware} has no GPU, so it cannot predict a --device "
-            f"{args.device} run; give a profile with a GPU or run on the cpu"
-        )
-    from hrm.cli.run_plan import run_spec
+        digest = run_digest(job.spec.prompts, _settings(args, job))
+        partial = PartialOutput(output, digest, resume=args.resume, overwrite=args.overwrite)
+    try:
+        result = _execute(args, job, hardware, partial, warn)
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (hrm.cli.Terminated)
+        saved = partial.saved() if partial is not None else 0
+        if not saved:
+            raise
+        raise type(exc)(
+            f"{saved} of {len(job.spec.prompts)} outputs are in {partial.path}: run the "
+            "same command with --resume to go on"
+        ) from None
+    if partial is not None:
+        partial.finish(len(job.spec.prompts))
+    from hrm.cli.records import format_summary, run_record
 
-    spec = run_spec(args, random_arch, args.dtype)
-    from hrm.cli.memory_check import check_resident_run
+    record = run_record(
+        job.spec, result, policy=job.policy, schedule=job.schedule, profile=job.profile,
+        plan=job.plan,
+    )  # fmt: skip
+    if args.json:
+        print(json.dumps(record.to_dict(), indent=2))
+        return 0
+    print(format_summary(record), file=sys.stderr)
+    return 0
 
-    check_resident_run(spec, random_weights=args.random_weights)
 
-    def choose(checkpoint):  # at the run's own thread count, once the checkpoint has opened
+def _settings(args, job) -> dict:
+    """What a resumed run must share with the run it continues, beside its prompts."""
+    return {
+        "plan": {"policy": job.policy.to_dict(), "schedule": job.schedule},
+        "geometry": job.spec.arch.geometry(),
+        "gen_len": job.spec.gen_len,
+        "dtype": job.spec.dtype,
+        "sampling": [args.temperature, args.top_p, args.seed],
+        "ignore_eos": args.ignore_eos,
+    }
+
+
+def _execute(args, job, hardware, partial, warn):
+    """Run the job with the one run driver: the CPU GEMM path chosen once the checkpoint has
+    opened, at the run's own thread count (from a CPU-only --hardware profile of this host, or a
+    probe), each finished batch written to stdout in input order when there is no --output."""
+    import sys
+
+    from executor.api import torch_threads
+    from executor.batching import InOrder
+    from executor.generate import Sampling
+    from executor.run import execute
+    from hrm.profiling.host_gemm import cpu_gemm_for_run
+
+    spec = job.spec
+    stream = InOrder(sys.stdout) if partial is None and not args.json else None
+
+    def choose(checkpoint):
         return cpu_gemm_for_run(
             spec.arch,
             spec.dtype,
             mode=args.cpu_gemm,
-            hardware=hardware,
+            hardware=hardware if hardware is not None and not hardware.has_gpu else None,
             weights=checkpoint.expert_gate_weights,
             warn=warn,
         )
 
-    if hardware is not None and hardware.source == "measured":
-        differs = host_differs(hardware)
-        if differs:
-            warn(f"warning: {differs}: the prediction is for that host")
     with torch_threads(args.threads):
-        result = execute(
+        return execute(
             spec,
-            cpu_gemm=None if on_gpu else choose,
-            sampling=sampling,
-            ignore_eos=args.ignore_eos,
+            job.policy,
+            job.schedule,
+            cpu_gemm=choose,
+            staged=job.staged,
+            partial=partial,
+            sampling=Sampling(temperature=args.temperature, top_p=args.top_p, seed=args.seed),
+            stop_token_ids=() if args.ignore_eos else spec.arch.eos_token_ids,
             quiet=args.quiet,
+            on_batch=stream.add if stream is not None else None,
             warn=lambda message: warn(f"warning: {message}"),
         )
-    lines = "".join(json.dumps(o) + "\n" for o in result.outputs)
-    if output is not None:
-        atomic_write_text(output, lines)
-    record = build_record(result, hardware)
-    if args.json:
-        print(json.dumps(record.to_dict(), indent=2))
-        return 0
-    if output is None:
-        print(lines, end="")
-    print(format_summary(record), file=sys.stderr)
-    return 0
 
 
 def _check_flags(args) -> list[str]:
@@ -213,57 +237,3 @@ def _random_arch(args):
     if args.model is None:
         return None
     return resolve_model(args.model).first_layers(args.layers)
-
-
-def build_record(result, hardware=None):
-    """The RunRecord of a finished run, with the planner's prediction for the same run (same
-    model, batch, prompt lengths, generation length, dtype and device, everything resident on
-    that device, and on a CPU the GEMM path the run took) when a hardware profile is given."""
-    from hrm.record import RunRecord
-    from hrm.workload import Workload
-
-    spec = result.spec
-    # Prefill packs the prompts (no compute on padding), so the workload is unpadded.
-    workload = Workload.from_prompt_lens(spec.prompt_lens, spec.gen_len, padding=False)
-    predicted = None
-    environment = dict(result.environment)
-    if hardware is not None:
-        from planner import MODEL_VERSION, predict_resident_run
-
-        plan = predict_resident_run(
-            spec.arch,
-            hardware,
-            workload,
-            batch_size=len(spec.prompt_lens),
-            dtype=spec.dtype,
-            on_gpu=spec.device.startswith("cuda"),
-            cpu_gemm=result.cpu_gemm,
-        )
-        predicted = {**plan.predicted.to_dict(), "busy_s": dict(plan.busy_s)}
-        environment["model_version"] = MODEL_VERSION
-    return RunRecord(
-        model=spec.arch.name,
-        hardware=hardware.name if hardware is not None else None,
-        workload=workload.to_dict(),
-        plan=None,
-        predicted=predicted,
-        measured=result.measured,
-        environment=environment,
-    )
-
-
-def format_summary(record) -> str:
-    m, env = record.measured, record.environment
-    summary = (
-        f"{record.model}: {env['batch_size']} prompts, {m.generated_tokens} tokens generated "
-        f"({env['dtype']}, {env['device']}); prefill {m.prefill_s:.3f} s, "
-        f"decode {m.decode_s:.3f} s, {m.throughput_tok_s:.1f} tok/s"
-    )
-    if record.predicted is None:
-        return summary
-    p = record.predicted
-    return (
-        f"{summary}\npredicted on {record.hardware}: prefill {p['prefill_s']:.3f} s, "
-        f"decode {p['decode_s']:.3f} s, {p['throughput_tok_s']:.1f} tok/s "
-        f"({100 * record.prediction_error:+.0f}% against measured)"
-    )

@@ -1,23 +1,66 @@
-"""`hrm run --plan` (or `--hardware` with a GPU, which plans first): run the prompts under a plan.
-hrm/cli/run.py parses the arguments and calls in here (never the other way round).
+"""What `hrm run` runs, settled before any weight is loaded: the RunSpec, and the policy and
+schedule it runs under. Without a plan that is the resident policy (everything on the one
+device); with `--plan`, or `--hardware` with a GPU (which plans first), it is the plan's.
 
-Everything a user can get wrong is checked before any weight is loaded (executor/plan_run.py);
-the outputs go to OUTPUT.partial batch by batch, so `--resume` picks up a killed run; the record
-holds the plan, its prediction for the batches that ran, and each queue's measured busy time.
+Everything a user can get wrong is checked here (executor/run.py `check_plan`, the host's memory
+for a resident run); hrm/cli/run.py then executes the job and builds its record. This module
+imports nothing back from it.
 """
 
 from __future__ import annotations
 
-import json
-import sys
-from pathlib import Path
+from dataclasses import dataclass
+from typing import Any
 
 
-def run_planned(args, hardware, random_arch, sampling, output: Path | None, warn) -> int:
+@dataclass(frozen=True)
+class Job:
+    spec: Any  # executor.api.RunSpec
+    policy: Any  # hrm.policy.Policy
+    schedule: str
+    plan: Any  # hrm.plan.Plan, or None for a resident run
+    profile: Any  # the HardwareProfile the run is predicted on, or None
+    staged: bool  # weights cross the link through a pinned staging ring (the plan says)
+
+
+def settle_job(args, hardware, random_arch, planner_args: list[str], warn) -> Job:
+    """The job `hrm run`'s arguments describe: planned with --plan, or with --hardware that has
+    a GPU or planning flags; resident otherwise."""
+    if args.plan is not None or (hardware is not None and (hardware.has_gpu or planner_args)):
+        return _planned_job(args, hardware, random_arch, warn)
+    return _resident_job(args, hardware, random_arch, warn)
+
+
+def _resident_job(args, hardware, random_arch, warn) -> Job:
+    """Everything on the one device, the prompts one batch: refused where the host's memory
+    would not hold it; predicted with a CPU-only --hardware profile."""
+    from hrm.cli.memory_check import check_resident_run
+    from hrm.errors import HrmError
+    from hrm.policy import Policy
+    from hrm.profiling.host_gemm import host_differs
+
+    on_gpu = args.device.startswith("cuda")
+    if hardware is not None and on_gpu and not hardware.has_gpu:
+        raise HrmError(
+            f"--hardware {args.hardware} has no GPU, so it cannot predict a --device "
+            f"{args.device} run; give a profile with a GPU or run on the cpu"
+        )
+    spec = run_spec(args, random_arch, args.dtype)
+    check_resident_run(spec, random_weights=args.random_weights)
+    if hardware is not None and hardware.source == "measured":
+        differs = host_differs(hardware)
+        if differs:
+            warn(f"warning: {differs}: the prediction is for that host")
+    policy = Policy.resident(spec.batch_size, spec.dtype, on_gpu)
+    return Job(spec, policy, "serial", None, hardware, staged=False)
+
+
+def _planned_job(args, hardware, random_arch, warn) -> Job:
+    """The plan (--plan, or the best one on --hardware for these prompts), checked against the
+    run before any loading."""
     import torch
 
-    from executor.batching import InOrder, PartialOutput, run_digest
-    from executor.plan_run import check_plan
+    from executor.run import check_plan
     from hrm.cli.memory_check import host_budget
     from hrm.errors import HrmError
     from hrm.plan import Plan
@@ -52,39 +95,8 @@ def run_planned(args, hardware, random_arch, sampling, output: Path | None, warn
         host_bytes=host,
         stand_in=device.type == "cpu",
     )
-    settings = {
-        "plan": {"policy": plan.policy.to_dict(), "schedule": plan.schedule},
-        "geometry": spec.arch.geometry(),
-        "gen_len": spec.gen_len,
-        "dtype": spec.dtype,
-        "sampling": [sampling.temperature, sampling.top_p, sampling.seed],
-        "ignore_eos": args.ignore_eos,
-    }
-    partial = None
-    if output is not None:
-        digest = run_digest(spec.prompts, settings)
-        partial = PartialOutput(output, digest, resume=args.resume, overwrite=args.overwrite)
-    stream = InOrder(sys.stdout) if output is None and not args.json else None
-    try:
-        result, choice = _execute(
-            args, spec, plan, hardware, device, partial, stream, sampling, warn
-        )
-    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (hrm.cli.Terminated)
-        saved = partial.saved() if partial is not None else 0
-        if not saved:
-            raise
-        raise type(exc)(
-            f"{saved} of {len(spec.prompts)} outputs are in {partial.path}: run the "
-            "same command with --resume to go on"
-        ) from None
-    if partial is not None:
-        partial.finish(len(spec.prompts))
-    record = plan_record(spec, plan, result, hardware, choice, warn)
-    if args.json:
-        print(json.dumps(record.to_dict(), indent=2))
-        return 0
-    print(format_plan_summary(record), file=sys.stderr)
-    return 0
+    profile = prediction_profile(plan, hardware, spec.device, warn)
+    return Job(spec, plan.policy, plan.schedule, plan, profile, plan.stages_weights)
 
 
 def run_spec(args, random_arch, dtype):
@@ -102,50 +114,6 @@ def run_spec(args, random_arch, dtype):
         dtype=dtype,
         device=args.device,
     )
-
-
-def _execute(args, spec, plan, hardware, device, partial, stream, sampling, warn):
-    """Load the weights, choose the CPU GEMM path where the layers run on the CPU, and run every
-    pending batch: (PlanRun, the GEMM choice)."""
-    from executor.api import load_weights, torch_threads
-    from executor.plan_run import execute_plan
-    from hrm.profiling.host_gemm import cpu_gemm_for_run
-
-    with torch_threads(args.threads):
-        checkpoint = load_weights(spec, "cpu")
-        runs_cpu_gemms = device.type == "cpu"
-        choice = (
-            cpu_gemm_for_run(
-                spec.arch,
-                spec.dtype,
-                mode=args.cpu_gemm,
-                hardware=hardware if hardware is not None and not hardware.has_gpu else None,
-                weights=checkpoint.expert_gate_weights,
-                warn=warn,
-            )
-            if runs_cpu_gemms
-            else None
-        )
-        result = execute_plan(
-            checkpoint,
-            plan,
-            spec.prompts,
-            spec.gen_len,
-            device=device,
-            partial=partial,
-            decode_text=lambda ids: (
-                None
-                if spec.tokenizer is None
-                else spec.tokenizer.decode(ids, skip_special_tokens=True)
-            ),
-            cpu_gemm=choice,
-            sampling=sampling,
-            stop_token_ids=() if args.ignore_eos else spec.arch.eos_token_ids,
-            quiet=args.quiet,
-            on_batch=stream.add if stream is not None else None,
-            take_over=True,
-        )
-    return result, choice
 
 
 def plan_machine(plan):
@@ -223,65 +191,6 @@ def _plan_for(args, spec, hardware):
     return result.best
 
 
-def plan_record(spec, plan, result, hardware, cpu_gemm, warn):
-    """The RunRecord: the plan, the prediction for the batches that ran (the plan's policy at
-    each batch's own prompts, on the machine it was made for), and the measurement."""
-    import dataclasses
-
-    from hrm.record import RunRecord
-    from hrm.workload import Workload
-    from planner import MODEL_VERSION, predict
-
-    profile = prediction_profile(plan, hardware, result.environment["device"], warn)
-    predicted = None
-    if profile is not None and result.batches:
-        totals = {"prefill_s": 0.0, "decode_s": 0.0, "generated_tokens": 0}
-        busy: dict[str, float] = {}
-        for lens in result.batches:
-            n = len(lens)
-            policy = dataclasses.replace(
-                plan.policy, batch_size=n, micro_batch_size=min(n, plan.policy.micro_batch_size)
-            )
-            workload = Workload.from_prompt_lens(lens, spec.gen_len)
-            batch_plan = predict(
-                spec.arch,
-                profile,
-                workload,
-                policy,
-                plan.schedule,
-                cpu_gemm=cpu_gemm,
-                padded_kv_cache=True,
-            )
-            for key in ("prefill_s", "decode_s", "generated_tokens"):
-                totals[key] += getattr(batch_plan.predicted, key)
-            for q, s in batch_plan.busy_s.items():
-                busy[q] = busy.get(q, 0.0) + s
-        total_s = totals["prefill_s"] + totals["decode_s"]
-        predicted = {
-            **totals,
-            "throughput_tok_s": totals["generated_tokens"] / total_s if total_s else 0.0,
-            "busy_s": busy,
-        }
-    environment = {
-        **result.environment,
-        "checkpoint": str(spec.checkpoint) if spec.checkpoint else "random weights (in memory)",
-        "batch_size": plan.policy.batch_size,
-        "prompts": len(spec.prompts),
-        "dtype": spec.dtype,
-        "model_version": MODEL_VERSION,
-        "planned_memory": plan.memory.to_dict(),
-    }
-    return RunRecord(
-        model=spec.arch.name,
-        hardware=profile.name if profile is not None else plan.hardware,
-        workload=Workload.from_prompt_lens(spec.prompt_lens, spec.gen_len).to_dict(),
-        plan=plan.to_dict(),
-        predicted=predicted,
-        measured=result.measured,
-        environment=environment,
-    )
-
-
 def prediction_profile(plan, hardware, device: str, warn):
     """The machine this run is predicted on, or None (with a note saying why). On a CPU only
     this host can be predicted: a GPU machine's plan is predicted with this host's stand-in
@@ -310,27 +219,3 @@ def prediction_profile(plan, hardware, device: str, warn):
         return profile
     gpu_bytes = plan.memory.gpu_capacity_bytes / USABLE_MEMORY_FRACTION
     return stand_in_profile(profile, gpu_memory_bytes=gpu_bytes or profile.cpu.memory_bytes)
-
-
-def format_plan_summary(record) -> str:
-    m, env, p = record.measured, record.environment, record.plan["policy"]
-    where = f"{env['device']} standing in for the GPU" if env["stand_in"] else env["device"]
-    lines = [
-        f"{record.model}: {env['prompts']} prompts in {env['batches_run']} batches "
-        f"(N={p['batch_size']}, mu={p['micro_batch_size']}, {env['schedule']}, on {where}); "
-        f"{m.generated_tokens} tokens, prefill {m.prefill_s:.3f} s, decode {m.decode_s:.3f} s, "
-        f"{m.throughput_tok_s:.1f} tok/s",
-        "busy: "
-        + ", ".join(f"{q} {f:.0%}" for q, f in m.busy_fraction.items())
-        + f"; link h2d {m.link_bytes['h2d'] / 1e6:.1f} MB, d2h {m.link_bytes['d2h'] / 1e6:.1f} MB",
-    ]
-    if env.get("batches_resumed"):
-        lines.append(f"resumed: {env['batches_resumed']} batches were already done")
-    if record.predicted is not None:
-        q = record.predicted
-        lines.append(
-            f"predicted on {record.hardware}: prefill {q['prefill_s']:.3f} s, decode "
-            f"{q['decode_s']:.3f} s, {q['throughput_tok_s']:.1f} tok/s "
-            f"({100 * record.prediction_error:+.0f}% against measured)"
-        )
-    return "\n".join(lines)

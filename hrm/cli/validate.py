@@ -121,9 +121,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _validate(args, checkpoint: Path, hardware) -> int:
-    from executor.api import execute, prepare_run, torch_threads
+    from executor.api import prepare_run, torch_threads
+    from executor.run import execute
     from hrm.arch import resolve_model
-    from hrm.cli.run import build_record
+    from hrm.cli.records import run_record
+    from hrm.policy import Policy
     from hrm.profiling.host_gemm import cpu_gemm_for_run
     from hrm.profiling.host_speed import HostSpeedCheck
     from hrm.progress import progress_bar
@@ -180,8 +182,10 @@ def _validate(args, checkpoint: Path, hardware) -> int:
                 warn=lambda m: None,
             )
 
-        result = execute(spec, cpu_gemm=choose, ignore_eos=True, quiet=True)
-        return build_record(result, hardware).to_dict()
+        policy = Policy.resident(batch, dtype, on_gpu=False)
+        result = execute(spec, policy, "serial", cpu_gemm=choose, quiet=True)
+        record = run_record(spec, result, policy=policy, schedule="serial", profile=hardware)
+        return record.to_dict()
 
     repeats = args.repeats or REPEATS[sweep]
     every_pass = hardware is None and (args.profile_every or PROFILE_EVERY[sweep]) == "pass"
@@ -253,11 +257,9 @@ def _validate(args, checkpoint: Path, hardware) -> int:
 def _offloaded_run(checkpoint: Path, hardware, dtype: str, schedule: str, shape) -> dict:
     """One schedule at a forced-paging policy on the CPU standing in for the GPU, predicted with
     the stand-in profile of `hardware`: the RunRecord as a dict."""
-    import torch
-
-    from executor.api import load_weights, prepare_run
-    from executor.plan_run import execute_plan
-    from hrm.cli.run_plan import plan_record
+    from executor.api import prepare_run
+    from executor.run import execute
+    from hrm.cli.records import run_record
     from hrm.policy import Policy
     from hrm.profiling.host_gemm import cpu_gemm_for_run
     from hrm.stand_in import stand_in_profile
@@ -269,9 +271,6 @@ def _offloaded_run(checkpoint: Path, hardware, dtype: str, schedule: str, shape)
         checkpoint, gen_len=gen, prompt_len=length, batch=batch, dtype=dtype, device="cpu"
     )
     spec = dataclasses.replace(spec, prompts=_prompts(spec, batch, length, True))
-    weights = load_weights(spec)
-    choice = cpu_gemm_for_run(spec.arch, dtype, mode="auto", hardware=hardware,
-                              weights=weights.expert_gate_weights, warn=lambda m: None)  # fmt: skip
     policy = Policy(
         batch_size=batch,
         micro_batch_size=mu,
@@ -284,11 +283,17 @@ def _offloaded_run(checkpoint: Path, hardware, dtype: str, schedule: str, shape)
     )
     stand_in = stand_in_profile(hardware, gpu_memory_bytes=hardware.cpu.memory_bytes / 2)
     workload = Workload.from_prompt_lens(spec.prompt_lens, gen)
-    plan = predict(spec.arch, stand_in, workload, policy, schedule, cpu_gemm=choice)
-    result = execute_plan(weights, plan, spec.prompts, gen, device=torch.device("cpu"),
-                          partial=None, decode_text=lambda ids: None, cpu_gemm=choice,
-                          quiet=True)  # fmt: skip
-    return plan_record(spec, plan, result, stand_in, choice, lambda m: None).to_dict()
+
+    def choose(weights):
+        return cpu_gemm_for_run(
+            spec.arch, dtype, mode="auto", hardware=hardware,
+            weights=weights.expert_gate_weights, warn=lambda m: None,
+        )  # fmt: skip
+
+    result = execute(spec, policy, schedule, cpu_gemm=choose, quiet=True)
+    plan = predict(spec.arch, stand_in, workload, policy, schedule, cpu_gemm=result.cpu_gemm)
+    record = run_record(spec, result, policy=policy, schedule=schedule, profile=stand_in, plan=plan)
+    return record.to_dict()
 
 
 def _profile_file(rep: int, every_pass: bool) -> str:

@@ -184,9 +184,9 @@ def test_without_output_stdout_is_jsonl_and_the_summary_goes_to_stderr(run_cli, 
 
 
 def test_a_busy_machine_is_reported(run_cli, checkpoints, monkeypatch):
-    import executor.api
+    import executor.run
 
-    monkeypatch.setattr(executor.api, "measured_others_share", lambda start, end: 0.4)
+    monkeypatch.setattr(executor.run, "measured_others_share", lambda start, end: 0.4)
     record, stderr = run_record(run_cli, checkpoints["dbrx"])
     assert "other processes took 40% of the CPU time during the run" in stderr
     assert record["environment"]["other_processes_cpu_share"] == 0.4

@@ -26,7 +26,7 @@ SHAPE = {"hidden_size": 2048, "intermediate_size": 5632, "num_attention_heads": 
 # planner's count of the same run: resident (no plan), or under the plan file given.
 MEASURE = """
 import json, sys
-import torch, transformers, executor.api, executor.plan_run, planner, hrm.cli.run_plan  # noqa
+import torch, transformers, executor.api, executor.run, planner, hrm.cli.run_plan  # noqa
 from executor.api import peak_rss_bytes
 from hrm.cli import main
 

@@ -9,10 +9,11 @@ import dataclasses
 import pytest
 import torch
 
+from executor.api import RunSpec
 from executor.checkpoint import open_checkpoint
 from executor.generate import generate
 from executor.model import MoEModel
-from executor.plan_run import execute_plan
+from executor.run import execute
 from executor.runtime import placed_runtime
 from hrm.arch import ModelArch
 from hrm.hardware import resolve_hardware
@@ -61,14 +62,11 @@ def between(arch: ModelArch, dtype="float32") -> float:
 
 def run_on_cpu(path, plan, prompts, dtype: str):
     """Every batch of `prompts` under `plan`, the CPU standing in for the GPU."""
-    return execute_plan(
-        open_checkpoint(path, dtype),
-        plan,
-        prompts,
-        STEPS,
-        device=CPU,
-        partial=None,
-        decode_text=lambda ids: None,
+    checkpoint = open_checkpoint(path, dtype)
+    spec = RunSpec(checkpoint=None, arch=checkpoint.arch, prompts=tuple(map(tuple, prompts)),
+                   gen_len=STEPS, dtype=dtype, device="cpu")  # fmt: skip
+    return execute(
+        spec, plan.policy, plan.schedule, checkpoint=checkpoint, staged=plan.stages_weights
     )
 
 

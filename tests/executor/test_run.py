@@ -51,6 +51,40 @@ def test_run_writes_outputs_in_input_order_and_a_record(run_cli, tmp_path, check
     assert measured["peak_memory_bytes"]["cpu"] > 0
 
 
+def test_a_resident_run_is_run_by_the_driver_that_runs_plans(
+    run_cli, tmp_path, checkpoints, monkeypatch
+):
+    """A resident run is the resident policy (everything on the one device, the prompts one
+    batch) run by the driver that runs plans: its output goes through OUTPUT.partial, so an
+    interrupted run leaves no half-written output and --resume is understood (it used to be
+    refused for a resident run); its record names the batch, schedule and engine as a planned
+    run's does."""
+    import executor.run
+
+    args = ["run", "--checkpoint", checkpoints["dbrx"], "--prompt-len", "4", "--batch", "3",
+            "--gen-len", "3", "--quiet"]  # fmt: skip
+    out = tmp_path / "out.jsonl"
+    real = executor.run.generate
+
+    def killed(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(executor.run, "generate", killed)
+    assert run_cli(*args, "--output", out)[0] == 130
+    assert list(tmp_path.iterdir()) == []  # nothing had finished: nothing to keep
+    monkeypatch.setattr(executor.run, "generate", real)
+    status, _, err = run_cli(*args, "--output", out, "--resume")
+    assert status == 2 and "out.jsonl.partial does not exist; run without --resume" in err
+    status, stdout, err = run_cli(*args, "--output", out, "--json")
+    assert status == 0, err
+    assert len(out.read_text().splitlines()) == 3 and list(tmp_path.iterdir()) == [out]
+    record = json.loads(stdout)
+    env = record["environment"]
+    assert record["plan"] is None
+    assert (env["batch_size"], env["batches_run"], env["schedule"]) == (3, 1, "serial")
+    assert env["engine"] == "inline" and not env["stand_in"]
+
+
 def test_random_prompts_are_seeded(run_cli, tmp_path, checkpoints):
     def outputs(seed):
         out = tmp_path / f"out{seed}.jsonl"

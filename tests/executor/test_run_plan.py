@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import executor.plan_run
+import executor.run
 from executor.checkpoint import read_arch
 from hrm.hardware import resolve_hardware
 from hrm.policy import Policy
@@ -18,7 +18,7 @@ from tests.conftest import assert_one_line_error
 from tests.executor.conftest import ragged_prompts
 
 LENGTHS = (5, 9, 3, 7, 6, 2, 8, 4, 9, 1)
-GENERATE = executor.plan_run.generate
+GENERATE = executor.run.generate
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -109,7 +109,7 @@ def test_resume_after_a_kill_equals_an_uninterrupted_run(run_cli, files, tmp_pat
     assert status == 130 and "interrupted" in err
     partial = tmp_path / "out.jsonl.partial"
     assert not out.exists() and len(partial.read_text().splitlines()) == 1 + 3
-    monkeypatch.setattr(executor.plan_run, "generate", GENERATE)
+    monkeypatch.setattr(executor.run, "generate", GENERATE)
     status, _, err = run_cli(*run_args(path, prompts, plan, "--output", out, "--resume"))
     assert status == 0, err
     assert "resumed: 1 batches" in err
@@ -258,7 +258,7 @@ def test_a_bad_engine_variable_is_refused_before_loading(
     def never(*args, **kwargs):
         raise AssertionError("weights were loaded before the error")
 
-    monkeypatch.setattr(executor.plan_run, "placed_runtime", never)
+    monkeypatch.setattr(executor.run, "placed_runtime", never)
     status, _, err = run_cli(*run_args(path, prompts, plan))
     assert_one_line_error(status, err, variable, fragment)
 
@@ -281,7 +281,7 @@ def test_resume_after_a_kill_that_tore_the_last_line(run_cli, files, tmp_path, m
     lines = partial.read_text().splitlines()
     assert all(json.loads(line) for line in lines)  # none joined to the torn one
     assert len(lines) == 1 + 3 + 2 + 3 + 3  # the torn batch's two whole lines stay, unread
-    monkeypatch.setattr(executor.plan_run, "generate", GENERATE)
+    monkeypatch.setattr(executor.run, "generate", GENERATE)
     status, _, err = run_cli(*run_args(path, prompts, plan, "--output", out, "--resume"))
     assert status == 0, err
     assert "resumed: 3 batches" in err
@@ -293,7 +293,7 @@ def test_check_plan_refuses_a_gpu_or_a_model_too_small(files):
     positions (check_plan directly: the CPU stand-in holds both sides in host memory)."""
     import dataclasses
 
-    from executor.plan_run import check_plan
+    from executor.run import check_plan
     from hrm.errors import HrmError
     from hrm.plan import Plan
 
@@ -320,7 +320,7 @@ def _kill_after(monkeypatch, batches: int) -> None:
         calls.append(1)
         return GENERATE(*args, **kwargs)
 
-    monkeypatch.setattr(executor.plan_run, "generate", generate)
+    monkeypatch.setattr(executor.run, "generate", generate)
 
 
 def test_a_killed_runs_partial_is_kept_and_the_interrupt_says_how_to_resume(
@@ -394,22 +394,23 @@ def test_a_terminated_run_keeps_its_work_and_says_how_to_resume(files, tmp_path)
 def test_the_record_says_how_the_weights_were_held_during_the_run(files, monkeypatch):
     """Read before the runtime closes: closing unpins the arenas (on CUDA), and a record read
     after it said unpinned for every run."""
+    from executor.api import RunSpec
     from executor.checkpoint import open_checkpoint
     from hrm.plan import Plan
 
     path, _, plan_path = files
-    real = executor.plan_run.placed_runtime
+    real = executor.run.placed_runtime
 
     def pinned_runtime(*args, **kwargs):  # as a CUDA run whose host pinned every arena
         runtime = real(*args, **kwargs)
         runtime.store.pinned = True
         return runtime
 
-    monkeypatch.setattr(executor.plan_run, "placed_runtime", pinned_runtime)
-    run = executor.plan_run.execute_plan(
-        open_checkpoint(path, "float32"), Plan.load(plan_path), ((1, 2, 3),), 2,
-        device=torch.device("cpu"), partial=None, decode_text=lambda ids: None, quiet=True,
-    )  # fmt: skip
+    monkeypatch.setattr(executor.run, "placed_runtime", pinned_runtime)
+    checkpoint, plan = open_checkpoint(path, "float32"), Plan.load(plan_path)
+    spec = RunSpec(checkpoint=None, arch=checkpoint.arch, prompts=((1, 2, 3),), gen_len=2,
+                   dtype="float32", device="cpu")  # fmt: skip
+    run = executor.run.execute(spec, plan.policy, plan.schedule, checkpoint=checkpoint, quiet=True)
     assert run.environment["pinned_weights"] is True
     assert run.environment["staged_weights"] is False
 

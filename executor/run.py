@@ -1,0 +1,256 @@
+"""The one run driver: a RunSpec run under a policy and schedule, resident or planned.
+
+A resident run (`hrm run` without a plan) is the policy that places everything on one device
+(Policy.resident); a plan places the rest. Either way every pending batch of the prompts runs on
+one placed runtime (executor/runtime.py), each finished batch is appended to the partial output
+(executor/batching.py), and the run is measured per queue. `check_plan` refuses a plan that
+cannot run these prompts before any weight is loaded.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from executor.api import RunSpec, load_weights, peak_memory_bytes
+from executor.batching import PartialOutput, plan_batches
+from executor.checkpoint import TORCH_DTYPES, Checkpoint
+from executor.generate import Sampling, generate
+from executor.runtime import placed_runtime
+from hrm.arch import ModelArch
+from hrm.cpu_gemm import CpuGemmChoice
+from hrm.errors import HrmError
+from hrm.plan import Plan
+from hrm.policy import Policy
+from hrm.profiling import BUSY_WARNING_SHARE
+from hrm.profiling.cpu import cpu_times, measured_others_share
+from hrm.progress import progress_bar
+from hrm.record import Measurement
+from hrm.units import format_bytes
+
+
+def check_plan(
+    plan: Plan,
+    arch: ModelArch,
+    prompt_lens: list[int],
+    gen_len: int,
+    *,
+    where: str,
+    gpu_bytes: float | None,
+    host_bytes: float,
+    stand_in: bool,
+) -> None:
+    """Every reason the plan cannot run these prompts, as one HrmError, before any loading.
+
+    gpu_bytes: the device memory given (--gpu-mem) or present; host_bytes: the host's. Where the
+    CPU stands in for the GPU, the host holds both sides of the plan."""
+    if not plan.geometry:
+        raise HrmError(f"{where}: the plan records no model geometry; make it again with hrm plan")
+    theirs, ours = dict(plan.geometry), arch.geometry()
+    differ = [k for k in ours if theirs.get(k) != ours[k]]
+    if differ:
+        k = differ[0]
+        raise HrmError(
+            f"{where}: the plan is for another model ({k} {theirs.get(k)} in the plan, "
+            f"{ours[k]} in {arch.name}); plan for this model with hrm plan --model"
+        )
+    if plan.policy.weight_dtype not in TORCH_DTYPES:
+        raise HrmError(
+            f"{where}: weights in {plan.policy.weight_dtype} cannot be run by the executor; "
+            f"plan with --dtype {' or '.join(TORCH_DTYPES)}"
+        )
+    longest, limit = max(prompt_lens), plan.workload.prompt_len_max
+    if longest > limit:
+        raise HrmError(
+            f"a prompt has {longest} tokens, longer than the plan's maximum of {limit}; "
+            "plan with --max-prompt-len covering the longest prompt"
+        )
+    if gen_len > plan.workload.gen_len:
+        raise HrmError(
+            f"--gen-len {gen_len} exceeds the plan's {plan.workload.gen_len}: its KV cache is "
+            "sized for that; plan with the --gen-len of the run"
+        )
+    arch.check_positions(longest, gen_len)
+    gpu, cpu = plan.memory.gpu_bytes, plan.memory.cpu_bytes
+    if gpu_bytes is not None and not stand_in and gpu > gpu_bytes:
+        raise HrmError(
+            f"{where}: the plan needs {format_bytes(gpu)} of GPU memory, {format_bytes(gpu_bytes)}"
+            " is there; plan with --gpu-mem for this GPU"
+        )
+    need = cpu + (gpu if stand_in else 0.0)
+    if need > host_bytes:
+        what = "CPU and stand-in GPU" if stand_in else "CPU"
+        raise HrmError(
+            f"{where}: the plan needs {format_bytes(need)} of {what} memory, this host has "
+            f"{format_bytes(host_bytes)}; plan with --cpu-mem for this host"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunResult:
+    outputs: dict[int, dict[str, Any]]  # input index -> output line, of the batches run now
+    measured: Measurement
+    batches: list[list[int]]  # prompt lengths of each batch that ran, for the prediction
+    environment: dict[str, Any]
+    cpu_gemm: CpuGemmChoice | None  # the GEMM path the layers took on a CPU, else None
+
+
+def execute(
+    spec: RunSpec,
+    policy: Policy,
+    schedule: str,
+    *,
+    checkpoint: Checkpoint | None = None,
+    cpu_gemm: CpuGemmChoice | Callable[[Checkpoint], CpuGemmChoice] | None = None,
+    staged: bool = False,
+    partial: PartialOutput | None = None,
+    sampling: Sampling | None = None,
+    stop_token_ids=(),
+    quiet: bool = False,
+    on_batch: Callable[[list[int], list[dict[str, Any]]], None] | None = None,
+    warn: Callable[[str], None] = lambda message: None,
+) -> RunResult:
+    """Run every pending batch of `spec`'s prompts under `policy` and `schedule` on its device.
+
+    checkpoint: weights loaded already (tests, benches), else they are loaded here for this run
+    alone (onto a GPU that holds everything, else into host memory) and released from the host
+    as they are placed. cpu_gemm: the GEMM path where the layers run on the CPU, or a function of
+    the opened checkpoint that chooses it (so a broken checkpoint fails before a probe, which
+    times its weights). staged: weights cross the link through a pinned staging ring (the plan's
+    "weight staging"). on_batch(indices, rows) hears each finished batch; `warn` hears when other
+    processes took enough of the CPU that the measurement is not comparable."""
+    device = torch.device(spec.device)
+    take_over = checkpoint is None
+    if checkpoint is None:
+        resident = policy.all_on_gpu and device.type == "cuda"
+        checkpoint = load_weights(spec, spec.device if resident else "cpu")
+    if callable(cpu_gemm):
+        cpu_gemm = cpu_gemm(checkpoint) if device.type == "cpu" else None
+    runtime = placed_runtime(
+        checkpoint, policy, schedule, device, cpu_gemm, staged=staged, take_over=take_over
+    )
+    weights = _weights_held(runtime.store)  # read now: closing unpins them
+    batches = plan_batches(spec.prompt_lens, policy.batch_size, policy.micro_batch_size)
+    pending = partial.pending(batches) if partial is not None else batches
+    done: dict[int, dict[str, Any]] = {}
+    totals = {"prefill_s": 0.0, "decode_s": 0.0, "generated_tokens": 0}
+    peak_buffers: dict[str, dict[str, float]] = {"gpu": {}, "cpu": {}}
+    bar = progress_bar(total=len(pending) * spec.gen_len, desc="prefill", quiet=quiet)
+    times_before, start = cpu_times(), time.perf_counter()
+    try:
+        for batch in pending:
+            steps = bar.n
+            gen = generate(
+                runtime,
+                [spec.prompts[i] for i in batch.indices],
+                spec.gen_len,
+                sampling=sampling or Sampling(),
+                stop_token_ids=stop_token_ids,
+                micro_batch_sizes=batch.micro_batch_sizes,
+                on_step=lambda phase: (bar.set_description(phase, refresh=False), bar.update()),
+            )
+            bar.update(steps + spec.gen_len - bar.n)  # the steps a batch that stopped early saved
+            rows = [_output(spec, ids) for ids in gen.output_token_ids]
+            if partial is not None:
+                partial.append(batch.indices, rows)
+            if on_batch is not None:
+                on_batch(batch.indices, rows)
+            done.update(zip(batch.indices, rows, strict=True))
+            for key in totals:
+                totals[key] += getattr(gen, key)
+            _keep_peaks(peak_buffers, runtime.allocated_bytes())
+    finally:
+        bar.close()
+        runtime.close()
+    wall = time.perf_counter() - start
+    others = _others_share(times_before, warn)
+    busy = runtime.engine.busy_seconds()
+    measured = _measurement(runtime, device, busy, totals, peak_buffers)
+    environment = {
+        **_environment(spec, policy, schedule, runtime, wall, busy),
+        **weights,
+        "batches_run": len(pending),
+        "batches_resumed": len(batches) - len(pending),
+        "other_processes_cpu_share": round(others, 3) if others is not None else "unknown",
+    }
+    return RunResult(
+        outputs=done,
+        measured=measured,
+        batches=[[len(spec.prompts[i]) for i in b.indices] for b in pending],
+        environment=environment,
+        cpu_gemm=runtime.model.cpu_gemm,
+    )
+
+
+def _output(spec: RunSpec, ids: list[int]) -> dict[str, Any]:
+    """One output line: the generated ids and, with a tokenizer, their text."""
+    text = None if spec.tokenizer is None else spec.tokenizer.decode(ids, skip_special_tokens=True)
+    return {"output_token_ids": ids, "text": text}
+
+
+def _keep_peaks(peaks: dict[str, dict[str, float]], now: dict[str, dict[str, float]]) -> None:
+    for side, parts in now.items():
+        for name, nbytes in parts.items():
+            peaks[side][name] = max(peaks[side].get(name, 0.0), nbytes)
+
+
+def _others_share(times_before, warn) -> float | None:
+    """Other processes' share of the CPU time since `times_before`, warned of past
+    BUSY_WARNING_SHARE."""
+    busy = measured_others_share(times_before, cpu_times())
+    if busy is not None and busy > BUSY_WARNING_SHARE:
+        warn(
+            f"other processes took {busy:.0%} of the CPU time during the run: its timings are "
+            "not comparable with a quiet run; run again on a quiet machine"
+        )
+    return busy
+
+
+def _weights_held(store) -> dict[str, bool]:
+    return {
+        "pinned_weights": bool(store is not None and store.pinned),
+        "staged_weights": bool(store is not None and store.staged),
+    }
+
+
+def _measurement(runtime, device, busy, totals, peak_buffers) -> Measurement:
+    """The run's times, each queue's busy share, the bytes each way and the buffers' peaks."""
+    stats = runtime.engine.stats
+    total = totals["prefill_s"] + totals["decode_s"]
+    return Measurement(
+        **totals,
+        busy_fraction={q: (s / total if total else 0.0) for q, s in busy.items()},
+        peak_memory_bytes=peak_memory_bytes(device),
+        link_bytes={"h2d": float(stats["h2d"].nbytes), "d2h": float(stats["d2h"].nbytes)},
+        buffer_bytes=peak_buffers,
+    )
+
+
+def _environment(spec: RunSpec, policy: Policy, schedule, runtime, wall, busy) -> dict[str, Any]:
+    """How the run ran: what, where, under which schedule and engine, in what time, which GEMMs."""
+    cpu_gemm = runtime.model.cpu_gemm
+    device = torch.device(spec.device)
+    return {
+        "checkpoint": str(spec.checkpoint) if spec.checkpoint else "random weights (in memory)",
+        "batch_size": policy.batch_size,
+        "prompts": spec.batch_size,
+        "dtype": spec.dtype,
+        "schedule": schedule,
+        "device": str(device),
+        "stand_in": device.type == "cpu" and policy.ffn_on_gpu,
+        "engine": runtime.engine.mode,
+        "wall_s": wall,
+        "busy_s": busy,
+        "cpu_gemm": None
+        if cpu_gemm is None
+        else {**cpu_gemm.to_dict(), "calls": dict(runtime.model.gemm_calls)},
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "host": platform.node(),
+        "python": platform.python_version(),
+    }

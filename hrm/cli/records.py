@@ -1,0 +1,111 @@
+"""The RunRecord of a finished run and its summary: one builder for `hrm run`, `hrm validate` and
+the benches, whether the run was resident or planned.
+
+The prediction is the planner's for the batches that ran: the run's policy at each batch's own
+size and prompts, under its schedule, on the machine the caller names (the plan's, or this host's
+stand-in; hrm/cli/run_plan.py `prediction_profile`), with the GEMM path the run took on a CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+def run_record(spec, result, *, policy, schedule: str, profile=None, plan=None):
+    """The RunRecord: the plan (None for a resident run), the prediction on `profile` (None: no
+    prediction) and the measurement."""
+    from hrm.record import RunRecord
+    from hrm.workload import Workload
+    from planner import MODEL_VERSION
+
+    predicted = None
+    if profile is not None and result.batches:
+        predicted = _predict_batches(spec, result, policy, schedule, profile)
+    environment = {**result.environment, "model_version": MODEL_VERSION}
+    if plan is not None:
+        environment["planned_memory"] = plan.memory.to_dict()
+    hardware = profile.name if profile is not None else plan.hardware if plan is not None else None
+    return RunRecord(
+        model=spec.arch.name,
+        hardware=hardware,
+        # prefill packs the prompts (no compute on padding), so the workload is unpadded
+        workload=Workload.from_prompt_lens(spec.prompt_lens, spec.gen_len).to_dict(),
+        plan=plan.to_dict() if plan is not None else None,
+        predicted=predicted,
+        measured=result.measured,
+        environment=environment,
+    )
+
+
+def _predict_batches(spec, result, policy, schedule, profile) -> dict:
+    """The planner's prediction summed over the batches that ran, and each resource's busy time."""
+    from hrm.workload import Workload
+    from planner import predict
+
+    totals = {"prefill_s": 0.0, "decode_s": 0.0, "generated_tokens": 0}
+    busy: dict[str, float] = {}
+    for lens in result.batches:
+        n = len(lens)
+        at_batch = dataclasses.replace(
+            policy, batch_size=n, micro_batch_size=min(n, policy.micro_batch_size)
+        )
+        batch_plan = predict(
+            spec.arch,
+            profile,
+            Workload.from_prompt_lens(lens, spec.gen_len),
+            at_batch,
+            schedule,
+            cpu_gemm=result.cpu_gemm,
+            padded_kv_cache=True,
+        )
+        for key in totals:
+            totals[key] += getattr(batch_plan.predicted, key)
+        for q, s in batch_plan.busy_s.items():
+            busy[q] = busy.get(q, 0.0) + s
+    total_s = totals["prefill_s"] + totals["decode_s"]
+    return {
+        **totals,
+        "throughput_tok_s": totals["generated_tokens"] / total_s if total_s else 0.0,
+        "busy_s": busy,
+    }
+
+
+def format_summary(record) -> str:
+    """What a run did and measured, in a few lines for stderr: the run and its speed; for a run
+    that used more than the CPU, each queue's busy share and the link's bytes; the batches a
+    resumed run skipped; the prediction and its error."""
+    m, env = record.measured, record.environment
+    lines = [
+        f"{record.model}: {env['prompts']} prompts in {env['batches_run']} "
+        f"{'batch' if env['batches_run'] == 1 else 'batches'} ({_how(record)}); "
+        f"{m.generated_tokens} tokens, prefill {m.prefill_s:.3f} s, decode {m.decode_s:.3f} s, "
+        f"{m.throughput_tok_s:.1f} tok/s"
+    ]
+    if any(f for q, f in m.busy_fraction.items() if q != "cpu"):
+        lines.append(
+            "busy: "
+            + ", ".join(f"{q} {f:.0%}" for q, f in m.busy_fraction.items())
+            + f"; link h2d {m.link_bytes['h2d'] / 1e6:.1f} MB, "
+            f"d2h {m.link_bytes['d2h'] / 1e6:.1f} MB"
+        )
+    if env.get("batches_resumed"):
+        lines.append(f"resumed: {env['batches_resumed']} batches were already done")
+    if record.predicted is not None:
+        q = record.predicted
+        lines.append(
+            f"predicted on {record.hardware}: prefill {q['prefill_s']:.3f} s, decode "
+            f"{q['decode_s']:.3f} s, {q['throughput_tok_s']:.1f} tok/s "
+            f"({100 * record.prediction_error:+.0f}% against measured)"
+        )
+    return "\n".join(lines)
+
+
+def _how(record) -> str:
+    """N, mu and schedule of a planned run and where it ran; the dtype and device of a resident
+    one."""
+    env = record.environment
+    if record.plan is None:
+        return f"resident, {env['dtype']}, {env['device']}"
+    p = record.plan["policy"]
+    where = f"{env['device']} standing in for the GPU" if env["stand_in"] else env["device"]
+    return f"N={p['batch_size']}, mu={p['micro_batch_size']}, {env['schedule']}, on {where}"
