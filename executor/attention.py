@@ -183,6 +183,9 @@ def _median_seconds(call, repeats: int = 5) -> float:
 # slower per FLOP than a few longer ones (64 x 64 at 48 GFLOP/s, 4 x 128 at 69, in bf16 at the
 # bench model, 2026-12-03), so the batches hrm validate runs (64 prompts of 32-192) have points
 PREFILL_CURVE_POINTS = ((1, 32), (4, 128), (64, 64), (16, 256), (64, 192), (8, 1024))
+# --quick leaves out the last: at Mixtral 8x7B's heads one call of 8 x 1024 took about 2 s, 4
+# calls a dtype; larger calls take the 64 x 192 point's rate (the curve is held flat past it)
+QUICK_PREFILL_POINTS = PREFILL_CURVE_POINTS[:-1]
 
 
 def measure_prefill_attention_curve(arch, dtype: str = "bfloat16", *, quick: bool = False):
@@ -190,7 +193,7 @@ def measure_prefill_attention_curve(arch, dtype: str = "bfloat16", *, quick: boo
     FLOPs it computes per call (hrm.ops.prefill_attention_flops), at the model's heads, a
     quarter of each batch's prompts half as long: what the planner charges CPU prefill attention
     at (planner/cost.py). Each call is store_and_attend_prompts on a KVCache, the K/V store, the
-    query scatter and the mask included. quick: 3 samples a point, not 5."""
+    query scatter and the mask included. quick: fewer points, 3 samples a point, not 5."""
     from hrm.hardware_parts import Curve
     from hrm.ops import prefill_attention_flops
 
@@ -199,7 +202,7 @@ def measure_prefill_attention_curve(arch, dtype: str = "bfloat16", *, quick: boo
     g = torch.Generator().manual_seed(0)
     points = []
     with torch.inference_mode():
-        for batch, length in PREFILL_CURVE_POINTS:
+        for batch, length in QUICK_PREFILL_POINTS if quick else PREFILL_CURVE_POINTS:
             cache = KVCache(num_layers=1, batch_size=batch, kv_heads=nkv, max_len=length,
                             head_dim=d, dtype=torch_dtype)  # fmt: skip
             lens = torch.full((batch,), length)

@@ -9,8 +9,7 @@ take (bench model, bfloat16, batch 1: 1.2 ms per step against 4.1 ms; docs/decis
 so the interpreter and each kernel start cold, and the kernels act on hidden-sized rows.
 
 So it is timed here on the executor's own decode at the model's hidden size, widths, heads,
-experts and vocabulary, at 1 and 4 layers and at 1 and 64 sequences (Preset), and what the planner
-prices
+experts and vocabulary, at 1 and 4 layers and at 1 and 64 sequences, and what the planner prices
 elsewhere is taken out:
   rest(L, b) = decode time - its GEMM calls - its decode-attention stages
                - the elementwise passes hrm.ops counts, at the profile's elementwise rate
@@ -40,33 +39,29 @@ from hrm.ops import expected_distinct_experts, layer_ops
 
 LAYERS = (1, 4)  # the layer counts timed: their difference is three layers' worth
 PROMPT_LEN = 1  # prefill is not what is timed: keep it short
-FEW = 1  # sequences in the batch that touches top-k experts
+BATCHES = (1, 64)  # top-k experts touched, then (nearly) all of them
 
 
 @dataclass(frozen=True)
 class Preset:
     """How much a profile preset times: `rounds` samples of each configuration, each of
-    `decode_steps` steps, in `dtypes`; the batch that touches (nearly) every expert is the
-    fewest sequences expected to touch `touched_share` of them, at most 64. The elementwise
-    rate (executor/overhead.py) is the median of `elementwise_repeats` calls, in `dtypes` too.
+    `decode_steps` steps, in `dtypes`. The elementwise rate (executor/overhead.py) is the median
+    of `elementwise_repeats` calls, in `dtypes` too.
 
     --quick keeps within its 2 minutes on 2 cores at Mixtral 8x7B's shape by timing less of
-    the same thing, in bfloat16 alone (the dtype offloading serves; the others take its figures,
-    DeviceSpec.launch_overhead_for): float32 at 64 sequences and 4 layers runs its expert GEMMs
-    at full rate, and those (taken out again) were 141 s of a 357 s quick profile
-    (docs/decisions.md, 2026-12-05)."""
+    the same thing: fewer rounds of fewer steps, in bfloat16 alone (the dtype offloading serves;
+    the others take its figures, DeviceSpec.launch_overhead_for). float32 at 64 sequences and 4
+    layers runs its expert GEMMs at full rate, and those (taken out again) were 141 s of a 357 s
+    quick profile (docs/decisions.md, 2026-12-05)."""
 
     rounds: int
     decode_steps: int
     dtypes: tuple[str, ...]
     elementwise_repeats: int
-    touched_share: float = 1.0  # 1.0: 64 sequences
 
 
 PRESETS = {
-    "quick": Preset(
-        rounds=2, decode_steps=3, dtypes=("bfloat16",), elementwise_repeats=1, touched_share=0.95
-    ),
+    "quick": Preset(rounds=2, decode_steps=3, dtypes=("bfloat16",), elementwise_repeats=1),
     "full": Preset(
         rounds=5, decode_steps=6, dtypes=("float32", "bfloat16", "float16"), elementwise_repeats=3
     ),
@@ -74,7 +69,6 @@ PRESETS = {
     # --quick was cut (its float32 predictions keep their own figures)
     "pass": Preset(rounds=3, decode_steps=6, dtypes=("float32", "bfloat16"), elementwise_repeats=2),
 }
-MANY_MAX = 64
 # distinct expert weights at most (more experts cycle through these): enough to stream far past
 # any last-level cache between two small ops, as a real model does, without a model's memory
 EXPERT_BYTES_CAP = 512 * 2**20
@@ -93,7 +87,6 @@ def measure_cpu_overhead(
     runs at a few GFLOP/s), its elementwise passes charged at `elementwise_rate` elements/s."""
     dt = getattr(torch, dtype)
     weights = shaped_weights(_layered(arch, max(LAYERS)), dt)  # the fewer layers take the first
-    batches = (FEW, many_sequences(arch, preset.touched_share))
     samplers = {}
     for layers in LAYERS:
         first = dataclasses.replace(weights, layers=weights.layers[:layers])
@@ -101,7 +94,7 @@ def measure_cpu_overhead(
             directory=None, arch=_layered(arch, layers), weights=first, dtype=dt
         )
         model, priced = _timed_model(checkpoint, cpu_gemm)
-        for batch in batches:
+        for batch in BATCHES:
             samplers[(layers, batch)] = _rest_sampler(
                 model, priced, batch, elementwise_rate, preset.decode_steps
             )
@@ -111,9 +104,9 @@ def measure_cpu_overhead(
             samples[key].append(sample())
     rest = {key: statistics.median(values) for key, values in samples.items()}
     few, many = LAYERS
-    layer = {b: (rest[(many, b)] - rest[(few, b)]) / (many - few) for b in batches}
-    touched = {b: expected_distinct_experts(arch, b) for b in batches}
-    lo, hi = batches
+    layer = {b: (rest[(many, b)] - rest[(few, b)]) / (many - few) for b in BATCHES}
+    touched = {b: expected_distinct_experts(arch, b) for b in BATCHES}
+    lo, hi = BATCHES
     per_expert = max(layer[hi] - layer[lo], 0.0) / (touched[hi] - touched[lo])
     per_layer = max(layer[lo] - touched[lo] * per_expert, 0.0)
     return LaunchOverhead(
@@ -121,15 +114,6 @@ def measure_cpu_overhead(
         per_expert_s=per_expert,
         per_step_s=max(rest[(few, lo)] - few * (per_layer + touched[lo] * per_expert), 0.0),
     )
-
-
-def many_sequences(arch: ModelArch, share: float) -> int:
-    """The fewest sequences expected to touch `share` of the experts, at most MANY_MAX (and
-    MANY_MAX for a share of 1, which only infinitely many reach)."""
-    for batch in range(FEW + 1, MANY_MAX):
-        if expected_distinct_experts(arch, batch) >= share * arch.num_experts:
-            return batch
-    return MANY_MAX
 
 
 def _layered(arch: ModelArch, layers: int) -> ModelArch:

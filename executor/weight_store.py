@@ -84,9 +84,7 @@ class WeightStore:
         ]
         self._ring_turn = 0
         self._ring_done: list = [None] * len(self.ring)  # CUDA events: DMA out of each ring page
-        self.slots = [
-            torch.empty(offset, dtype=dtype, device=device) for _ in range(TURNS if offset else 0)
-        ]
+        self.slots = [_slot(offset, dtype, device) for _ in range(TURNS if offset else 0)]
         self.slot_views = [self._views(slot) for slot in self.slots]
         self.page_table: dict[tuple[int, int], int] = {}  # (layer, expert) -> slot
         self.mapped: Counter[tuple[int, int]] = Counter()  # (layer, expert) -> passes mapped
@@ -196,6 +194,15 @@ class WeightStore:
             "cpu": {"layer weights": size(self.arenas)}
             | ({"weight staging": size(self.ring)} if self.staged else {}),
         }
+
+
+def _slot(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """One page slot: on a GPU from its allocator; on the CPU standing in, mapped memory of its
+    own (pinning.page_aligned_empty), touched now so that the run's first step does not fault
+    it in."""
+    if device.type == "cpu":
+        return page_aligned_empty(numel, dtype).zero_()
+    return torch.empty(numel, dtype=dtype, device=device)
 
 
 def _copy_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:

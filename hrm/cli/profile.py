@@ -107,7 +107,9 @@ def with_launch_overhead(
     from hrm.hardware_parts import Curve
     from hrm.profiling import PRESETS, SWEPT_DTYPES
 
-    paths = {d: choose_cpu_gemm(profile.cpu, d) for d in CPU_RUN_DTYPES}
+    # the dtypes the profile's CPU sweep ran (hrm validate's own profile sweeps those it runs)
+    dtypes = [d for d in CPU_RUN_DTYPES if d in profile.cpu.matmul_curves]
+    paths = {d: choose_cpu_gemm(profile.cpu, d) for d in dtypes}
     preset = "quick" if quick else "full"
     timed = timed or cpu_overhead.PRESETS[preset]  # --quick: bfloat16 alone (others take its)
     elementwise = {
@@ -126,9 +128,9 @@ def with_launch_overhead(
             )
             for d in timed.dtypes
         },
-        attention_curves={d: measure_attention_curve(arch, d, quick=quick) for d in CPU_RUN_DTYPES},
+        attention_curves={d: measure_attention_curve(arch, d, quick=quick) for d in dtypes},
         prefill_attention_curves={
-            d: measure_prefill_attention_curve(arch, d, quick=quick) for d in CPU_RUN_DTYPES
+            d: measure_prefill_attention_curve(arch, d, quick=quick) for d in dtypes
         },
         elementwise_rate=elementwise,
     )

@@ -33,12 +33,13 @@ from hrm.cli.validate_inputs import OFFLOADED, SWEEP_DTYPES, SWEEPS
 from hrm.plan import SCHEDULES
 
 # how often the host is profiled, by default per sweep: the quick sweep's passes take half a
-# minute, and profiling before each would take it past 3 minutes on 2 cores
+# minute, and profiling before each would take it past its 4 minutes on 2 cores
 PROFILE_EVERY = {"quick": "sweep", "full": "pass"}
 # timed runs of each setting, by default per sweep: the full sweep's three let a setting's median
 # pass over one run the host slowed (sweep 12's worst run took 1.66x its identical twin); the
-# quick sweep keeps two to stay within 3 minutes
-REPEATS = {"quick": 2, "full": 3}
+# quick sweep times one, after its untimed warm-up pass, to stay within 4 minutes at Mixtral
+# 8x7B's shape on 2 cores
+REPEATS = {"quick": 1, "full": 3}
 
 
 def add_parser(subparsers) -> None:
@@ -359,8 +360,9 @@ def _prompts(spec, batch: int, length: int, ragged: bool) -> tuple[tuple[int, ..
 
 
 def _profile_host(checkpoint: Path, quiet: bool, sweep: str):
-    """A quick profile of this host at the model's shape, taken right before the sweep (the full
-    sweep's with the fixed costs of both dtypes it runs)."""
+    """A quick profile of this host at the model's shape, taken right before the sweep, of the
+    dtypes the sweep runs (the full sweep's with the fixed costs of both, as before --quick was
+    cut)."""
     from executor.cpu_overhead import PRESETS as TIMED
     from hrm.arch import resolve_model
     from hrm.cli.profile import with_launch_overhead
@@ -368,7 +370,7 @@ def _profile_host(checkpoint: Path, quiet: bool, sweep: str):
 
     arch = resolve_model(checkpoint)
     profile = measure_profile(
-        plan=PRESETS["quick"],
+        plan=dataclasses.replace(PRESETS["quick"], cpu_dtypes=SWEEP_DTYPES[sweep]),
         device="cpu",
         arch=arch,
         name="this-host",

@@ -64,6 +64,8 @@ class SweepPlan:
     # GPU GEMM points: the repeats of one point together span at least this long, so that a long
     # job's clocks (power and thermal limits reached), not a boost-clock burst, are what is timed
     gpu_sustain_s: float = 0.0
+    # the dtypes the CPU's GEMMs are swept in (hrm validate's own profile: those it runs)
+    cpu_dtypes: tuple[str, ...] = SWEPT_DTYPES
 
     @property
     def gpu_gemm_sample_s(self) -> float:
@@ -125,9 +127,9 @@ def measure_profile(
     load_before = os.getloadavg()[0]
     threads_before = torch.get_num_threads()
     torch.set_num_threads(facts.cores)
-    cpu_sweeps = len(SWEPT_DTYPES) + len(HALF_DTYPES)  # native, then the executor's widened path
+    cpu_sweeps = len(_cpu_sweeps(plan))  # native, then the executor's widened path
     ticks = len(plan.tokens_grid) * cpu_sweeps + len(cpu.BANDWIDTH_KINDS)
-    ticks += len(plan.shape_tokens_grid) * len(SHAPE_SWEPT) * len(_other_shapes(arch))
+    ticks += len(plan.shape_tokens_grid) * len(_shape_sweeps(plan)) * len(_other_shapes(arch))
     if device == "cuda":
         ticks += len(plan.tokens_grid) * len(SWEPT_DTYPES) + 4 * len(plan.link_sizes_bytes)
     warnings: list[str] = []
@@ -223,8 +225,7 @@ def _measure_cpu(
     # weights from memory: twice the last-level cache, within the sweep's memory share
     streamed = min(2 * cache, _MATMUL_MEMORY_FRACTION * available)
     sweep = partial(sweep, streamed_bytes=streamed)
-    sweeps = [sweep(dtype=dtype) for dtype in SWEPT_DTYPES]
-    sweeps += [sweep(dtype=d, widen=True) for d in HALF_DTYPES]
+    sweeps = [sweep(dtype=dtype, widen=widen) for dtype, widen in _cpu_sweeps(plan)]
     shape_curves, shape_notes = _measure_gemm_shapes(
         plan,
         arch,
@@ -398,7 +399,7 @@ def _measure_gemm_shapes(
             notes["points_not_measured"].append(
                 f"{key}: " + ("w1 scaled down" if scaled else "too large")
             )
-            for _ in range(len(SHAPE_SWEPT) * len(plan.shape_tokens_grid)):
+            for _ in range(len(_shape_sweeps(plan)) * len(plan.shape_tokens_grid)):
                 tick()
             continue
         done = [
@@ -409,11 +410,22 @@ def _measure_gemm_shapes(
                 tokens_grid=plan.shape_tokens_grid,
                 budget_s=plan.shape_budget_s,
             )
-            for dtype, widen in SHAPE_SWEPT
+            for dtype, widen in _shape_sweeps(plan)
         ]
         curves[key] = {s.dtype: s.curve() for s in done if s.points}
         notes["points_not_measured"] += [f"{key}: {s.stopped}" for s in done if s.stopped]
     return curves, notes
+
+
+def _cpu_sweeps(plan: SweepPlan) -> list[tuple[str, bool]]:
+    """(dtype, widened) of the CPU's GEMM sweeps: each dtype native, then the 16-bit ones along
+    the executor's widened path."""
+    native = [(d, False) for d in plan.cpu_dtypes]
+    return native + [(d, True) for d in HALF_DTYPES if d in plan.cpu_dtypes]
+
+
+def _shape_sweeps(plan: SweepPlan) -> list[tuple[str, bool]]:
+    return [(d, widen) for d, widen in SHAPE_SWEPT if d in plan.cpu_dtypes]
 
 
 def _flops_fields(sweeps: list[MatmulSweep], device: str, warnings: list[str]) -> dict[str, Any]:
