@@ -1,4 +1,5 @@
-"""The executor against transformers' generate on the same Mixtral-shaped model, on the CPU.
+"""The executor against transformers' generate on the same Mixtral- or Qwen3-MoE-shaped model, on
+the CPU.
 
 Both run the same random checkpoint (saved by transformers into a temporary directory), the same
 batch of random prompts and the same generation length, greedy, never stopping early; each is
@@ -12,7 +13,12 @@ measures peak resident memory while the executor loads and touches every weight 
 checkpoint, in a fresh process.  Prints a table; the last line is JSON; the same JSON goes to
 reports/.
 
-    python bench/bench_cpu_vs_transformers.py [--quick] [--hardware PATH] [--repeats N]
+    python bench/bench_cpu_vs_transformers.py [--quick] [--family mixtral|qwen3_moe]
+        [--hardware PATH] [--repeats N]
+
+`--family qwen3_moe` runs Qwen3-30B-A3B's regime at the same hidden size: 64 experts of 384,
+top-8 renormalised, 16 query heads of 128 (q twice the hidden size) over 2 KV heads, q/k norms
+per head; Mixtral's is 8 experts of 3584, top-2.
 """
 
 from __future__ import annotations
@@ -34,6 +40,31 @@ ROOT = Path(__file__).resolve().parents[1]
 FULL = dict(hidden=1024, width=3584, layers=4, batch=64, prompt_len=64, gen_len=128)
 QUICK = dict(hidden=1024, width=3584, layers=2, batch=16, prompt_len=32, gen_len=16)
 LOAD_CHECK_LAYERS = 11  # hidden 1024, width 3584, 8 experts: about 2.1 GB in bfloat16
+
+
+def bench_config(family: str, hidden: int, width: int, layers: int):
+    """The bench model of `family` at `hidden` and `layers` (`width`: Mixtral's expert width)."""
+    if family == "qwen3_moe":
+        from transformers import Qwen3MoeConfig
+
+        return Qwen3MoeConfig(
+            vocab_size=32000,
+            hidden_size=hidden,
+            moe_intermediate_size=hidden * 3 // 8,  # Qwen3-30B-A3B: 768 at hidden 2048
+            intermediate_size=hidden * 3,
+            num_hidden_layers=layers,
+            num_attention_heads=16,
+            num_key_value_heads=2,
+            head_dim=128,
+            num_experts=64,
+            num_experts_per_tok=8,
+            norm_topk_prob=True,
+            max_position_embeddings=4096,
+            eos_token_id=None,
+            bos_token_id=None,
+            pad_token_id=0,
+        )
+    return mixtral_config(hidden, width, layers)
 
 
 def mixtral_config(hidden: int, width: int, layers: int):
@@ -61,10 +92,10 @@ def random_prompts(batch: int, prompt_len: int) -> list[list[int]]:
 
 
 def save_checkpoint(config, path: Path) -> Path:
-    from transformers import MixtralForCausalLM
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    MixtralForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(path)
     return path
 
 
@@ -209,9 +240,13 @@ def main() -> None:
         "--hardware", help="profile for the GEMM path and the bound (default: profile this host)"
     )
     parser.add_argument("--skip-load-check", action="store_true", help="no 2 GB load check")
+    parser.add_argument(
+        "--family", choices=("mixtral", "qwen3_moe"), default="mixtral", help="model family"
+    )
     parser.add_argument("--output", help="JSON to write (reports/bench_cpu_vs_transformers.json)")
     args = parser.parse_args()
-    name = "bench_cpu_vs_transformers_quick" if args.quick else "bench_cpu_vs_transformers"
+    name = "bench_cpu_vs_transformers" + ("_quick" if args.quick else "")
+    name += "" if args.family == "mixtral" else f"_{args.family}"
     output = Path(args.output or ROOT / "reports" / f"{name}.json")
     shape = QUICK if args.quick else FULL
     repeats = args.repeats or (1 if args.quick else 3)
@@ -219,7 +254,7 @@ def main() -> None:
     prompts = random_prompts(batch, prompt_len)
 
     with tempfile.TemporaryDirectory() as tmp:
-        config = mixtral_config(shape["hidden"], shape["width"], shape["layers"])
+        config = bench_config(args.family, shape["hidden"], shape["width"], shape["layers"])
         path = save_checkpoint(config, Path(tmp) / "bench")
         params = sum(p.stat().st_size for p in path.glob("*.safetensors")) / 2
         hardware = args.hardware or str(profile_host(path / "config.json", Path(tmp) / "host.yaml"))
@@ -232,7 +267,14 @@ def main() -> None:
     tokens = batch * gen_len
     prefixes = [_common_prefix(a, b) for a, b in zip(ex_tokens, hf_tokens, strict=True)]
     result = {
-        "model": {**shape, "params": params, "dtype": "bfloat16", "experts": 8, "top_k": 2},
+        "model": {
+            **shape,
+            "family": args.family,
+            "params": params,
+            "dtype": "bfloat16",
+            "experts": config.num_experts if args.family == "qwen3_moe" else 8,
+            "top_k": config.num_experts_per_tok,
+        },
         "repeats": repeats,
         "threads": torch.get_num_threads(),
         "executor_s": ex_times,
@@ -270,7 +312,8 @@ def main() -> None:
 def format_table(r: dict) -> str:
     m = r["model"]
     rows = [
-        f"Mixtral-shaped, {m['params'] / 1e6:.0f}M params, {m['layers']} layers, bfloat16; "
+        f"{m.get('family', 'mixtral')}-shaped, {m['params'] / 1e6:.0f}M params, "
+        f"{m['layers']} layers, {m['experts']} experts top-{m['top_k']}, bfloat16; "
         f"batch {m['batch']} x {m['prompt_len']} tokens, generate {m['gen_len']}; "
         f"median of {r['repeats']}, {r['threads']} threads",
         f"host: {r['host']}; profile: {r['hardware']}",

@@ -1,4 +1,5 @@
-"""Open a local Mixtral or DBRX checkpoint into one canonical set of per-layer weights.
+"""Open a local Mixtral, DBRX, Qwen2-MoE, Qwen3-MoE or OLMoE checkpoint into one canonical set of
+per-layer weights.
 
 Three on-disk layouts (docs/architecture.md) become the same `ModelWeights`: every tensor is a
 view of the memory-mapped safetensors file when it already has the requested dtype (its pages
@@ -22,8 +23,9 @@ from executor.safetensors_mmap import SafetensorsFile
 from hrm.arch import ModelArch, eos_token_ids
 from hrm.errors import HrmError
 from hrm.io import load_json
+from hrm.placement import dense_shapes
 
-SUPPORTED_MODEL_TYPES = ("mixtral", "dbrx")
+SUPPORTED_MODEL_TYPES = ("mixtral", "dbrx", "qwen2_moe", "qwen3_moe", "olmoe")
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
@@ -45,6 +47,18 @@ class LayerWeights:
     ffn_norm: torch.Tensor  # [H]
     router: torch.Tensor  # [E, H]
     experts: tuple[ExpertWeights, ...]
+    # what some families add (hrm.placement.dense_shapes lists a family's): q/k/v biases
+    # (Qwen2-MoE), q/k RMSNorm weights [D] per head (Qwen3-MoE) or [nq*D], [nkv*D] (OLMoE), and a
+    # shared expert with its sigmoid gate [1, H] (Qwen2-MoE)
+    bq: torch.Tensor | None = None
+    bk: torch.Tensor | None = None
+    bv: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    shared_w1: torch.Tensor | None = None
+    shared_w3: torch.Tensor | None = None
+    shared_w2: torch.Tensor | None = None
+    shared_gate: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,35 +132,63 @@ def _open_shards(directory: Path) -> list[SafetensorsFile]:
 
 def _mixtral_layer(t: _Tensors, arch: ModelArch, layer: int) -> LayerWeights:
     p = f"model.layers.{layer}."
-    H, inter, E = arch.hidden_size, arch.intermediate_size, arch.num_experts
     if t.has(p + "mlp.experts.gate_up_proj"):  # the fused layout transformers 5.x can save
-        gate_up = t.get(p + "mlp.experts.gate_up_proj", (E, 2 * inter, H))
-        down = t.get(p + "mlp.experts.down_proj", (E, H, inter))
-        experts = tuple(
-            ExpertWeights(w1=gate_up[e, :inter], w3=gate_up[e, inter:], w2=down[e])
-            for e in range(E)
-        )
-        router = t.get(p + "mlp.gate.weight", (E, H))
+        experts, router = _fused_experts(t, arch, p + "mlp."), p + "mlp.gate.weight"
     else:  # the original per-expert names
-        x = p + "block_sparse_moe.experts."
-        experts = tuple(
-            ExpertWeights(
-                w1=t.get(f"{x}{e}.w1.weight", (inter, H)),
-                w3=t.get(f"{x}{e}.w3.weight", (inter, H)),
-                w2=t.get(f"{x}{e}.w2.weight", (H, inter)),
-            )
-            for e in range(E)
+        x = p + "block_sparse_moe."
+        experts, router = _experts(t, arch, x + "experts.", ("w1", "w3", "w2")), x + "gate.weight"
+    return _layer(t, arch, p, router, experts)
+
+
+def _qwen_layer(t: _Tensors, arch: ModelArch, layer: int) -> LayerWeights:
+    """Qwen2-MoE, Qwen3-MoE and OLMoE: Mixtral's attention names, experts under mlp."""
+    p = f"model.layers.{layer}."
+    if t.has(p + "mlp.experts.gate_up_proj"):
+        experts = _fused_experts(t, arch, p + "mlp.")
+    else:
+        experts = _experts(t, arch, p + "mlp.experts.", ("gate_proj", "up_proj", "down_proj"))
+    return _layer(t, arch, p, p + "mlp.gate.weight", experts)
+
+
+def _layer(t: _Tensors, arch: ModelArch, p: str, router: str, experts) -> LayerWeights:
+    """A layer under the Llama-style names, with what its family adds (dense_shapes)."""
+    a = p + "self_attn."
+    names = {"wq": a + "q_proj.weight", "wk": a + "k_proj.weight", "wv": a + "v_proj.weight",
+             "wo": a + "o_proj.weight", "bq": a + "q_proj.bias", "bk": a + "k_proj.bias",
+             "bv": a + "v_proj.bias", "q_norm": a + "q_norm.weight", "k_norm": a + "k_norm.weight",
+             "attn_norm": p + "input_layernorm.weight", "router": router,
+             "ffn_norm": p + "post_attention_layernorm.weight",
+             "shared_w1": p + "mlp.shared_expert.gate_proj.weight",
+             "shared_w3": p + "mlp.shared_expert.up_proj.weight",
+             "shared_w2": p + "mlp.shared_expert.down_proj.weight",
+             "shared_gate": p + "mlp.shared_expert_gate.weight"}  # fmt: skip
+    shapes = dense_shapes(arch)
+    return LayerWeights(**{n: t.get(names[n], shape) for n, shape in shapes.items()},
+                        experts=experts)  # fmt: skip
+
+
+def _experts(t: _Tensors, arch: ModelArch, prefix: str, names) -> tuple[ExpertWeights, ...]:
+    """Experts stored one tensor per projection: {prefix}{e}.{gate, up, down}.weight."""
+    H, inter = arch.hidden_size, arch.intermediate_size
+    gate, up, down = names
+    return tuple(
+        ExpertWeights(
+            w1=t.get(f"{prefix}{e}.{gate}.weight", (inter, H)),
+            w3=t.get(f"{prefix}{e}.{up}.weight", (inter, H)),
+            w2=t.get(f"{prefix}{e}.{down}.weight", (H, inter)),
         )
-        router = t.get(p + "block_sparse_moe.gate.weight", (E, H))
-    return LayerWeights(
-        attn_norm=t.get(p + "input_layernorm.weight", (H,)),
-        wq=t.get(p + "self_attn.q_proj.weight", (arch.q_size, H)),
-        wk=t.get(p + "self_attn.k_proj.weight", (arch.kv_size, H)),
-        wv=t.get(p + "self_attn.v_proj.weight", (arch.kv_size, H)),
-        wo=t.get(p + "self_attn.o_proj.weight", (H, arch.q_size)),
-        ffn_norm=t.get(p + "post_attention_layernorm.weight", (H,)),
-        router=router,
-        experts=experts,
+        for e in range(arch.num_experts)
+    )
+
+
+def _fused_experts(t: _Tensors, arch: ModelArch, prefix: str) -> tuple[ExpertWeights, ...]:
+    """The layout transformers 5.x writes for its fused experts: experts.gate_up_proj
+    [E, 2I, H] and experts.down_proj [E, H, I]; each expert a view."""
+    H, inter, E = arch.hidden_size, arch.intermediate_size, arch.num_experts
+    gate_up = t.get(prefix + "experts.gate_up_proj", (E, 2 * inter, H))
+    down = t.get(prefix + "experts.down_proj", (E, H, inter))
+    return tuple(
+        ExpertWeights(w1=gate_up[e, :inter], w3=gate_up[e, inter:], w2=down[e]) for e in range(E)
     )
 
 
@@ -171,13 +213,20 @@ def _dbrx_layer(t: _Tensors, arch: ModelArch, layer: int) -> LayerWeights:
     )
 
 
+_LLAMA_NAMES = ("model.embed_tokens.weight", "model.norm.weight")
 _GLOBAL_NAMES = {  # model_type -> (embedding, final norm)
-    "mixtral": ("model.embed_tokens.weight", "model.norm.weight"),
+    "mixtral": _LLAMA_NAMES,
     "dbrx": ("transformer.wte.weight", "transformer.norm_f.weight"),
+    "qwen2_moe": _LLAMA_NAMES,
+    "qwen3_moe": _LLAMA_NAMES,
+    "olmoe": _LLAMA_NAMES,
 }
 _LAYER_READERS: dict[str, Callable[[_Tensors, ModelArch, int], LayerWeights]] = {
     "mixtral": _mixtral_layer,
     "dbrx": _dbrx_layer,
+    "qwen2_moe": _qwen_layer,
+    "qwen3_moe": _qwen_layer,
+    "olmoe": _qwen_layer,
 }
 
 
@@ -273,7 +322,7 @@ def random_checkpoint(
     random numbers, and copying is ~50x faster than drawing (a 32-layer Mixtral in seconds)."""
     if dtype not in TORCH_DTYPES:
         raise HrmError(f"unknown dtype {dtype!r}: use one of {', '.join(TORCH_DTYPES)}")
-    from hrm.placement import dense_shapes, expert_shapes
+    from hrm.placement import expert_shapes
 
     torch_dtype = TORCH_DTYPES[dtype]
     g = torch.Generator().manual_seed(seed)
@@ -281,15 +330,21 @@ def random_checkpoint(
     def weight(*shape: int) -> torch.Tensor:  # drawn in place: no fp32 transient to count
         return torch.empty(shape, dtype=torch_dtype).normal_(0.0, 0.02, generator=g).to(device)
 
-    def ones(n: int) -> torch.Tensor:
-        return torch.ones(n, dtype=torch_dtype, device=device)
+    def ones(*shape: int) -> torch.Tensor:
+        return torch.ones(shape, dtype=torch_dtype, device=device)
 
     dense, expert = dense_shapes(arch), expert_shapes(arch)
     H = arch.hidden_size
+
+    def dense_tensor(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name.endswith("norm"):
+            return ones(*shape)
+        if name in ("bq", "bk", "bv"):  # biases start at zero, as transformers initialises them
+            return torch.zeros(shape, dtype=torch_dtype, device=device)
+        return weight(*shape)
+
     first = LayerWeights(
-        attn_norm=ones(H),
-        ffn_norm=ones(H),
-        **{n: weight(*dense[n]) for n in ("wq", "wk", "wv", "wo", "router")},
+        **{n: dense_tensor(n, shape) for n, shape in dense.items()},
         experts=tuple(
             ExpertWeights(**{n: weight(*expert[n]) for n in ("w1", "w3", "w2")})
             for _ in range(arch.num_experts)

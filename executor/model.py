@@ -1,4 +1,5 @@
-"""The forward pass of Mixtral and DBRX, flat and split into the paper's three stages.
+"""The forward pass of Mixtral, DBRX, Qwen2-MoE, Qwen3-MoE and OLMoE, split into the paper's
+three stages.
 
 PreAttn (norm, QKV projection, rotary), Attn (KV append and attention) and PostAttn (O projection,
 residual, norm, router, experts) are separate methods so that a schedule can interleave them
@@ -135,17 +136,24 @@ class MoEModel:
     # -- PreAttn -------------------------------------------------------------------------------
 
     def pre_attention(self, w: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Norm, QKV projection, clip, rotary: h [T, H] -> q [T, nq, D], k and v [T, nkv, D]."""
+        """Norm, QKV projection (+ bias), q/k norm, clip, rotary: h [T, H] -> q [T, nq, D], k and
+        v [T, nkv, D]. OLMoE normalises the whole projection before its clip, Qwen3-MoE each
+        head after the reshape; both before rotary, as transformers does."""
         a = self.arch
         x = self._norm(h, w.attn_norm, a.norm_eps)  # [T, H]
         q = self.linear(x, w.wq)  # [T, nq*D]
         k, v = self.linear(x, w.wk), self.linear(x, w.wv)  # [T, nkv*D]
+        if w.bq is not None:
+            q, k, v = q + w.bq, k + w.bk, v + w.bv
+        if a.qk_norm == "projection":
+            q, k = rms_norm(q, w.q_norm, a.norm_eps), rms_norm(k, w.k_norm, a.norm_eps)
         if a.clip_qkv is not None:
             q, k, v = (t.clamp_(-a.clip_qkv, a.clip_qkv) for t in (q, k, v))
         T, D = h.shape[0], a.head_dim
-        q = apply_rotary(q.view(T, -1, D), cos, sin)  # [T, nq, D]
-        k = apply_rotary(k.view(T, -1, D), cos, sin)  # [T, nkv, D]
-        return q, k, v.view(T, -1, D)
+        q, k = q.view(T, -1, D), k.view(T, -1, D)
+        if a.qk_norm == "head":
+            q, k = rms_norm(q, w.q_norm, a.norm_eps), rms_norm(k, w.k_norm, a.norm_eps)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v.view(T, -1, D)
 
     # -- Attn ----------------------------------------------------------------------------------
 
@@ -174,13 +182,21 @@ class MoEModel:
     # -- PostAttn ------------------------------------------------------------------------------
 
     def post_attention(self, w: LayerWeights, attn: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        """O projection, residual, norm, router and experts: [T, nq*D], [T, H] -> [T, H]."""
+        """O projection, residual, norm, router, experts and the shared expert where the family
+        has one: [T, nq*D], [T, H] -> [T, H]."""
         h = h + self.linear(attn, w.wo)  # [T, H]
         x = self._norm(h, w.ffn_norm, self.arch.norm_eps)  # [T, H]
-        return h + self.experts(w, x)
+        out = self.experts(w, x)
+        if w.shared_w1 is not None:  # Qwen2-MoE: routed + sigmoid(gate) * shared
+            shared = self.linear(
+                F.silu(self.linear(x, w.shared_w1)) * self.linear(x, w.shared_w3), w.shared_w2
+            )
+            out = out + torch.sigmoid(self.linear(x, w.shared_gate)) * shared
+        return h + out
 
     def route(self, w: LayerWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Router softmax in fp32, top-k, and each family's normalisation: [T, K] weights, ids."""
+        """Router softmax in fp32, top-k, and each family's normalisation: [T, K] weights (fp32,
+        or the model's dtype where the family rounds them), ids."""
         a = self.arch
         probs = torch.softmax(self.linear(x, w.router).float(), dim=-1)  # [T, E]
         top_w, top_i = torch.topk(probs, a.experts_per_token, dim=-1)  # [T, K]
@@ -190,6 +206,8 @@ class MoEModel:
             top_w = top_w / torch.linalg.vector_norm(
                 top_w, ord=a.router_norm_p, dim=-1, keepdim=True
             )
+        if a.round_router_weights:  # Qwen, OLMoE: the experts are scaled in the model's dtype
+            top_w = top_w.to(x.dtype)
         return top_w, top_i
 
     def experts(self, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:

@@ -83,24 +83,23 @@ def assemble_weights(
     device: str = "cpu",
 ) -> ModelWeights:
     """A model's weights at `arch`'s shapes: each dense matrix dense(rows, cols), each router
-    router(experts, hidden), norms of ones, and the layers' experts taking `experts` in turn
-    (cycling when there are fewer sets than layers x experts)."""
+    router(experts, hidden), norms of ones, biases of zeros (the family's dense tensors,
+    hrm.placement.dense_shapes), and the layers' experts taking `experts` in turn (cycling when
+    there are fewer sets than layers x experts)."""
+    from hrm.placement import dense_shapes
 
-    def ones(n):
-        return torch.ones(n, dtype=dtype, device=device)
+    def tensor(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name.endswith("norm"):
+            return torch.ones(shape, dtype=dtype, device=device)
+        if len(shape) == 1:  # a bias
+            return torch.zeros(shape, dtype=dtype, device=device)
+        return router(*shape) if name == "router" else dense(*shape)
 
-    h, d = arch.hidden_size, arch.head_dim
-    q, kv = arch.num_attention_heads * d, arch.num_key_value_heads * d
+    h = arch.hidden_size
     turn = iter(range(arch.num_layers * arch.num_experts))
     layers = tuple(
         LayerWeights(
-            attn_norm=ones(h),
-            wq=dense(q, h),
-            wk=dense(kv, h),
-            wv=dense(kv, h),
-            wo=dense(h, q),
-            ffn_norm=ones(h),
-            router=router(arch.num_experts, h),
+            **{n: tensor(n, shape) for n, shape in dense_shapes(arch).items()},
             experts=tuple(experts[next(turn) % len(experts)] for _ in range(arch.num_experts)),
         )
         for _ in range(arch.num_layers)
@@ -108,7 +107,7 @@ def assemble_weights(
     return ModelWeights(
         embed=dense(arch.vocab_size, h),
         layers=layers,
-        final_norm=ones(h),
+        final_norm=torch.ones(h, dtype=dtype, device=device),
         lm_head=dense(arch.vocab_size, h),
     )
 

@@ -25,10 +25,10 @@ from executor.checkpoint import ExpertWeights, LayerWeights, ModelWeights
 from executor.pinning import HostPins, page_aligned_empty, release_host_tensor
 from hrm.arch import ModelArch
 from hrm.placement import (
-    DENSE_TENSORS,
     EXPERT_TENSORS,
     WeightPlacement,
     cut_pages,
+    dense_shapes,
     streamed_tensors,
 )
 
@@ -53,6 +53,7 @@ class WeightStore:
         here, so the host never holds the model twice (the plan counts one copy); the caller
         must not read them again."""
         self.arch, self.placement, self.device = arch, placement, device
+        self.dense_names = tuple(dense_shapes(arch))  # the family's LayerWeights fields
         dtype = weights.embed.dtype
         self.layout: list[tuple[tuple, tuple[int, ...], int]] = []
         offset = 0
@@ -68,7 +69,7 @@ class WeightStore:
                 self.arenas.append(self._fill_arena(w, dtype))
             self.resident.append(self._resident(w))
             if take_over:
-                for t in (getattr(w, n) for n in DENSE_TENSORS):
+                for t in (getattr(w, n) for n in self.dense_names):
                     release_host_tensor(t)
                 for t in (getattr(e, n) for e in w.experts for n in EXPERT_TENSORS):
                     release_host_tensor(t)
@@ -106,7 +107,7 @@ class WeightStore:
         """The layer's resident tensors, copied to the device (a copy even when the device is the
         CPU standing in for a GPU, so that the host and the "device" hold their own bytes)."""
         p = self.placement
-        keys = [(n,) for n in DENSE_TENSORS] if p.dense_resident else []
+        keys = [(n,) for n in self.dense_names] if p.dense_resident else []
         keys += [(e, n) for e in range(p.resident_experts) for n in EXPERT_TENSORS]
         return {k: _copy_to(_tensor(w, k), self.device) for k in keys}
 
@@ -165,7 +166,7 @@ class WeightStore:
             return resident.get((name,)) if (name,) in resident else self.slot_views[slot][(name,)]
 
         experts = tuple(self._expert(layer, e) for e in range(self.arch.num_experts))
-        return LayerWeights(**{n: dense(n) for n in DENSE_TENSORS}, experts=experts)
+        return LayerWeights(**{n: dense(n) for n in self.dense_names}, experts=experts)
 
     def _expert(self, layer: int, e: int) -> ExpertWeights:
         resident = self.resident[layer]

@@ -2,7 +2,7 @@
 
 This module is the one place that knows config field names (docs/architecture.md): the roofline,
 the planner and the executor all read the model through ModelArch.  Supported model types:
-mixtral, dbrx, qwen2_moe and olmoe.
+mixtral, dbrx, qwen2_moe, qwen3_moe and olmoe.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from hrm.policy import dtype_bytes
 from hrm.schema import positive_int
 
 BUNDLED_DIR = Path(__file__).resolve().parent / "model_configs"
-MODEL_TYPES = ("mixtral", "dbrx", "qwen2_moe", "olmoe")
+MODEL_TYPES = ("mixtral", "dbrx", "qwen2_moe", "qwen3_moe", "olmoe")
+QK_NORMS = ("head", "projection")  # RMSNorm per head over d (Qwen3-MoE), or over nq*d (OLMoE)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,9 +44,11 @@ class ModelArch:
     clip_qkv: float | None = None  # DBRX clamps q, k, v to [-clip, clip]
     router_norm_p: float | None = None  # DBRX divides the top-k weights by their p-norm
     renormalize_top_k: bool = True  # Mixtral renormalises the top-k softmax weights to sum 1
-    shared_expert_intermediate_size: int = 0  # qwen2_moe's always-on expert
+    # Qwen and OLMoE round the top-k weights to the model's dtype before scaling the experts
+    round_router_weights: bool = False
+    shared_expert_intermediate_size: int = 0  # qwen2_moe's always-on expert, sigmoid-gated
     attention_bias: bool = False  # qwen2_moe has biases on q, k, v
-    qk_norm: bool = False  # olmoe normalises q and k
+    qk_norm: str | None = None  # RMSNorm of q and k before rotary: one of QK_NORMS, or None
     eos_token_ids: tuple[int, ...] = ()  # generation stops at any of these; () never stops early
     max_position_embeddings: int | None = None  # longest context the model was made for
 
@@ -67,6 +70,8 @@ class ModelArch:
                 f"{self.name}: {self.num_attention_heads} attention heads are not a multiple of "
                 f"{self.num_key_value_heads} key/value heads"
             )
+        if self.qk_norm not in (None, *QK_NORMS):
+            raise HrmError(f"{self.name}: qk_norm {self.qk_norm!r} is not one of {QK_NORMS}")
         if self.experts_per_token > self.num_experts:
             raise HrmError(
                 f"{self.name}: {self.experts_per_token} experts per token exceeds "
@@ -120,9 +125,13 @@ class ModelArch:
         params = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
         if self.attention_bias:
             params += self.q_size + 2 * self.kv_size
-        if self.qk_norm:
-            params += self.q_size + self.kv_size
-        return params
+        return params + self.qk_norm_params
+
+    @property
+    def qk_norm_params(self) -> int:
+        if self.qk_norm == "head":
+            return 2 * self.head_dim
+        return self.q_size + self.kv_size if self.qk_norm == "projection" else 0
 
     @property
     def expert_params(self) -> int:
@@ -135,6 +144,7 @@ class ModelArch:
 
     @property
     def shared_expert_params(self) -> int:
+        """The shared expert's three projections and its sigmoid gate [1, h]."""
         if not self.shared_expert_intermediate_size:
             return 0
         return 3 * self.hidden_size * self.shared_expert_intermediate_size + self.hidden_size
@@ -227,13 +237,15 @@ class ModelArch:
             )
         try:
             fields = parser(config)
-            fields["eos_token_ids"] = eos_token_ids(config, where=where)
+        except HrmError as exc:
+            raise HrmError(f"{where}: {exc}") from None
         except KeyError as exc:
             raise HrmError(
                 f"{where}: missing field {exc.args[0]!r} for model_type {model_type}"
             ) from None
         except (TypeError, ValueError) as exc:
             raise HrmError(f"{where}: malformed field ({exc})") from None
+        fields["eos_token_ids"] = eos_token_ids(config, where=where)
         try:
             return cls(name=name, model_type=model_type, **fields)
         except HrmError as exc:
@@ -285,6 +297,30 @@ def _dbrx(c: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _qwen2_moe(c: Mapping[str, Any]) -> dict[str, Any]:
+    """Qwen2-MoE: biases on q, k and v, a sigmoid-gated shared expert, top-k weights
+    renormalised only where norm_topk_prob says so."""
+    fields = _qwen_moe(c)
+    fields.update(
+        shared_expert_intermediate_size=c.get("shared_expert_intermediate_size", 0),
+        attention_bias=bool(c.get("qkv_bias", True)),
+    )
+    return fields
+
+
+def _qwen3_moe(c: Mapping[str, Any]) -> dict[str, Any]:
+    """Qwen3-MoE: q/k RMSNorm per head, a head_dim of its own (128 at hidden 2048 and 32 heads),
+    no shared expert."""
+    fields = _qwen_moe(c)
+    fields.update(attention_bias=bool(c.get("attention_bias", False)), qk_norm="head")
+    return fields
+
+
+def _qwen_moe(c: Mapping[str, Any]) -> dict[str, Any]:
+    """What Qwen2-MoE and Qwen3-MoE share: experts of moe_intermediate_size, a router that
+    rounds its top-k weights to the model's dtype, every layer sparse, full attention."""
+    _every_layer_sparse(c)
+    if c.get("use_sliding_window"):
+        raise HrmError("use_sliding_window true: sliding-window attention is not supported")
     heads = c["num_attention_heads"]
     return dict(
         num_layers=c["num_hidden_layers"],
@@ -293,23 +329,49 @@ def _qwen2_moe(c: Mapping[str, Any]) -> dict[str, Any]:
         num_attention_heads=heads,
         num_key_value_heads=c.get("num_key_value_heads") or heads,
         head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-        num_experts=c["num_experts"],
+        num_experts=_num_experts(c),
         experts_per_token=c["num_experts_per_tok"],
         vocab_size=c["vocab_size"],
         tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
         norm_eps=float(c.get("rms_norm_eps", 1e-6)),
         rope_theta=float(_rope_theta(c, 1e6)),
         renormalize_top_k=bool(c.get("norm_topk_prob", False)),
-        shared_expert_intermediate_size=c.get("shared_expert_intermediate_size", 0),
-        attention_bias=True,
+        round_router_weights=True,
+        max_position_embeddings=c.get("max_position_embeddings"),
     )
 
 
+def _num_experts(c: Mapping[str, Any]) -> int:
+    """num_experts, which transformers 5.x writes as num_local_experts for Qwen and OLMoE."""
+    if "num_experts" in c:
+        return c["num_experts"]
+    if "num_local_experts" in c:
+        return c["num_local_experts"]
+    raise KeyError("num_experts")
+
+
+def _every_layer_sparse(c: Mapping[str, Any]) -> None:
+    """Dense layers among sparse ones (mlp_only_layers, decoder_sparse_step > 1) are not planned
+    or run: refused by name (none of the bundled models has one)."""
+    dense = list(c.get("mlp_only_layers") or [])
+    step = c.get("decoder_sparse_step", 1)
+    if dense or step not in (None, 1):
+        what = f"mlp_only_layers {dense}" if dense else f"decoder_sparse_step {step}"
+        raise HrmError(
+            f"{what}: dense layers among sparse ones are not supported; every layer must be "
+            "sparse (mlp_only_layers [] and decoder_sparse_step 1)"
+        )
+
+
 def _olmoe(c: Mapping[str, Any]) -> dict[str, Any]:
-    fields = _mixtral({**c, "num_local_experts": c["num_experts"]})
+    """OLMoE: q/k RMSNorm over the whole projection, Mixtral's layout under Qwen's names."""
+    fields = _mixtral({**c, "num_local_experts": _num_experts(c)})
     fields.update(
         renormalize_top_k=bool(c.get("norm_topk_prob", False)),
-        qk_norm=True,
+        round_router_weights=True,
+        qk_norm="projection",
+        attention_bias=bool(c.get("attention_bias", False)),
+        clip_qkv=c.get("clip_qkv"),
         rope_theta=float(_rope_theta(c, 10000.0)),
     )
     return fields
@@ -333,7 +395,13 @@ def _rope_theta(c: Mapping[str, Any], default: float) -> float:
     return params.get("rope_theta", c.get("rope_theta", default))
 
 
-_PARSERS = {"mixtral": _mixtral, "dbrx": _dbrx, "qwen2_moe": _qwen2_moe, "olmoe": _olmoe}
+_PARSERS = {
+    "mixtral": _mixtral,
+    "dbrx": _dbrx,
+    "qwen2_moe": _qwen2_moe,
+    "qwen3_moe": _qwen3_moe,
+    "olmoe": _olmoe,
+}
 
 
 def bundled_model_names() -> list[str]:

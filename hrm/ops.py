@@ -188,14 +188,19 @@ def layer_ops(
     # the layer's elementwise passes outside the FFN and attention (executor/model.py), charged
     # with the norms: two RMSNorms in fp32 (upcast, square, mean, scale, round, weight: 11*t*h
     # each), two residual adds (3*t*h each), rotary on q and k (negate, concatenate, two
-    # products, a sum: 12 per element)
+    # products, a sum: 12 per element), and where the family has them q/k RMSNorms (11 per
+    # element of q and k) and q/k/v bias adds (3 per element)
+    qk = arch.q_size + arch.kv_size
     ops = [
         Op(
             name="norms",
-            flops=2 * 4.0 * t * h,
-            weight_bytes=arch.norm_params * wdt,
+            flops=2 * 4.0 * t * h + (4.0 * t * qk if arch.qk_norm else 0.0),
+            weight_bytes=(arch.norm_params + arch.qk_norm_params) * wdt,
             activation_bytes=2 * 2.0 * t * h * adt,
-            elementwise_elements=28.0 * t * h + 12.0 * t * (arch.q_size + arch.kv_size),
+            elementwise_elements=28.0 * t * h
+            + 12.0 * t * qk
+            + (11.0 * t * qk if arch.qk_norm else 0.0)
+            + (3.0 * t * (qk + arch.kv_size) if arch.attention_bias else 0.0),
         ),
         # q, k and v are three GEMMs in the executor (executor/model.py, pre_attention)
         _linear("qkv_proj", t, ((h, arch.q_size), (h, arch.kv_size), (h, arch.kv_size)), wdt, adt),
@@ -205,10 +210,23 @@ def layer_ops(
         expert_ffn_op(arch, tokens=t, weight_dtype=weight_dtype, group_tokens=ffn_group_tokens),
     ]
     if arch.shared_expert_params:
-        ops.append(
-            _linear("shared_expert", t, ((h, 3 * arch.shared_expert_intermediate_size),), wdt, adt)
-        )
+        ops.append(shared_expert_op(arch, tokens=t, weight_dtype=weight_dtype))
     return ops
+
+
+def shared_expert_op(arch: ModelArch, *, tokens: float, weight_dtype: str) -> Op:
+    """Qwen2-MoE's shared expert, a dense FFN every token runs, as the executor runs it: w1, w3,
+    w2 and its sigmoid gate, four GEMMs at every token; its passes: silu(a)*b (5*si), the gate's
+    sigmoid and scale (2*h + 3), the add to the routed output (3*h)."""
+    h, si = arch.hidden_size, arch.shared_expert_intermediate_size
+    op = _linear(
+        "shared_expert",
+        tokens,
+        ((h, si), (h, si), (si, h), (h, 1)),
+        dtype_bytes(weight_dtype),
+        dtype_bytes(ACTIVATION_DTYPE),
+    )
+    return dataclasses.replace(op, elementwise_elements=tokens * (5.0 * si + 5.0 * h + 3.0))
 
 
 def lm_head_op(arch: ModelArch, *, batch: float, weight_dtype: str = "bfloat16") -> Op:

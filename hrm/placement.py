@@ -4,8 +4,9 @@ weight store both call, so that a plan counts exactly the tensors a run places.
 A policy's `weights_gpu_fraction` r_w becomes whole tensors, the same in every layer (the cost
 model streams (1 - r_w) * W_l per layer, reference, section 2):
 
-1. the layer's dense weights first (norms, Q, K, V, O, router): every token of every micro-batch
-   needs them, whichever experts it routes to;
+1. the layer's dense weights first (norms, Q, K, V, O, router, and where the family has them
+   q/k biases and norms and the shared expert): every token of every micro-batch needs them,
+   whichever experts it routes to;
 2. then whole experts in index order (w1, w3, w2 together), as many as fit in r_w * W_l.
 
 What is left of each layer is streamed: its dense weights (when not resident) then its experts,
@@ -26,24 +27,28 @@ from hrm.policy import dtype_bytes
 # (planner/memory.py counts it; executor/runtime.py chunks by it).
 PREFILL_CHUNK_TOKENS = 8192
 
-DENSE_TENSORS = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "router")
 EXPERT_TENSORS = ("w1", "w3", "w2")
 # requested fractions within this of a placement boundary reach it (float noise from the MILP)
 _TOLERANCE = 1e-9
 
 
 def dense_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
-    """Shapes of one layer's dense tensors, in the linear layout [out, in]."""
-    h = arch.hidden_size
-    return {
-        "attn_norm": (h,),
-        "wq": (arch.q_size, h),
-        "wk": (arch.kv_size, h),
-        "wv": (arch.kv_size, h),
-        "wo": (h, arch.q_size),
-        "ffn_norm": (h,),
-        "router": (arch.num_experts, h),
-    }
+    """Shapes of one layer's dense tensors, in the linear layout [out, in], in arena order: the
+    LayerWeights fields this family has (executor/checkpoint.py)."""
+    h, q, kv = arch.hidden_size, arch.q_size, arch.kv_size
+    shapes = {"attn_norm": (h,), "wq": (q, h), "wk": (kv, h), "wv": (kv, h), "wo": (h, q)}
+    if arch.attention_bias:
+        shapes |= {"bq": (q,), "bk": (kv,), "bv": (kv,)}
+    if arch.qk_norm == "head":
+        shapes |= {"q_norm": (arch.head_dim,), "k_norm": (arch.head_dim,)}
+    elif arch.qk_norm == "projection":
+        shapes |= {"q_norm": (q,), "k_norm": (kv,)}
+    shapes |= {"ffn_norm": (h,), "router": (arch.num_experts, h)}
+    if arch.shared_expert_intermediate_size:
+        si = arch.shared_expert_intermediate_size
+        shapes |= {"shared_w1": (si, h), "shared_w3": (si, h), "shared_w2": (h, si)}
+        shapes |= {"shared_gate": (1, h)}
+    return shapes
 
 
 def expert_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
@@ -116,7 +121,7 @@ def streamed_tensors(arch: ModelArch, placement: WeightPlacement) -> list[tuple[
     tensor, (expert, name) for an expert's."""
     names: list[tuple[tuple, tuple[int, ...]]] = []
     if not placement.dense_resident:
-        names += [((n,), dense_shapes(arch)[n]) for n in DENSE_TENSORS]
+        names += [((n,), shape) for n, shape in dense_shapes(arch).items()]
     for e in placement.streamed_experts:
         names += [((e, n), expert_shapes(arch)[n]) for n in EXPERT_TENSORS]
     return names

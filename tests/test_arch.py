@@ -1,8 +1,9 @@
 import json
+import re
 
 import pytest
 
-from hrm.arch import ModelArch, bundled_model_names, resolve_model
+from hrm.arch import BUNDLED_DIR, ModelArch, bundled_model_names, resolve_model
 from hrm.errors import HrmError
 
 # Published total parameter counts.
@@ -84,6 +85,51 @@ def test_qwen2_moe_and_olmoe_parse():
         }
     )
     assert olmoe.total_params == pytest.approx(6.9e9, rel=0.01)  # OLMoE-1B-7B
+
+
+@pytest.mark.parametrize(
+    ("name", "total", "active"),
+    [
+        ("qwen3-30b-a3b", 30.5e9, 3.3e9),
+        ("qwen3-235b-a22b", 235e9, 22e9),
+        ("qwen2-57b-a14b", 57.4e9, 14e9),
+        ("olmoe-1b-7b", 6.9e9, 1.3e9),
+    ],
+)
+def test_bundled_families_count_the_parameters_their_cards_publish(name, total, active):
+    arch = resolve_model(name)
+    assert arch.total_params == pytest.approx(total, rel=0.015)
+    assert arch.active_params == pytest.approx(active, rel=0.03)
+
+
+def test_each_family_says_what_its_layers_add():
+    qwen3, qwen2, olmoe = (resolve_model(n) for n in ("qwen3-30b-a3b", "qwen2-57b-a14b",
+                                                        "olmoe-1b-7b"))  # fmt: skip
+    # Qwen3-MoE: 32 heads of 128 at hidden 2048, q/k norms per head, top-8 renormalised
+    assert (qwen3.head_dim, qwen3.q_size, qwen3.qk_norm) == (128, 4096, "head")
+    assert qwen3.qk_norm_params == 256 and qwen3.renormalize_top_k
+    assert not qwen3.attention_bias and qwen3.shared_expert_params == 0
+    # Qwen2-MoE: q/k/v biases, a gated shared expert of 20480, top-8 not renormalised
+    assert qwen2.attention_bias and not qwen2.renormalize_top_k and qwen2.qk_norm is None
+    assert qwen2.shared_expert_params == 3 * 3584 * 20480 + 3584
+    # OLMoE: q/k norms over the whole projection
+    assert olmoe.qk_norm == "projection" and olmoe.qk_norm_params == 2 * 2048
+    assert all(a.round_router_weights for a in (qwen3, qwen2, olmoe))
+    assert not resolve_model("mixtral-8x7b").round_router_weights
+
+
+@pytest.mark.parametrize(
+    ("changes", "fragment"),
+    [
+        ({"mlp_only_layers": [0, 5]}, "mlp_only_layers [0, 5]: dense layers among sparse ones"),
+        ({"decoder_sparse_step": 2}, "decoder_sparse_step 2: dense layers"),
+        ({"use_sliding_window": True}, "sliding-window attention is not supported"),
+    ],
+)
+def test_what_the_qwen_families_cannot_run_is_refused_by_name(changes, fragment):
+    config = json.loads((BUNDLED_DIR / "qwen3-30b-a3b.json").read_text()) | changes
+    with pytest.raises(HrmError, match=re.escape(fragment)):
+        ModelArch.from_hf_config(config, where="c.json")
 
 
 @pytest.mark.parametrize(

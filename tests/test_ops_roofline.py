@@ -154,3 +154,38 @@ def test_the_cpu_roof_is_the_peak_of_the_gemm_path_the_choice_takes():
     # a faster native rate is kept (h200-sxm's host: AMX bf16 above fp32)
     host = resolve_hardware("h200-sxm").cpu
     assert cpu_peak_flops_per_s(host, "bfloat16") == host.flops_per_s("bfloat16") == 20e12
+
+
+@pytest.mark.parametrize("name", ["qwen2-57b-a14b", "qwen3-30b-a3b", "olmoe-1b-7b"])
+def test_each_familys_layer_flops_are_its_active_parameters(name):
+    """A token's GEMM FLOPs in a layer are twice the weights it multiplies: the attention
+    projections, the router, its k experts and (Qwen2-MoE) the shared expert with its gate. The
+    q/k norms and biases are not GEMM weights: taken out of the count."""
+    arch = resolve_model(name)
+    ops = layer_ops(arch, batch=1, new_tokens=1, context=1)
+    gemms = sum(op.flops for op in ops if op.gemm_shapes)
+    biases = (arch.q_size + 2 * arch.kv_size) if arch.attention_bias else 0
+    per_layer = arch.active_params - arch.embedding_params - arch.lm_head_params - arch.hidden_size
+    per_layer = per_layer / arch.num_layers - arch.norm_params - arch.qk_norm_params - biases
+    assert gemms == pytest.approx(2 * per_layer, rel=1e-9)
+    shared = [op for op in ops if op.name == "shared_expert"]
+    if arch.shared_expert_intermediate_size:
+        h, si = arch.hidden_size, arch.shared_expert_intermediate_size
+        assert shared[0].gemm_shapes == ((h, si), (h, si), (si, h), (h, 1))
+        assert shared[0].elementwise_elements == 5 * si + 5 * h + 3
+    else:
+        assert shared == []
+
+
+def test_qk_norms_and_biases_add_their_element_passes():
+    qwen3 = resolve_model("qwen3-30b-a3b")
+
+    def passes(arch):
+        return next(op for op in layer_ops(arch, batch=4, new_tokens=1, context=9)
+                    if op.name == "norms").elementwise_elements  # fmt: skip
+
+    plain = dataclasses.replace(qwen3, qk_norm=None)
+    qk = qwen3.q_size + qwen3.kv_size
+    assert passes(qwen3) - passes(plain) == 4 * 11 * qk
+    biased = dataclasses.replace(plain, attention_bias=True)
+    assert passes(biased) - passes(plain) == 4 * 3 * (qk + qwen3.kv_size)

@@ -57,3 +57,15 @@ def test_planner_reports_the_placed_fraction(mixtral):
     assert plan.memory.gpu["resident weights"] == pytest.approx(
         mixtral.num_layers * placed.resident_bytes
     )
+
+
+@pytest.mark.parametrize(
+    "name", ["mixtral-8x7b", "dbrx", "qwen2-57b-a14b", "qwen3-30b-a3b", "olmoe-1b-7b"]
+)
+def test_a_layers_dense_tensors_are_every_weight_but_its_experts(name):
+    """What the planner counts (ModelArch) is what the store places: q/k/v biases, q/k norms and
+    the gated shared expert are dense weights, kept with the attention and router."""
+    arch = resolve_model(name)
+    p = place_weights(arch, 0.0, "bfloat16")
+    assert p.dense_bytes == 2 * arch.dense_layer_params
+    assert p.layer_bytes == 2 * arch.layer_params

@@ -1,4 +1,5 @@
-"""Tiny random Mixtral and DBRX checkpoints, saved by transformers, and their reference models.
+"""Tiny random checkpoints of every family the executor runs, saved by transformers, and their
+reference models.
 
 transformers 5.x `save_pretrained` writes Mixtral in the original per-expert layout; the fused
 layout (mlp.experts.gate_up_proj / down_proj) that 5.x can also save is produced here by rewriting
@@ -59,6 +60,63 @@ def _dbrx_config():
     )
 
 
+def _qwen_family_config(model_type: str, **overrides):
+    """Qwen2-MoE, Qwen3-MoE or OLMoE at the tiny shape: Qwen3-MoE with a head_dim of its own
+    (32, not hidden / heads = 16) and top-k renormalised; Qwen2-MoE with its gated shared expert
+    and q/k/v biases, top-k not renormalised; OLMoE with q/k norms over the whole projection."""
+    from transformers import AutoConfig
+
+    fields = dict(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=EXPERTS,
+        num_experts_per_tok=2,
+        max_position_embeddings=512,
+        initializer_range=0.1,
+        rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
+    fields |= {
+        "qwen3_moe": dict(
+            moe_intermediate_size=EXPERT_WIDTH, intermediate_size=128, head_dim=32,
+            norm_topk_prob=True,
+        ),
+        "qwen2_moe": dict(
+            moe_intermediate_size=EXPERT_WIDTH, intermediate_size=128,
+            shared_expert_intermediate_size=80, norm_topk_prob=False,
+        ),
+        "olmoe": dict(intermediate_size=EXPERT_WIDTH, norm_topk_prob=False),
+    }[model_type]  # fmt: skip
+    return AutoConfig.for_model(model_type, **(fields | overrides))
+
+
+def fuse_experts(src: Path, dst: Path, old: str = "mlp.experts.") -> Path:
+    """Rewrite a checkpoint's per-expert tensors into the fused 5.x layout (experts.gate_up_proj
+    [E, 2I, H], experts.down_proj [E, H, I]); the per-expert names are gate_proj/up_proj/
+    down_proj under mlp.experts (Qwen, OLMoE)."""
+    dst.mkdir(parents=True)
+    shutil.copy(src / "config.json", dst / "config.json")
+    tensors = load_file(src / "model.safetensors")
+    fused = {name: t for name, t in tensors.items() if f".{old}" not in name}
+    for layer in range(LAYERS):
+        prefix = f"model.layers.{layer}.{old}"
+        expert = [
+            {w: tensors[f"{prefix}{e}.{w}.weight"] for w in ("gate_proj", "up_proj", "down_proj")}
+            for e in range(EXPERTS)
+        ]
+        fused[prefix + "gate_up_proj"] = torch.stack(
+            [torch.cat([x["gate_proj"], x["up_proj"]]) for x in expert]
+        )
+        fused[prefix + "down_proj"] = torch.stack([x["down_proj"] for x in expert])
+    save_file(fused, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
 def save_model(config, path: Path, seed: int, **save_kwargs) -> Path:
     from transformers import AutoModelForCausalLM
 
@@ -114,11 +172,24 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     )
     fused = fuse_mixtral_experts(single, root / "mixtral-fused")
     dbrx = save_model(_dbrx_config(), root / "dbrx", seed=1)
+    families = {
+        name: save_model(_qwen_family_config(name), root / name, seed=seed)
+        for seed, name in enumerate(("qwen2_moe", "qwen3_moe", "olmoe"), start=3)
+    }
+    # 64 experts, top-8: Qwen3-MoE's regime (128 of them, top-8), not Mixtral's 8 and 2
+    wide = save_model(
+        _qwen_family_config("qwen3_moe", num_experts=64, num_experts_per_tok=8,
+                            moe_intermediate_size=32),
+        root / "qwen3_moe-64x8", seed=6,
+    )  # fmt: skip
     return {
         "mixtral-single": single,
         "mixtral-sharded": sharded,
         "mixtral-fused": fused,
         "dbrx": dbrx,
+        **families,
+        "qwen3_moe-fused": fuse_experts(families["qwen3_moe"], root / "qwen3_moe-fused"),
+        "qwen3_moe-64x8": wide,
     }
 
 

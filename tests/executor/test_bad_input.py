@@ -47,13 +47,43 @@ def test_missing_config(run_cli, tmp_path, broken):
     run_expecting_error(run_cli, tmp_path, path, fragments=("config.json",))
 
 
-@pytest.mark.parametrize("model_type", ["gpt2", "qwen2_moe"])
+@pytest.mark.parametrize("model_type", ["gpt2", "gpt_oss", "deepseek_v3"])
 def test_unsupported_model_type(run_cli, tmp_path, broken, model_type):
+    """Named, with the families that do run, before any weight is read."""
     path = broken("mixtral-single")
     config = json.loads((path / "config.json").read_text())
     config["model_type"] = model_type
     (path / "config.json").write_text(json.dumps(config))
-    run_expecting_error(run_cli, tmp_path, path, fragments=("config.json", model_type))
+    run_expecting_error(
+        run_cli, tmp_path, path, fragments=("config.json", model_type, "qwen3_moe, olmoe")
+    )
+
+
+def test_a_family_field_missing_is_named(run_cli, tmp_path, broken):
+    path = broken("qwen3_moe")
+    config = json.loads((path / "config.json").read_text())
+    del config["moe_intermediate_size"]
+    (path / "config.json").write_text(json.dumps(config))
+    run_expecting_error(run_cli, tmp_path, path, fragments=("'moe_intermediate_size'",))
+
+
+@pytest.mark.parametrize(
+    ("change", "fragment"),
+    [
+        ("model.layers.1.mlp.experts.3.up_proj.weight", "is missing from the checkpoint"),
+        ("model.layers.0.self_attn.q_norm.weight", "has shape [5]"),
+    ],
+)
+def test_a_qwen_tensor_missing_or_misshapen_is_named(run_cli, tmp_path, broken, change,
+                                                     fragment):  # fmt: skip
+    path = broken("qwen3_moe")
+    tensors = load_file(path / "model.safetensors")
+    if "missing" in fragment:
+        del tensors[change]
+    else:
+        tensors[change] = torch.ones(5)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    run_expecting_error(run_cli, tmp_path, path, fragments=(change, fragment))
 
 
 def test_shard_named_in_index_but_absent(run_cli, tmp_path, broken):

@@ -18,7 +18,11 @@ from tests.executor.conftest import ragged_prompts, reference_model
 
 LENGTHS = (5, 12, 1, 9, 12, 3)
 STEPS = 16
-ALL = ("mixtral-single", "mixtral-sharded", "mixtral-fused", "dbrx")
+MIXTRAL = ("mixtral-single", "mixtral-sharded", "mixtral-fused")
+# Qwen2-MoE (gated shared expert, q/k/v biases), Qwen3-MoE (per-head q/k norms, its own head_dim;
+# per-expert and fused layouts; 64 experts top-8), OLMoE (q/k norms over the projection)
+FAMILIES = ("qwen2_moe", "qwen3_moe", "qwen3_moe-fused", "qwen3_moe-64x8", "olmoe")
+ALL = (*MIXTRAL, "dbrx", *FAMILIES)
 # Logits against transformers' in the same dtype, per step (relative to the largest logit): on
 # the 2026-12-04 checkpoints at most 1.2e-2 in bfloat16 and 1.5e-3 in float16, over both
 # families and both CPU GEMM paths; each tolerance is under twice that.
@@ -90,8 +94,9 @@ def test_each_prompt_equals_the_prompt_run_alone(checkpoints, name):
         assert got == alone[0]
 
 
-def test_layouts_load_the_same_weights(checkpoints):
-    weights = [open_checkpoint(checkpoints[n]).weights for n in ALL[:3]]
+@pytest.mark.parametrize("names", [MIXTRAL, ("qwen3_moe", "qwen3_moe-fused")])
+def test_layouts_load_the_same_weights(checkpoints, names):
+    weights = [open_checkpoint(checkpoints[n]).weights for n in names]
     first = weights[0]
     for other in weights[1:]:
         for a, b in zip(first.layers, other.layers, strict=True):
@@ -102,9 +107,18 @@ def test_layouts_load_the_same_weights(checkpoints):
         assert torch.equal(first.lm_head, other.lm_head)
 
 
-@pytest.mark.parametrize(("gemm", "padded"), [("native", False), ("widened", True)])
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("name", ["mixtral-single", "dbrx"])
+@pytest.mark.parametrize(
+    ("name", "dtype", "gemm", "padded"),
+    [
+        *(
+            (name, dtype, gemm, padded)
+            for name in ("mixtral-single", "dbrx")
+            for dtype in ("bfloat16", "float16")
+            for gemm, padded in (("native", False), ("widened", True))
+        ),
+        *((name, "bfloat16", "native", False) for name in ("qwen2_moe", "qwen3_moe", "olmoe")),
+    ],
+)
 def test_16_bit_logits_within_tolerance_on_each_gemm_path(checkpoints, name, dtype, gemm, padded):
     """In bf16 (and fp16), on either CPU GEMM path, our logits stay within TOLERANCE of
     transformers' logits in the same dtype at every step where both runs have chosen the same

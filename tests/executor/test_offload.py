@@ -83,7 +83,10 @@ def resident_tokens(checkpoints):
     return tokens
 
 
-@pytest.mark.parametrize("name", ["mixtral-single", "mixtral-fused", "dbrx"])
+FAMILIES = ("mixtral-single", "mixtral-fused", "dbrx", "qwen2_moe", "qwen3_moe", "olmoe")
+
+
+@pytest.mark.parametrize("name", [*FAMILIES, "qwen3_moe-64x8"])
 @pytest.mark.parametrize(("schedule", "attn", "rc"), SCHEDULES)
 @pytest.mark.parametrize("resident", ["none", "between"])
 def test_every_schedule_matches_the_resident_run(
