@@ -10,6 +10,7 @@ from pathlib import Path
 
 from plan_settings import (
     EXAMPLE_PRICES,
+    HOST_MEMORY,
     MACHINES,
     SCALING_GPUS,
     SCALING_MACHINE,
@@ -35,8 +36,12 @@ REPORTS = Path(__file__).resolve().parent.parent / "reports"
 
 def run_all() -> list[dict]:
     rows = []
-    for model, machine in MACHINES:
-        arch, hw = resolve_model(model), resolve_hardware(machine)
+    for model, name in MACHINES:
+        arch, hw = resolve_model(model), resolve_hardware(name)
+        machine = name
+        if (model, name) in HOST_MEMORY:
+            hw = hw.with_resources(cpu_memory_bytes=HOST_MEMORY[(model, name)])
+            machine = f"{name} ({HOST_MEMORY[(model, name)] / 1e9:.0f} GB host)"
         dtype = hw.half_dtype
         for named in workloads():
             row = {"model": model, "hardware": machine, "workload": named.name, "dtype": dtype}
