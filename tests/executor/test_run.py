@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
 import torch
 
 from executor.api import prepare_run
@@ -21,13 +22,14 @@ def write_prompts(path, prompts):
     return path
 
 
-def test_run_writes_outputs_in_input_order_and_a_record(run_cli, tmp_path, checkpoints):
+@pytest.mark.parametrize("name", ["dbrx", "qwen2_moe", "qwen3_moe", "olmoe"])
+def test_run_writes_outputs_in_input_order_and_a_record(run_cli, tmp_path, checkpoints, name):
     prompts = ragged_prompts((4, 9, 2), seed=7)
     out = tmp_path / "out.jsonl"
     status, stdout, _ = run_cli(
         "run",
         "--checkpoint",
-        checkpoints["dbrx"],
+        checkpoints[name],
         "--prompts",
         write_prompts(tmp_path / "p.jsonl", prompts),
         "--gen-len",
@@ -38,7 +40,7 @@ def test_run_writes_outputs_in_input_order_and_a_record(run_cli, tmp_path, check
     )
     assert status == 0
     lines = [json.loads(line) for line in out.read_text().splitlines()]
-    expected = generate(MoEModel(open_checkpoint(checkpoints["dbrx"])), prompts, 5)
+    expected = generate(MoEModel(open_checkpoint(checkpoints[name])), prompts, 5)
     assert [line["output_token_ids"] for line in lines] == expected.output_token_ids
     assert all(line["text"] is None for line in lines)
     record = json.loads(stdout)
@@ -235,3 +237,16 @@ def test_generation_stops_at_an_eos_the_free_run_produces(
         end = full.index(eos) + 1 if eos in full else len(full)
         assert got == full[:end]
     assert len(stopped[0]) == free[0].index(eos) + 1 <= 5 < len(free[0])
+
+
+@pytest.mark.parametrize("name", ["qwen2_moe", "qwen3_moe", "olmoe"])
+def test_random_weights_carry_what_each_family_adds(run_cli, checkpoints, name):
+    """--random-weights builds the family's own dense tensors (biases, q/k norms, the gated
+    shared expert) at its shapes: a run that lacked one would fail in its first layer."""
+    config = checkpoints[name] / "config.json"
+    status, stdout, err = run_cli(
+        "run", "--model", config, "--random-weights", "--prompt-len", "3", "--batch", "2",
+        "--gen-len", "2", "--quiet",
+    )  # fmt: skip
+    assert status == 0, err
+    assert [len(json.loads(line)["output_token_ids"]) for line in stdout.splitlines()] == [2, 2]
