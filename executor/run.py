@@ -125,15 +125,7 @@ def execute(
     "weight staging"). on_batch(indices, rows) hears each finished batch; `warn` hears when other
     processes took enough of the CPU that the measurement is not comparable."""
     device = torch.device(spec.device)
-    take_over = checkpoint is None
-    if checkpoint is None:
-        resident = policy.all_on_gpu and device.type == "cuda"
-        checkpoint = load_weights(spec, spec.device if resident else "cpu")
-    if callable(cpu_gemm):
-        cpu_gemm = cpu_gemm(checkpoint) if device.type == "cpu" else None
-    runtime = placed_runtime(
-        checkpoint, policy, schedule, device, cpu_gemm, staged=staged, take_over=take_over
-    )
+    runtime = _placed(spec, policy, schedule, checkpoint, cpu_gemm, staged)
     weights = _weights_held(runtime.store)  # read now: closing unpins them
     batches = plan_batches(spec.prompt_lens, policy.batch_size, policy.micro_batch_size)
     pending = partial.pending(batches) if partial is not None else batches
@@ -184,6 +176,22 @@ def execute(
         batches=[[len(spec.prompts[i]) for i in b.indices] for b in pending],
         environment=environment,
         cpu_gemm=runtime.model.cpu_gemm,
+    )
+
+
+def _placed(spec: RunSpec, policy: Policy, schedule: str, checkpoint, cpu_gemm, staged: bool):
+    """The run's runtime: its weights loaded for it unless given (onto a GPU that holds
+    everything, else into host memory, the store taking them over as it places them), the CPU
+    GEMM path chosen once they have opened."""
+    device = torch.device(spec.device)
+    take_over = checkpoint is None
+    if checkpoint is None:
+        resident = policy.all_on_gpu and device.type == "cuda"
+        checkpoint = load_weights(spec, spec.device if resident else "cpu")
+    if callable(cpu_gemm):
+        cpu_gemm = cpu_gemm(checkpoint) if device.type == "cpu" else None
+    return placed_runtime(
+        checkpoint, policy, schedule, device, cpu_gemm, staged=staged, take_over=take_over
     )
 
 

@@ -122,12 +122,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _validate(args, checkpoint: Path, hardware) -> int:
-    from executor.api import prepare_run, torch_threads
-    from executor.run import execute
+    from executor.api import torch_threads
     from hrm.arch import resolve_model
-    from hrm.cli.records import run_record
-    from hrm.policy import Policy
-    from hrm.profiling.host_gemm import cpu_gemm_for_run
     from hrm.profiling.host_speed import HostSpeedCheck
     from hrm.progress import progress_bar
     from hrm.report import load_records, summaries, write_report
@@ -166,28 +162,6 @@ def _validate(args, checkpoint: Path, hardware) -> int:
         if rep is not None:
             speed.check(f"{name}-{rep + 1}", dtype)
 
-    def resident(setting, hardware) -> dict:
-        """One resident run of `setting` on the CPU, predicted with `hardware`: its record."""
-        dtype, batch, (length, ragged), gen = setting
-        spec = prepare_run(checkpoint, gen_len=gen, prompt_len=length, batch=batch, dtype=dtype,
-                           device="cpu")  # fmt: skip
-        spec = dataclasses.replace(spec, prompts=_prompts(spec, batch, length, ragged))
-
-        def choose(ckpt):
-            return cpu_gemm_for_run(
-                spec.arch,
-                spec.dtype,
-                mode="auto",
-                hardware=hardware,
-                weights=ckpt.expert_gate_weights,
-                warn=lambda m: None,
-            )
-
-        policy = Policy.resident(batch, dtype, on_gpu=False)
-        result = execute(spec, policy, "serial", cpu_gemm=choose, quiet=True)
-        record = run_record(spec, result, policy=policy, schedule="serial", profile=hardware)
-        return record.to_dict()
-
     repeats = args.repeats or REPEATS[sweep]
     every_pass = hardware is None and (args.profile_every or PROFILE_EVERY[sweep]) == "pass"
     profiles: dict[int, object] = {}  # timed pass -> the profile that predicted its runs
@@ -205,14 +179,16 @@ def _validate(args, checkpoint: Path, hardware) -> int:
                     hardware = _profile_host(checkpoint, quiet=True, sweep=sweep)
                     speed = speed.against(hardware)
                     # the first run after a profile is not steady (_settle_notes): one untimed
-                    settle[rep] = resident(settings[0], hardware)["measured"]["throughput_tok_s"]
+                    settle[rep] = _resident_run(checkpoint, settings[0], hardware)["measured"][
+                        "throughput_tok_s"
+                    ]
                     bar.set_description("validate")
                 if rep is not None:
                     profiles[rep] = hardware
                 for setting in settings:
                     name = _setting_name(*setting)
                     check_speed(name, rep, setting[0])
-                    keep(name, rep, resident(setting, hardware))
+                    keep(name, rep, _resident_run(checkpoint, setting, hardware))
                 for dtype, schedule in offloaded:
                     shape = OFFLOADED[sweep]
                     name = f"{dtype}-{schedule}-b{shape[0]}-m{shape[1]}-p{shape[2]}r-g{shape[3]}"
@@ -255,6 +231,37 @@ def _validate(args, checkpoint: Path, hardware) -> int:
     return 0
 
 
+def _resident_run(checkpoint: Path, setting, hardware) -> dict:
+    """One resident run of `setting` on the CPU, predicted with `hardware`: the RunRecord as a
+    dict."""
+    from executor.api import prepare_run
+    from executor.run import execute
+    from hrm.cli.records import run_record
+    from hrm.policy import Policy
+
+    dtype, batch, (length, ragged), gen = setting
+    spec = prepare_run(checkpoint, gen_len=gen, prompt_len=length, batch=batch, dtype=dtype,
+                       device="cpu")  # fmt: skip
+    spec = dataclasses.replace(spec, prompts=_prompts(spec, batch, length, ragged))
+    policy = Policy.resident(batch, dtype, on_gpu=False)
+    choose = _gemm_chooser(spec.arch, dtype, hardware)
+    result = execute(spec, policy, "serial", cpu_gemm=choose, quiet=True)
+    return run_record(spec, result, policy=policy, schedule="serial", profile=hardware).to_dict()
+
+
+def _gemm_chooser(arch, dtype: str, hardware):
+    """The CPU GEMM path of a run, chosen from `hardware` once its checkpoint has opened."""
+    from hrm.profiling.host_gemm import cpu_gemm_for_run
+
+    def choose(weights):
+        return cpu_gemm_for_run(
+            arch, dtype, mode="auto", hardware=hardware,
+            weights=weights.expert_gate_weights, warn=lambda m: None,
+        )  # fmt: skip
+
+    return choose
+
+
 def _offloaded_run(checkpoint: Path, hardware, dtype: str, schedule: str, shape) -> dict:
     """One schedule at a forced-paging policy on the CPU standing in for the GPU, predicted with
     the stand-in profile of `hardware`: the RunRecord as a dict."""
@@ -262,7 +269,6 @@ def _offloaded_run(checkpoint: Path, hardware, dtype: str, schedule: str, shape)
     from executor.run import execute
     from hrm.cli.records import run_record
     from hrm.policy import Policy
-    from hrm.profiling.host_gemm import cpu_gemm_for_run
     from hrm.stand_in import stand_in_profile
     from hrm.workload import Workload
     from planner import predict
@@ -284,14 +290,8 @@ def _offloaded_run(checkpoint: Path, hardware, dtype: str, schedule: str, shape)
     )
     stand_in = stand_in_profile(hardware, gpu_memory_bytes=hardware.cpu.memory_bytes / 2)
     workload = Workload.from_prompt_lens(spec.prompt_lens, gen)
-
-    def choose(weights):
-        return cpu_gemm_for_run(
-            spec.arch, dtype, mode="auto", hardware=hardware,
-            weights=weights.expert_gate_weights, warn=lambda m: None,
-        )  # fmt: skip
-
-    result = execute(spec, policy, schedule, cpu_gemm=choose, quiet=True)
+    result = execute(spec, policy, schedule, cpu_gemm=_gemm_chooser(spec.arch, dtype, hardware),
+                     quiet=True)  # fmt: skip
     plan = predict(spec.arch, stand_in, workload, policy, schedule, cpu_gemm=result.cpu_gemm)
     record = run_record(spec, result, policy=policy, schedule=schedule, profile=stand_in, plan=plan)
     return record.to_dict()
