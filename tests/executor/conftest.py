@@ -23,26 +23,27 @@ EXPERT_WIDTH = 96
 EXPERTS = 4
 
 
+# what every Llama-style tiny config shares
+_TINY = dict(
+    vocab_size=VOCAB,
+    hidden_size=HIDDEN,
+    num_hidden_layers=LAYERS,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_experts_per_tok=2,
+    max_position_embeddings=512,
+    initializer_range=0.1,  # peaked logits: greedy choices are not near-ties
+    rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
+    eos_token_id=None,
+    bos_token_id=None,
+)
+
+
 def _mixtral_config(**overrides):
     from transformers import MixtralConfig
 
-    fields = dict(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=EXPERT_WIDTH,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=EXPERTS,
-        num_experts_per_tok=2,
-        max_position_embeddings=512,
-        initializer_range=0.1,  # peaked logits: greedy choices are not near-ties
-        rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
-        eos_token_id=None,
-        bos_token_id=None,
-    )
-    fields.update(overrides)
-    return MixtralConfig(**fields)
+    fields = _TINY | dict(intermediate_size=EXPERT_WIDTH, num_local_experts=EXPERTS)
+    return MixtralConfig(**(fields | overrides))
 
 
 def _dbrx_config():
@@ -66,21 +67,7 @@ def _qwen_family_config(model_type: str, **overrides):
     and q/k/v biases, top-k not renormalised; OLMoE with q/k norms over the whole projection."""
     from transformers import AutoConfig
 
-    fields = dict(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_experts=EXPERTS,
-        num_experts_per_tok=2,
-        max_position_embeddings=512,
-        initializer_range=0.1,
-        rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
-        eos_token_id=None,
-        bos_token_id=None,
-        pad_token_id=None,
-    )
+    fields = _TINY | dict(num_experts=EXPERTS, pad_token_id=None)
     fields |= {
         "qwen3_moe": dict(
             moe_intermediate_size=EXPERT_WIDTH, intermediate_size=128, head_dim=32,
