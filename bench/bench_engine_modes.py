@@ -43,13 +43,14 @@ def main() -> int:
     from executor.checkpoint import random_checkpoint
     from executor.run import execute
     from hrm.arch import resolve_model
+    from hrm.cli.memory_check import available_host_bytes
     from hrm.hardware import resolve_hardware
     from hrm.policy import parse_policy_text
+    from hrm.units import format_bytes
     from hrm.workload import Workload
     from planner import predict
 
     arch = dataclasses.replace(resolve_model("mixtral-8x7b"), name="bench", num_layers=4, **BENCH)
-    checkpoint = random_checkpoint(arch, "bfloat16")
     workload = Workload(
         prompt_len_mean=args.prompt_len, prompt_len_max=args.prompt_len, gen_len=args.gen_len
     )
@@ -66,6 +67,17 @@ def main() -> int:
             f"N=32,mu=8,w=0,kv=0,attn={attn},ffn=gpu", weight_dtype="bfloat16", kv_dtype="bfloat16"
         )
         plans[schedule] = predict(arch, resolve_hardware("h200-sxm"), workload, policy, schedule)
+    # the CPU stands in for the GPU: the host holds both sides of the largest plan
+    need = max(plan.memory.cpu_bytes + plan.memory.gpu_bytes for plan in plans.values())
+    if need > available_host_bytes():
+        print(
+            f"bench_engine_modes: the runs need {format_bytes(need, 3)} of host memory, this "
+            f"host has {format_bytes(available_host_bytes(), 3)} available; give a smaller "
+            "--prompt-len or --gen-len",
+            file=sys.stderr,
+        )
+        return 2
+    checkpoint = random_checkpoint(arch, "bfloat16")
     seconds: dict[tuple[str, str], list[float]] = {}
     tokens: dict[str, list] = {}
     for _ in range(args.rounds + 1):  # the first round warms up and is not kept

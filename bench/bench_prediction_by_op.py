@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import json
 import statistics
+import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -159,6 +160,22 @@ def predict(path: Path, hw, cpu_gemm, dtype: str, batch: int, prompt_len: int, g
     return result
 
 
+def _check_memory(config, batch: int, prompt_len: int, gen_len: int, dtype: str) -> None:
+    """The run's host memory (the planner's count) against what is available, before the
+    checkpoint is written: one line and exit status 2 when it would not fit."""
+    from hrm.arch import ModelArch
+    from hrm.cli.memory_check import check_runs
+    from hrm.errors import HrmError
+
+    arch = ModelArch.from_hf_config(config.to_dict(), name="bench")
+    try:
+        check_runs(arch, [(batch, prompt_len, gen_len, dtype)], what="the bench run",
+                   layers_flag=False)  # fmt: skip
+    except HrmError as exc:
+        print(f"bench_prediction_by_op: {exc}; give a smaller --batch", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="the quick shape of the CPU bench")
@@ -178,9 +195,10 @@ def main() -> None:
         {k: getattr(args, k) for k in ("batch", "prompt_len", "gen_len") if getattr(args, k)}
     )
     batch, prompt_len, gen_len = shape["batch"], shape["prompt_len"], shape["gen_len"]
+    config = mixtral_config(shape["hidden"], shape["width"], shape["layers"])
+    _check_memory(config, batch, prompt_len, gen_len, args.dtype)
     prompts = random_prompts(batch, prompt_len)
     with tempfile.TemporaryDirectory() as tmp:
-        config = mixtral_config(shape["hidden"], shape["width"], shape["layers"])
         path = save_checkpoint(config, Path(tmp) / "bench")
         hardware = args.hardware or str(profile_host(path / "config.json", Path(tmp) / "host.yaml"))
         profile, cpu_gemm = host_cpu_gemm(path, hardware, args.dtype)
