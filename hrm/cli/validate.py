@@ -37,8 +37,9 @@ from hrm.plan import SCHEDULES
 PROFILE_EVERY = {"quick": "sweep", "full": "pass"}
 # timed runs of each setting, by default per sweep: the full sweep's three let a setting's median
 # pass over one run the host slowed (sweep 12's worst run took 1.66x its identical twin); the
-# quick sweep times one, after its untimed warm-up pass, to stay within 4 minutes at Mixtral
-# 8x7B's shape on 2 cores
+# quick sweep times one, to stay within 4 minutes at Mixtral 8x7B's shape on 2 cores (two, after
+# a warm-up of every setting, gave the same MAPE in the same half hour: docs/decisions.md,
+# 2026-12-05)
 REPEATS = {"quick": 1, "full": 3}
 
 
@@ -169,7 +170,8 @@ def _validate(args, checkpoint: Path, hardware) -> int:
     with torch_threads(args.threads):
         hardware = hardware or _profile_host(checkpoint, args.quiet, sweep)
         speed = HostSpeedCheck.for_profile(resolve_model(checkpoint), hardware, SWEEP_DTYPES[sweep])
-        total = (repeats + 1) * (len(settings) + len(offloaded))
+        warm = len(_warmed(settings, None, sweep)) + len(_warmed(offloaded, None, sweep))
+        total = repeats * (len(settings) + len(offloaded)) + warm
         bar = progress_bar(total=total, desc="validate", quiet=args.quiet)
         with bar:
             # the warm-up pass, then the timed passes interleaved: drift hits every setting
@@ -185,11 +187,11 @@ def _validate(args, checkpoint: Path, hardware) -> int:
                     bar.set_description("validate")
                 if rep is not None:
                     profiles[rep] = hardware
-                for setting in settings:
+                for setting in _warmed(settings, rep, sweep):
                     name = _setting_name(*setting)
                     check_speed(name, rep, setting[0])
                     keep(name, rep, _resident_run(checkpoint, setting, hardware))
-                for dtype, schedule in offloaded:
+                for dtype, schedule in _warmed(offloaded, rep, sweep):
                     shape = OFFLOADED[sweep]
                     name = f"{dtype}-{schedule}-b{shape[0]}-m{shape[1]}-p{shape[2]}r-g{shape[3]}"
                     check_speed(name, rep, dtype)
@@ -229,6 +231,15 @@ def _validate(args, checkpoint: Path, hardware) -> int:
         )
         return 1
     return 0
+
+
+def _warmed(runs: list, rep: int | None, sweep: str) -> list:
+    """The runs of pass `rep`: all of them in a timed pass; in the untimed warm-up pass (rep
+    None) all of them in the full sweep, the first of each kind with --quick (its one-off costs,
+    the first touch of a run's memory and the kernels of its GEMM shapes, are those of every
+    setting of its kind; the whole pass took about a minute of the quick sweep at Mixtral 8x7B's
+    shape)."""
+    return runs[:1] if rep is None and sweep == "quick" else runs
 
 
 def _resident_run(checkpoint: Path, setting, hardware) -> dict:
@@ -420,7 +431,8 @@ def _spread_notes(
     if slowdown:
         worst = max(slowdown, key=slowdown.get)
         notes += [
-            "The untimed warm-up pass, each setting's first run, was slower than the timed "
+            "The untimed warm-up pass (each setting's first run; with --quick, the first "
+            "setting of each kind) was slower than the timed "
             f"passes by {statistics.median(slowdown.values()):.1%} at the median, at most "
             f"{slowdown[worst]:.1%} ({worst}): the one-off costs a long job does not repeat "
             "(kernel creation per new GEMM shape, first touch of memory).",

@@ -332,3 +332,27 @@ def test_host_speed_check_times_the_profiles_point():
     assert moved.ratios == small.ratios and moved.after == small.after
     moved.check("r-3", "float32")
     assert "r-3" in small.ratios  # one record of the sweep's checks, whichever profile
+
+
+@pytest.mark.parametrize("name", ["mixtral-single", "qwen2_moe"])
+def test_validates_random_checkpoint_is_a_real_checkpoint_of_the_model(checkpoints, tmp_path, name):
+    """Written by transformers from the model's own config, read back by the executor: weights
+    drawn as transformers draws them (N(0, 0.02)), norms 1, biases 0 (a tensor left as the
+    uninitialised memory `to_empty` gives would show here)."""
+    import argparse
+
+    import torch
+
+    from executor.checkpoint import open_checkpoint
+    from hrm.cli.validate_inputs import random_checkpoint
+
+    args = argparse.Namespace(model=str(checkpoints[name] / "config.json"), layers=2, quiet=True)
+    weights = open_checkpoint(random_checkpoint(args, tmp_path), "float32").weights
+    assert len(weights.layers) == 2
+    layer = weights.layers[1]
+    assert torch.equal(layer.attn_norm, torch.ones_like(layer.attn_norm))
+    assert float(layer.wq.std()) == pytest.approx(0.02, rel=0.1)
+    assert float(layer.experts[3].w2.std()) == pytest.approx(0.02, rel=0.1)
+    assert float(weights.lm_head.std()) == pytest.approx(0.02, rel=0.1)
+    if name == "qwen2_moe":
+        assert not layer.bq.any() and float(layer.shared_gate.std()) > 0
