@@ -82,24 +82,24 @@ def _qwen_family_config(model_type: str, **overrides):
     return AutoConfig.for_model(model_type, **(fields | overrides))
 
 
-def fuse_experts(src: Path, dst: Path, old: str = "mlp.experts.") -> Path:
-    """Rewrite a checkpoint's per-expert tensors into the fused 5.x layout (experts.gate_up_proj
-    [E, 2I, H], experts.down_proj [E, H, I]); the per-expert names are gate_proj/up_proj/
-    down_proj under mlp.experts (Qwen, OLMoE)."""
+def fuse_experts(src: Path, dst: Path, old: str = "mlp.experts.", new: str = "mlp.experts.",
+                 names=("gate_proj", "up_proj", "down_proj")) -> Path:  # fmt: skip
+    """Rewrite a checkpoint's per-expert tensors ({old}{e}.{gate, up, down}.weight under each
+    layer) into the fused 5.x layout ({new}gate_up_proj [E, 2I, H], {new}down_proj [E, H, I])."""
     dst.mkdir(parents=True)
     shutil.copy(src / "config.json", dst / "config.json")
     tensors = load_file(src / "model.safetensors")
     fused = {name: t for name, t in tensors.items() if f".{old}" not in name}
+    gate, up, down = names
     for layer in range(LAYERS):
-        prefix = f"model.layers.{layer}.{old}"
+        prefix = f"model.layers.{layer}."
         expert = [
-            {w: tensors[f"{prefix}{e}.{w}.weight"] for w in ("gate_proj", "up_proj", "down_proj")}
-            for e in range(EXPERTS)
+            {w: tensors[f"{prefix}{old}{e}.{w}.weight"] for w in names} for e in range(EXPERTS)
         ]
-        fused[prefix + "gate_up_proj"] = torch.stack(
-            [torch.cat([x["gate_proj"], x["up_proj"]]) for x in expert]
+        fused[prefix + new + "gate_up_proj"] = torch.stack(
+            [torch.cat([x[gate], x[up]]) for x in expert]
         )
-        fused[prefix + "down_proj"] = torch.stack([x["down_proj"] for x in expert])
+        fused[prefix + new + "down_proj"] = torch.stack([x[down] for x in expert])
     save_file(fused, dst / "model.safetensors", metadata={"format": "pt"})
     return dst
 
@@ -125,27 +125,15 @@ def save_tokenizer(path: Path) -> None:
 
 
 def fuse_mixtral_experts(src: Path, dst: Path) -> Path:
-    """Rewrite a per-expert Mixtral checkpoint into the fused 5.x layout."""
-    dst.mkdir(parents=True)
-    shutil.copy(src / "config.json", dst / "config.json")
-    tensors = load_file(src / "model.safetensors")
-    fused = {}
-    for name, tensor in tensors.items():
-        if ".block_sparse_moe." not in name:
-            fused[name] = tensor
+    """Rewrite a per-expert Mixtral checkpoint into the fused 5.x layout, its router renamed to
+    mlp.gate as transformers 5.x names it."""
+    fuse_experts(src, dst, old="block_sparse_moe.experts.", new="mlp.experts.",
+                 names=("w1", "w3", "w2"))  # fmt: skip
+    tensors = load_file(dst / "model.safetensors")
     for layer in range(LAYERS):
-        old = f"model.layers.{layer}.block_sparse_moe."
-        new = f"model.layers.{layer}.mlp."
-        expert = [
-            {w: tensors[f"{old}experts.{e}.{w}.weight"] for w in ("w1", "w2", "w3")}
-            for e in range(EXPERTS)
-        ]
-        fused[new + "experts.gate_up_proj"] = torch.stack(
-            [torch.cat([x["w1"], x["w3"]]) for x in expert]
-        )  # [E, 2I, H]
-        fused[new + "experts.down_proj"] = torch.stack([x["w2"] for x in expert])  # [E, H, I]
-        fused[new + "gate.weight"] = tensors[old + "gate.weight"]
-    save_file(fused, dst / "model.safetensors", metadata={"format": "pt"})
+        p = f"model.layers.{layer}."
+        tensors[p + "mlp.gate.weight"] = tensors.pop(p + "block_sparse_moe.gate.weight")
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
     return dst
 
 
