@@ -139,3 +139,15 @@ def test_16_bit_logits_within_tolerance_on_each_gemm_path(checkpoints, name, dty
         assert relative_error(a, b) <= TOLERANCE[dtype], f"step {step}: {describe(a, b)}"
         if [t[: step + 1] for t in ours.output_token_ids] != [t[: step + 1] for t in theirs_tokens]:
             break  # the runs chose different tokens: later logits are for different inputs
+
+
+@pytest.mark.parametrize(("name", "rounded"), [("qwen3_moe", True), ("olmoe", True),
+                                               ("mixtral-single", False)])  # fmt: skip
+def test_router_weights_are_rounded_where_the_family_rounds_them(checkpoints, name, rounded):
+    """Qwen and OLMoE scale their experts by top-k weights rounded to the model's dtype,
+    Mixtral by fp32 ones (transformers 5.25): in float32 the two agree, so bf16 checks it."""
+    model = MoEModel(open_checkpoint(checkpoints[name], "bfloat16"), forced("bfloat16", "native",
+                                                                           False))  # fmt: skip
+    x = torch.randn(5, model.arch.hidden_size, generator=torch.Generator().manual_seed(0))
+    top_w, _ = model.route(model.weights.layers[0], x.to(torch.bfloat16))
+    assert top_w.dtype == (torch.bfloat16 if rounded else torch.float32)
