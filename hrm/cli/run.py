@@ -160,20 +160,17 @@ def _execute(args, job, hardware, partial, warn):
     from executor.batching import InOrder
     from executor.generate import Sampling
     from executor.run import execute
-    from hrm.profiling.host_gemm import cpu_gemm_for_run
+    from hrm.profiling.host_gemm import cpu_gemm_chooser
 
     spec = job.spec
     stream = InOrder(sys.stdout) if partial is None and not args.json else None
-
-    def choose(checkpoint):
-        return cpu_gemm_for_run(
-            spec.arch,
-            spec.dtype,
-            mode=args.cpu_gemm,
-            hardware=hardware if hardware is not None and not hardware.has_gpu else None,
-            weights=checkpoint.expert_gate_weights,
-            warn=warn,
-        )
+    choose = cpu_gemm_chooser(
+        spec.arch,
+        spec.dtype,
+        mode=args.cpu_gemm,
+        hardware=hardware if hardware is not None and not hardware.has_gpu else None,
+        warn=warn,
+    )
 
     with torch_threads(args.threads):
         return execute(

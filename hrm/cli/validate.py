@@ -249,28 +249,16 @@ def _resident_run(checkpoint: Path, setting, hardware) -> dict:
     from executor.run import execute
     from hrm.cli.records import run_record
     from hrm.policy import Policy
+    from hrm.profiling.host_gemm import cpu_gemm_chooser
 
     dtype, batch, (length, ragged), gen = setting
     spec = prepare_run(checkpoint, gen_len=gen, prompt_len=length, batch=batch, dtype=dtype,
                        device="cpu")  # fmt: skip
     spec = dataclasses.replace(spec, prompts=_prompts(spec, batch, length, ragged))
     policy = Policy.resident(batch, dtype, on_gpu=False)
-    choose = _gemm_chooser(spec.arch, dtype, hardware)
+    choose = cpu_gemm_chooser(spec.arch, dtype, mode="auto", hardware=hardware)
     result = execute(spec, policy, "serial", cpu_gemm=choose, quiet=True)
     return run_record(spec, result, policy=policy, schedule="serial", profile=hardware).to_dict()
-
-
-def _gemm_chooser(arch, dtype: str, hardware):
-    """The CPU GEMM path of a run, chosen from `hardware` once its checkpoint has opened."""
-    from hrm.profiling.host_gemm import cpu_gemm_for_run
-
-    def choose(weights):
-        return cpu_gemm_for_run(
-            arch, dtype, mode="auto", hardware=hardware,
-            weights=weights.expert_gate_weights, warn=lambda m: None,
-        )  # fmt: skip
-
-    return choose
 
 
 def _offloaded_run(checkpoint: Path, hardware, dtype: str, schedule: str, shape) -> dict:
@@ -280,6 +268,7 @@ def _offloaded_run(checkpoint: Path, hardware, dtype: str, schedule: str, shape)
     from executor.run import execute
     from hrm.cli.records import run_record
     from hrm.policy import Policy
+    from hrm.profiling.host_gemm import cpu_gemm_chooser
     from hrm.stand_in import stand_in_profile
     from hrm.workload import Workload
     from planner import predict
@@ -301,8 +290,8 @@ def _offloaded_run(checkpoint: Path, hardware, dtype: str, schedule: str, shape)
     )
     stand_in = stand_in_profile(hardware, gpu_memory_bytes=hardware.cpu.memory_bytes / 2)
     workload = Workload.from_prompt_lens(spec.prompt_lens, gen)
-    result = execute(spec, policy, schedule, cpu_gemm=_gemm_chooser(spec.arch, dtype, hardware),
-                     quiet=True)  # fmt: skip
+    choose = cpu_gemm_chooser(spec.arch, dtype, mode="auto", hardware=hardware)
+    result = execute(spec, policy, schedule, cpu_gemm=choose, quiet=True)
     plan = predict(spec.arch, stand_in, workload, policy, schedule, cpu_gemm=result.cpu_gemm)
     record = run_record(spec, result, policy=policy, schedule=schedule, profile=stand_in, plan=plan)
     return record.to_dict()

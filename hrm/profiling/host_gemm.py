@@ -117,6 +117,25 @@ def probe_cpu_gemm(
     return choose_cpu_gemm(rates, dtype, mode, source=f"{source} at {shape.describe()}")
 
 
+def cpu_gemm_chooser(
+    arch: ModelArch,
+    dtype: str,
+    *,
+    mode: str,
+    hardware: HardwareProfile | None,
+    warn: Callable[[str], None] = lambda message: None,
+) -> Callable:
+    """cpu_gemm_for_run as a function of the opened checkpoint (what executor.run.execute takes:
+    a broken checkpoint then fails before a probe, which times its weights)."""
+
+    def choose(checkpoint) -> CpuGemmChoice:
+        weights = checkpoint.expert_gate_weights
+        return cpu_gemm_for_run(arch, dtype, mode=mode, hardware=hardware, weights=weights,
+                                warn=warn)  # fmt: skip
+
+    return choose
+
+
 def cpu_gemm_for_run(
     arch: ModelArch,
     dtype: str,
