@@ -45,8 +45,8 @@ class LayerWeights:
     wv: torch.Tensor  # [nkv*D, H]
     wo: torch.Tensor  # [H, nq*D]
     ffn_norm: torch.Tensor  # [H]
-    router: torch.Tensor  # [E, H]
-    experts: tuple[ExpertWeights, ...]
+    experts: tuple[ExpertWeights, ...]  # a dense layer's MLP is its one expert
+    router: torch.Tensor | None = None  # [E, H]; None in a dense layer (all tokens, weight 1)
     # what some families add (hrm.placement.dense_shapes lists a family's): q/k/v biases
     # (Qwen2-MoE), q/k RMSNorm weights [D] per head (Qwen3-MoE) or [nq*D], [nkv*D] (OLMoE), and a
     # shared expert with its sigmoid gate [1, H] (Qwen2-MoE)
@@ -141,16 +141,21 @@ def _mixtral_layer(t: _Tensors, arch: ModelArch, layer: int) -> LayerWeights:
 
 
 def _qwen_layer(t: _Tensors, arch: ModelArch, layer: int) -> LayerWeights:
-    """Qwen2-MoE, Qwen3-MoE and OLMoE: Mixtral's attention names, experts under mlp."""
+    """Qwen2-MoE, Qwen3-MoE and OLMoE: Mixtral's attention names, experts under mlp; a dense
+    layer's MLP (mlp.gate_proj, up_proj, down_proj) read as its one expert."""
     p = f"model.layers.{layer}."
+    kind = arch.layer_arch(layer)
+    if kind.ffn_is_dense:
+        mlp = _experts(t, kind, p, ("gate_proj", "up_proj", "down_proj"), ["mlp"])
+        return _layer(t, kind, p, None, mlp)
     if t.has(p + "mlp.experts.gate_up_proj"):
-        experts = _fused_experts(t, arch, p + "mlp.")
+        experts = _fused_experts(t, kind, p + "mlp.")
     else:
-        experts = _experts(t, arch, p + "mlp.experts.", ("gate_proj", "up_proj", "down_proj"))
-    return _layer(t, arch, p, p + "mlp.gate.weight", experts)
+        experts = _experts(t, kind, p + "mlp.experts.", ("gate_proj", "up_proj", "down_proj"))
+    return _layer(t, kind, p, p + "mlp.gate.weight", experts)
 
 
-def _layer(t: _Tensors, arch: ModelArch, p: str, router: str, experts) -> LayerWeights:
+def _layer(t: _Tensors, arch: ModelArch, p: str, router: str | None, experts) -> LayerWeights:
     """A layer under the Llama-style names, with what its family adds (dense_shapes)."""
     a = p + "self_attn."
     names = {"wq": a + "q_proj.weight", "wk": a + "k_proj.weight", "wv": a + "v_proj.weight",
@@ -167,8 +172,11 @@ def _layer(t: _Tensors, arch: ModelArch, p: str, router: str, experts) -> LayerW
                         experts=experts)  # fmt: skip
 
 
-def _experts(t: _Tensors, arch: ModelArch, prefix: str, names) -> tuple[ExpertWeights, ...]:
-    """Experts stored one tensor per projection: {prefix}{e}.{gate, up, down}.weight."""
+def _experts(
+    t: _Tensors, arch: ModelArch, prefix: str, names, experts=None
+) -> tuple[ExpertWeights, ...]:
+    """Experts stored one tensor per projection: {prefix}{e}.{gate, up, down}.weight for e in
+    `experts` (default 0 .. E-1)."""
     H, inter = arch.hidden_size, arch.intermediate_size
     gate, up, down = names
     return tuple(
@@ -177,7 +185,7 @@ def _experts(t: _Tensors, arch: ModelArch, prefix: str, names) -> tuple[ExpertWe
             w3=t.get(f"{prefix}{e}.{up}.weight", (inter, H)),
             w2=t.get(f"{prefix}{e}.{down}.weight", (H, inter)),
         )
-        for e in range(arch.num_experts)
+        for e in (range(arch.num_experts) if experts is None else experts)
     )
 
 
@@ -318,8 +326,9 @@ def random_checkpoint(
     """The architecture with random weights made in memory (`hrm run --random-weights`): what
     speed is measured on where real weights cannot be downloaded. Linear weights ~ N(0, 0.02^2)
     as transformers initialises them, norms 1; every tensor its own allocation, as if loaded.
-    Layers after the first are copies of it: a speed run needs every layer's bytes, not new
-    random numbers, and copying is ~50x faster than drawing (a 32-layer Mixtral in seconds)."""
+    Layers after the first of each kind (sparse, dense) are copies of it: a speed run needs
+    every layer's bytes, not new random numbers, and copying is ~50x faster than drawing (a
+    32-layer Mixtral in seconds)."""
     if dtype not in TORCH_DTYPES:
         raise HrmError(f"unknown dtype {dtype!r}: use one of {', '.join(TORCH_DTYPES)}")
     from hrm.placement import expert_shapes
@@ -333,7 +342,6 @@ def random_checkpoint(
     def ones(*shape: int) -> torch.Tensor:
         return torch.ones(shape, dtype=torch_dtype, device=device)
 
-    dense, expert = dense_shapes(arch), expert_shapes(arch)
     H = arch.hidden_size
 
     def dense_tensor(name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -343,27 +351,35 @@ def random_checkpoint(
             return torch.zeros(shape, dtype=torch_dtype, device=device)
         return weight(*shape)
 
-    first = LayerWeights(
-        **{n: dense_tensor(n, shape) for n, shape in dense.items()},
-        experts=tuple(
-            ExpertWeights(**{n: weight(*expert[n]) for n in ("w1", "w3", "w2")})
-            for _ in range(arch.num_experts)
-        ),
-    )
-
-    def copy(w: LayerWeights) -> LayerWeights:
+    def new_layer(kind: ModelArch) -> LayerWeights:
+        expert = expert_shapes(kind)
         return LayerWeights(
-            **{n: getattr(w, n).clone() for n in dense},
+            **{n: dense_tensor(n, shape) for n, shape in dense_shapes(kind).items()},
             experts=tuple(
-                ExpertWeights(**{n: getattr(e, n).clone() for n in expert}) for e in w.experts
+                ExpertWeights(**{n: weight(*expert[n]) for n in ("w1", "w3", "w2")})
+                for _ in range(kind.num_experts)
             ),
         )
 
-    layers = (first, *(copy(first) for _ in range(arch.num_layers - 1)))
+    def copy(w: LayerWeights) -> LayerWeights:
+        return dataclasses.replace(
+            w,
+            **{f.name: getattr(w, f.name).clone() for f in dataclasses.fields(w)
+               if isinstance(getattr(w, f.name), torch.Tensor)},
+            experts=tuple(ExpertWeights(w1=e.w1.clone(), w3=e.w3.clone(), w2=e.w2.clone())
+                          for e in w.experts),
+        )  # fmt: skip
+
+    firsts: dict[bool, LayerWeights] = {}
+    layers = []
+    for i in range(arch.num_layers):
+        dense = arch.is_dense(i)
+        layers.append(copy(firsts[dense]) if dense in firsts else new_layer(arch.layer_arch(i)))
+        firsts.setdefault(dense, layers[-1])
     embed = weight(arch.vocab_size, H)
     weights = ModelWeights(
         embed=embed,
-        layers=layers,
+        layers=tuple(layers),
         final_norm=ones(H),
         lm_head=embed if arch.tie_word_embeddings else weight(arch.vocab_size, H),
     )

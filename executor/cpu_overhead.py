@@ -117,9 +117,14 @@ def measure_cpu_overhead(
 
 
 def _layered(arch: ModelArch, layers: int) -> ModelArch:
-    """The model at `layers` layers, without a shared expert, running to its length."""
+    """The model at `layers` layers, every one sparse and without a shared expert (the fixed
+    costs are a routed layer's), running to its length."""
     return dataclasses.replace(
-        arch, num_layers=layers, shared_expert_intermediate_size=0, eos_token_ids=()
+        arch,
+        num_layers=layers,
+        shared_expert_intermediate_size=0,
+        eos_token_ids=(),
+        dense_layers=(),
     )
 
 

@@ -196,8 +196,12 @@ class MoEModel:
 
     def route(self, w: LayerWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Router softmax in fp32, top-k, and each family's normalisation: [T, K] weights (fp32,
-        or the model's dtype where the family rounds them), ids."""
+        or the model's dtype where the family rounds them), ids. A dense layer routes every
+        token to expert 0 with weight 1 in fp32, so that its MLP's output is left as it is."""
         a = self.arch
+        if w.router is None:  # a dense layer: every token to its MLP, the one expert, weight 1
+            ones = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)
+            return ones, torch.zeros(x.shape[0], 1, dtype=torch.long, device=x.device)
         probs = torch.softmax(self.linear(x, w.router).float(), dim=-1)  # [T, E]
         top_w, top_i = torch.topk(probs, a.experts_per_token, dim=-1)  # [T, K]
         if a.renormalize_top_k:  # Mixtral
@@ -211,11 +215,12 @@ class MoEModel:
         return top_w, top_i
 
     def experts(self, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        """MoE FFN grouped by expert: sort assignments by expert, one GEMM chain per expert hit."""
-        T, K = x.shape[0], self.arch.experts_per_token
+        """MoE FFN grouped by expert: sort assignments by expert, one GEMM chain per expert hit
+        (a dense layer: its MLP, the one expert every token takes)."""
         top_w, top_i = self.route(w, x)  # [T, K]
+        T, K = top_i.shape
         order = torch.argsort(top_i.flatten(), stable=True)  # [A] assignments sorted by expert
-        counts = torch.bincount(top_i.flatten(), minlength=self.arch.num_experts).tolist()  # [E]
+        counts = torch.bincount(top_i.flatten(), minlength=len(w.experts)).tolist()  # [E]
         xs = x[order // K]  # [A, H]
         ys = torch.empty_like(xs)  # [A, H]
         scale = top_w.flatten()[order, None]  # [A, 1] fp32

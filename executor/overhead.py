@@ -56,6 +56,7 @@ def miniature(arch: ModelArch, layers: int) -> ModelArch:
         head_dim=MINI_HIDDEN // (kv_heads * group) or 1,
         vocab_size=256,
         shared_expert_intermediate_size=0,
+        dense_layers=(),
         eos_token_ids=(),
     )
 
@@ -171,6 +172,7 @@ def _one_layer_model(
     native)."""
     layer_arch = dataclasses.replace(
         arch, num_layers=1, vocab_size=256, shared_expert_intermediate_size=0, eos_token_ids=(),
+        dense_layers=(),
     )  # fmt: skip
     dt = getattr(torch, dtype)
     one_expert = dataclasses.replace(layer_arch, num_experts=1, experts_per_token=1)

@@ -52,12 +52,12 @@ def check_plan(
     if not plan.geometry:
         raise HrmError(f"{where}: the plan records no model geometry; make it again with hrm plan")
     theirs, ours = dict(plan.geometry), arch.geometry()
-    differ = [k for k in ours if theirs.get(k) != ours[k]]
+    differ = [k for k in {**theirs, **ours} if theirs.get(k) != ours.get(k)]
     if differ:
         k = differ[0]
         raise HrmError(
             f"{where}: the plan is for another model ({k} {theirs.get(k)} in the plan, "
-            f"{ours[k]} in {arch.name}); plan for this model with hrm plan --model"
+            f"{ours.get(k)} in {arch.name}); plan for this model with hrm plan --model"
         )
     if plan.policy.weight_dtype not in TORCH_DTYPES:
         raise HrmError(

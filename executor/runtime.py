@@ -28,7 +28,7 @@ from executor.schedules import SCHEDULE_ORDERS, StepShape
 from executor.tasks import BatchState, MicroBatch, StepState, TaskBuilder
 from executor.weight_store import WeightStore
 from hrm.cpu_gemm import CpuGemmChoice
-from hrm.placement import place_weights
+from hrm.placement import place_model
 from hrm.policy import Policy
 
 HOST = torch.device("cpu")
@@ -132,7 +132,7 @@ class Runtime:
 
     def step_shape(self, step: int, *, last: bool) -> StepShape:
         phase = "prefill" if step == 0 else "decode"
-        pages = len(self.store.pages) if self.offloaded and self.store.streams else 0
+        pages = self.store.page_count if self.offloaded and self.store.streams else 0
         return StepShape(
             step=step,
             num_layers=self.arch.num_layers,
@@ -286,11 +286,10 @@ def placed_runtime(
     on_gpu_already = device.type == "cuda" == checkpoint.weights.embed.device.type
     store = None
     if policy.ffn_on_gpu and not (policy.all_on_gpu and on_gpu_already):
-        placement = place_weights(model.arch, policy.weights_gpu_fraction, policy.weight_dtype)
+        placement = place_model(model.arch, policy.weights_gpu_fraction, policy.weight_dtype)
         pages = policy.num_micro_batches if schedule in ("cgopipe", "gpu-attention") else 1
         store = WeightStore(
             checkpoint.weights,
-            model.arch,
             placement,
             device,
             pages=pages,

@@ -110,7 +110,7 @@ class TaskBuilder:
         if not self.offloaded:
             return self.model.weights.layers[layer], ()
         slot = (step * self.arch.num_layers + layer) % TURNS
-        keys = tuple(buf.weight_page(slot, p) for p in range(len(self.store.pages)))
+        keys = tuple(buf.weight_page(slot, p) for p in range(self.store.page_count))
         return (lambda: self.store.layer(layer, slot)), keys
 
     @staticmethod
@@ -121,8 +121,8 @@ class TaskBuilder:
 
     def _load(self, a: Action, _: StepState) -> Task:
         slot = (a.step * self.arch.num_layers + a.layer) % TURNS
-        pages = range(len(self.store.pages)) if a.page == WHOLE_LAYER else [a.page]
-        nbytes = sum(self.store.page_bytes(p) for p in pages)
+        pages = range(self.store.page_count) if a.page == WHOLE_LAYER else [a.page]
+        nbytes = sum(self.store.page_bytes(a.layer, p) for p in pages)
         return Task(
             lambda: self.store.copy_page(a.layer, a.page, slot),
             writes=tuple(buf.weight_page(slot, p) for p in pages),

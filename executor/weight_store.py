@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from dataclasses import dataclass
 
 import torch
 
@@ -26,11 +27,39 @@ from executor.pinning import HostPins, page_aligned_empty, release_host_tensor
 from hrm.arch import ModelArch
 from hrm.placement import (
     EXPERT_TENSORS,
+    ModelPlacement,
     WeightPlacement,
     cut_pages,
     dense_shapes,
     streamed_tensors,
 )
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Layout:
+    """One kind of layer's streamed tensors in arena order, (key, shape, offset), and its pages."""
+
+    arch: ModelArch  # the kind's geometry (ModelArch.layer_kinds)
+    placement: WeightPlacement
+    tensors: tuple[tuple[tuple, tuple[int, ...], int], ...]
+    elements: int
+    pages: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def of(cls, arch: ModelArch, placement: WeightPlacement, pages: int) -> _Layout:
+        tensors, offset = [], 0
+        for key, shape in streamed_tensors(arch, placement):
+            tensors.append((key, shape, offset))
+            offset += math.prod(shape)
+        cut = cut_pages([math.prod(shape) for _, shape, _ in tensors], pages)
+        return cls(
+            arch=arch, placement=placement, tensors=tuple(tensors), elements=offset,
+            pages=tuple(cut),
+        )  # fmt: skip
+
+    @property
+    def dense_names(self) -> tuple[str, ...]:
+        return tuple(dense_shapes(self.arch))  # the kind's LayerWeights fields
 
 
 class WeightStore:
@@ -39,54 +68,54 @@ class WeightStore:
     def __init__(
         self,
         weights: ModelWeights,
-        arch: ModelArch,
-        placement: WeightPlacement,
+        placement: ModelPlacement,
         device: torch.device,
         *,
         pages: int,
         staged: bool = False,
         take_over: bool = False,
     ):
-        """staged: keep the arenas pageable and copy each page through a ring of two pinned
+        """pages: per layer, cut at tensor boundaries (a layer of a smaller kind may have fewer);
+        staged: keep the arenas pageable and copy each page through a ring of two pinned
         staging pages (the plan's "weight staging"); also taken when the host refuses to pin.
         take_over: the checkpoint's layers and LM head are released as soon as they are copied
         here, so the host never holds the model twice (the plan counts one copy); the caller
         must not read them again."""
-        self.arch, self.placement, self.device = arch, placement, device
-        self.dense_names = tuple(dense_shapes(arch))  # the family's LayerWeights fields
+        self.arch, self.placement, self.device = placement.arch, placement, device
+        self.layouts = {k.ffn_is_dense: _Layout.of(k, p, pages) for k, _, p in placement.kinds}
         dtype = weights.embed.dtype
-        self.layout: list[tuple[tuple, tuple[int, ...], int]] = []
-        offset = 0
-        for key, shape in streamed_tensors(arch, placement):
-            self.layout.append((key, shape, offset))
-            offset += math.prod(shape)
-        self.streamed_elements = offset
-        self.pages = cut_pages([math.prod(shape) for _, shape, _ in self.layout], pages)
+        self.streamed_elements = max(lay.elements for lay in self.layouts.values())
+        self.page_count = max(len(lay.pages) for lay in self.layouts.values())
         self.staged = staged
-        self.arenas, self.resident = [], []
-        for w in weights.layers:
-            if offset:
-                self.arenas.append(self._fill_arena(w, dtype))
-            self.resident.append(self._resident(w))
+        self.arenas: dict[int, torch.Tensor] = {}  # layer -> its streamed tensors, packed
+        self.resident = []
+        for i, w in enumerate(weights.layers):
+            layout = self._layout(i)
+            if layout.elements:
+                self.arenas[i] = _fill_arena(layout, w, dtype)
+            self.resident.append(self._resident(layout, w))
             if take_over:
-                for t in (getattr(w, n) for n in self.dense_names):
+                for t in (getattr(w, n) for n in layout.dense_names):
                     release_host_tensor(t)
                 for t in (getattr(e, n) for e in w.experts for n in EXPERT_TENSORS):
                     release_host_tensor(t)
         self.pins = HostPins()
         self.pinned = False
         if self.arenas and device.type == "cuda" and not staged:
-            self.pinned = self.pins.pin_all(self.arenas)
+            self.pinned = self.pins.pin_all(list(self.arenas.values()))
             self.staged = not self.pinned  # the host refused: stage every page
-        page = max((end - start for start, end in self.pages), default=0)
+        page = max((e - s for lay in self.layouts.values() for s, e in lay.pages), default=0)
         self.ring = [
             torch.empty(page, dtype=dtype, pin_memory=device.type == "cuda")
             for _ in range(TURNS if self.staged else 0)
         ]
         self._ring_turn = 0
         self._ring_done: list = [None] * len(self.ring)  # CUDA events: DMA out of each ring page
-        self.slots = [_slot(offset, dtype, device) for _ in range(TURNS if offset else 0)]
-        self.slot_views = [self._views(slot) for slot in self.slots]
+        count = self.streamed_elements
+        self.slots = [_slot(count, dtype, device) for _ in range(TURNS if count else 0)]
+        self.slot_views = [
+            {dense: _views(lay, slot) for dense, lay in self.layouts.items()} for slot in self.slots
+        ]
         self.page_table: dict[tuple[int, int], int] = {}  # (layer, expert) -> slot
         self.mapped: Counter[tuple[int, int]] = Counter()  # (layer, expert) -> passes mapped
         self.h2d_bytes = 0
@@ -97,25 +126,16 @@ class WeightStore:
 
     # -- building ------------------------------------------------------------------------------
 
-    def _fill_arena(self, w: LayerWeights, dtype: torch.dtype) -> torch.Tensor:
-        arena = page_aligned_empty(self.streamed_elements, dtype)
-        for key, shape, offset in self.layout:
-            arena[offset : offset + math.prod(shape)].view(shape).copy_(_tensor(w, key))
-        return arena
+    def _layout(self, layer: int) -> _Layout:
+        return self.layouts[self.arch.is_dense(layer)]
 
-    def _resident(self, w: LayerWeights) -> dict[tuple, torch.Tensor]:
+    def _resident(self, layout: _Layout, w: LayerWeights) -> dict[tuple, torch.Tensor]:
         """The layer's resident tensors, copied to the device (a copy even when the device is the
         CPU standing in for a GPU, so that the host and the "device" hold their own bytes)."""
-        p = self.placement
-        keys = [(n,) for n in self.dense_names] if p.dense_resident else []
+        p = layout.placement
+        keys = [(n,) for n in layout.dense_names] if p.dense_resident else []
         keys += [(e, n) for e in range(p.resident_experts) for n in EXPERT_TENSORS]
         return {k: _copy_to(_tensor(w, k), self.device) for k in keys}
-
-    def _views(self, flat: torch.Tensor) -> dict[tuple, torch.Tensor]:
-        return {
-            key: flat[offset : offset + math.prod(shape)].view(shape)
-            for key, shape, offset in self.layout
-        }
 
     # -- running -------------------------------------------------------------------------------
 
@@ -123,21 +143,29 @@ class WeightStore:
     def streams(self) -> bool:
         return self.streamed_elements > 0
 
-    def page_bytes(self, page: int) -> int:
-        start, end = self.pages[page]
+    def page_bytes(self, layer: int, page: int) -> int:
+        """Bytes of page `page` of `layer`: 0 past the pages of its kind."""
+        pages = self._layout(layer).pages
+        if page >= len(pages):
+            return 0
+        start, end = pages[page]
         return (end - start) * self.slots[0].element_size()
 
     def copy_page(self, layer: int, page: int, slot: int) -> None:
-        """Page `page` of `layer` (all pages when page < 0) into `slot`; maps its experts."""
-        for first, last in self.pages if page < 0 else [self.pages[page]]:
+        """Page `page` of `layer` (all pages when page < 0) into `slot`; maps its experts. A page
+        past the pages of the layer's kind copies nothing."""
+        layout = self._layout(layer)
+        if page >= len(layout.pages):
+            return
+        for first, last in layout.pages if page < 0 else [layout.pages[page]]:
             src, dst = self.arenas[layer][first:last], self.slots[slot][first:last]
             if self.staged:
                 self._copy_staged(src, dst)
             else:
                 dst.copy_(src, non_blocking=self.pinned)
             self.h2d_bytes += (last - first) * src.element_size()
-        start, end = (0, self.streamed_elements) if page < 0 else self.pages[page]
-        for key, _, offset in self.layout:
+        start, end = (0, layout.elements) if page < 0 else layout.pages[page]
+        for key, _, offset in layout.tensors:
             if len(key) == 2 and key[1] == EXPERT_TENSORS[0] and start <= offset < end:
                 self.page_table[(layer, key[0])] = slot
                 self.mapped[(layer, key[0])] += 1
@@ -160,19 +188,21 @@ class WeightStore:
     def layer(self, layer: int, slot: int) -> LayerWeights:
         """The layer's weights as the model reads them: resident tensors, else the slot's views;
         experts through the page table."""
-        resident = self.resident[layer]
+        resident, layout = self.resident[layer], self._layout(layer)
+        views = self.slot_views[slot][layout.arch.ffn_is_dense] if self.slots else {}
 
         def dense(name: str) -> torch.Tensor:
-            return resident.get((name,)) if (name,) in resident else self.slot_views[slot][(name,)]
+            return resident[(name,)] if (name,) in resident else views[(name,)]
 
-        experts = tuple(self._expert(layer, e) for e in range(self.arch.num_experts))
-        return LayerWeights(**{n: dense(n) for n in self.dense_names}, experts=experts)
+        experts = tuple(self._expert(layer, e) for e in range(layout.arch.num_experts))
+        return LayerWeights(**{n: dense(n) for n in layout.dense_names}, experts=experts)
 
     def _expert(self, layer: int, e: int) -> ExpertWeights:
         resident = self.resident[layer]
         if (e, "w1") in resident:
             return ExpertWeights(**{n: resident[(e, n)] for n in EXPERT_TENSORS})
-        views = self.slot_views[self.page_table[(layer, e)]]
+        dense = self.arch.is_dense(layer)
+        views = self.slot_views[self.page_table[(layer, e)]][dense]
         return ExpertWeights(**{n: views[(e, n)] for n in EXPERT_TENSORS})
 
     def close(self) -> None:
@@ -192,9 +222,23 @@ class WeightStore:
                 "paged buffer": size(self.slots),
                 "lm head": size([self.lm_head, self.final_norm]),
             },
-            "cpu": {"layer weights": size(self.arenas)}
+            "cpu": {"layer weights": size(self.arenas.values())}
             | ({"weight staging": size(self.ring)} if self.staged else {}),
         }
+
+
+def _fill_arena(layout: _Layout, w: LayerWeights, dtype: torch.dtype) -> torch.Tensor:
+    arena = page_aligned_empty(layout.elements, dtype)
+    for key, shape, offset in layout.tensors:
+        arena[offset : offset + math.prod(shape)].view(shape).copy_(_tensor(w, key))
+    return arena
+
+
+def _views(layout: _Layout, flat: torch.Tensor) -> dict[tuple, torch.Tensor]:
+    return {
+        key: flat[offset : offset + math.prod(shape)].view(shape)
+        for key, shape, offset in layout.tensors
+    }
 
 
 def _slot(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -47,6 +47,11 @@ class ModelArch:
     # Qwen and OLMoE round the top-k weights to the model's dtype before scaling the experts
     round_router_weights: bool = False
     shared_expert_intermediate_size: int = 0  # qwen2_moe's always-on expert, sigmoid-gated
+    # layers whose FFN is one dense MLP of dense_intermediate_size, with no router or experts
+    # (Qwen's mlp_only_layers and decoder_sparse_step); indices past num_layers are dropped, so
+    # a model cut to its first layers keeps the dense ones among them
+    dense_layers: tuple[int, ...] = ()
+    dense_intermediate_size: int = 0
     attention_bias: bool = False  # qwen2_moe has biases on q, k, v
     qk_norm: str | None = None  # RMSNorm of q and k before rotary: one of QK_NORMS, or None
     eos_token_ids: tuple[int, ...] = ()  # generation stops at any of these; () never stops early
@@ -72,6 +77,12 @@ class ModelArch:
             )
         if self.qk_norm not in (None, *QK_NORMS):
             raise HrmError(f"{self.name}: qk_norm {self.qk_norm!r} is not one of {QK_NORMS}")
+        dense = tuple(sorted({i for i in self.dense_layers if i < self.num_layers}))
+        if any(i < 0 for i in dense):
+            raise HrmError(f"{self.name}: dense layer indices must be >= 0, got {dense}")
+        object.__setattr__(self, "dense_layers", dense)
+        if dense:
+            positive_int(self.dense_intermediate_size, where=f"{self.name}: intermediate_size")
         if self.experts_per_token > self.num_experts:
             raise HrmError(
                 f"{self.name}: {self.experts_per_token} experts per token exceeds "
@@ -89,6 +100,53 @@ class ModelArch:
                 f"give 1 to {self.num_layers}"
             )
         return dataclasses.replace(self, num_layers=layers)
+
+    # -- kinds of layer ------------------------------------------------------------------------
+
+    def is_dense(self, layer: int) -> bool:
+        return layer in self.dense_layers
+
+    @property
+    def ffn_is_dense(self) -> bool:
+        """Every layer's FFN is one dense MLP: the view `layer_kinds` gives of the dense layers."""
+        return len(self.dense_layers) == self.num_layers
+
+    def layer_kinds(self) -> list[tuple[ModelArch, int]]:
+        """(geometry, count) of each kind of layer, sparse then dense; each geometry is a model
+        whose layers are all of that kind, so everything priced or placed per layer applies to
+        it unchanged. A dense layer is one expert that every token takes with weight 1, without
+        a router: that is what its MLP computes, and how the executor runs it."""
+        dense = len(self.dense_layers)
+        kinds = []
+        if dense < self.num_layers:
+            sparse = dataclasses.replace(self, num_layers=self.num_layers - dense, dense_layers=())
+            kinds.append((sparse, self.num_layers - dense))
+        if dense:
+            kinds.append((self._dense_kind(dense), dense))
+        return kinds
+
+    def layer_arch(self, layer: int) -> ModelArch:
+        """The geometry of one layer, as `layer_kinds` gives it."""
+        if not self.dense_layers:
+            return self
+        dense = len(self.dense_layers)
+        if self.is_dense(layer):
+            return self._dense_kind(dense)
+        return dataclasses.replace(self, num_layers=self.num_layers - dense, dense_layers=())
+
+    def _dense_kind(self, count: int) -> ModelArch:
+        return dataclasses.replace(
+            self,
+            num_layers=count,
+            dense_layers=tuple(range(count)),
+            num_experts=1,
+            experts_per_token=1,
+            intermediate_size=self.dense_intermediate_size,
+            shared_expert_intermediate_size=0,
+            renormalize_top_k=False,
+            router_norm_p=None,
+            round_router_weights=False,
+        )
 
     def check_positions(
         self,
@@ -151,7 +209,7 @@ class ModelArch:
 
     @property
     def router_params(self) -> int:
-        return self.hidden_size * self.num_experts
+        return 0 if self.ffn_is_dense else self.hidden_size * self.num_experts
 
     @property
     def norm_params(self) -> int:
@@ -169,7 +227,16 @@ class ModelArch:
 
     @property
     def layer_params(self) -> int:
+        """One layer's; a model with dense layers among sparse ones has no one figure: use
+        `layers_params` or its `layer_kinds`."""
+        if self.dense_layers and not self.ffn_is_dense:
+            raise ValueError(f"{self.name}: layers of two kinds have no one layer_params")
         return self.dense_layer_params + self.experts_params
+
+    @property
+    def layers_params(self) -> int:
+        """Every layer's parameters together."""
+        return sum(kind.layer_params * n for kind, n in self.layer_kinds())
 
     @property
     def embedding_params(self) -> int:
@@ -182,7 +249,7 @@ class ModelArch:
     @property
     def total_params(self) -> int:
         return (
-            self.num_layers * self.layer_params
+            self.layers_params
             + self.embedding_params
             + self.lm_head_params
             + self.hidden_size  # final norm
@@ -191,8 +258,9 @@ class ModelArch:
     @property
     def active_params(self) -> int:
         """Parameters one token uses: its k experts instead of all of them."""
-        return self.total_params - self.num_layers * (
-            (self.num_experts - self.experts_per_token) * self.expert_params
+        return self.total_params - sum(
+            n * (kind.num_experts - kind.experts_per_token) * kind.expert_params
+            for kind, n in self.layer_kinds()
         )
 
     GEOMETRY = (
@@ -211,7 +279,13 @@ class ModelArch:
 
     def geometry(self) -> dict[str, Any]:
         """What a plan depends on: two models with the same geometry take the same plans."""
-        return {name: getattr(self, name) for name in self.GEOMETRY}
+        geometry = {name: getattr(self, name) for name in self.GEOMETRY}
+        if self.dense_layers:  # named only where present, so that older plans still compare
+            geometry |= {
+                "dense_layers": list(self.dense_layers),
+                "dense_intermediate_size": self.dense_intermediate_size,
+            }
+        return geometry
 
     def weight_bytes(self, dtype: str) -> float:
         return self.total_params * dtype_bytes(dtype)
@@ -317,8 +391,8 @@ def _qwen3_moe(c: Mapping[str, Any]) -> dict[str, Any]:
 
 def _qwen_moe(c: Mapping[str, Any]) -> dict[str, Any]:
     """What Qwen2-MoE and Qwen3-MoE share: experts of moe_intermediate_size, a router that
-    rounds its top-k weights to the model's dtype, every layer sparse, full attention."""
-    _every_layer_sparse(c)
+    rounds its top-k weights to the model's dtype, dense layers where the config lists them,
+    full attention."""
     if c.get("use_sliding_window"):
         raise HrmError("use_sliding_window true: sliding-window attention is not supported")
     heads = c["num_attention_heads"]
@@ -338,6 +412,7 @@ def _qwen_moe(c: Mapping[str, Any]) -> dict[str, Any]:
         renormalize_top_k=bool(c.get("norm_topk_prob", False)),
         round_router_weights=True,
         max_position_embeddings=c.get("max_position_embeddings"),
+        **_dense_layers(c),
     )
 
 
@@ -350,17 +425,29 @@ def _num_experts(c: Mapping[str, Any]) -> int:
     raise KeyError("num_experts")
 
 
-def _every_layer_sparse(c: Mapping[str, Any]) -> None:
-    """Dense layers among sparse ones (mlp_only_layers, decoder_sparse_step > 1) are not planned
-    or run: refused by name (none of the bundled models has one)."""
-    dense = list(c.get("mlp_only_layers") or [])
+def _dense_layers(c: Mapping[str, Any]) -> dict[str, Any]:
+    """Qwen's dense layers among sparse ones, as transformers picks them: a layer is dense when
+    it is in mlp_only_layers or (index + 1) is not a multiple of decoder_sparse_step; its MLP is
+    intermediate_size wide."""
+    listed = c.get("mlp_only_layers") or []
     step = c.get("decoder_sparse_step", 1)
-    if dense or step not in (None, 1):
-        what = f"mlp_only_layers {dense}" if dense else f"decoder_sparse_step {step}"
+    step = 1 if step is None else step
+    if not isinstance(listed, list) or any(
+        isinstance(i, bool) or not isinstance(i, int) for i in listed
+    ):
+        raise HrmError(f"mlp_only_layers must be a list of layer indices, got {listed!r}")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise HrmError(f"decoder_sparse_step must be a positive integer, got {step!r}")
+    layers = c["num_hidden_layers"]
+    dense = tuple(i for i in range(layers) if i in listed or (i + 1) % step)
+    if not dense:
+        return {}
+    if len(dense) == layers:
         raise HrmError(
-            f"{what}: dense layers among sparse ones are not supported; every layer must be "
-            "sparse (mlp_only_layers [] and decoder_sparse_step 1)"
+            f"mlp_only_layers {listed} and decoder_sparse_step {step} make every layer dense: "
+            "that is not a mixture of experts"
         )
+    return {"dense_layers": dense, "dense_intermediate_size": c["intermediate_size"]}
 
 
 def _olmoe(c: Mapping[str, Any]) -> dict[str, Any]:

@@ -182,6 +182,8 @@ def layer_ops(
 
     Decode: new_tokens = 1, context = current length. Prefill: new_tokens = context = prompt length.
     """
+    if arch.dense_layers and not arch.ffn_is_dense:
+        raise ValueError(f"{arch.name}: layer_ops takes one kind of layer (layer_kinds)")
     wdt, adt = dtype_bytes(weight_dtype), dtype_bytes(ACTIVATION_DTYPE)
     t = batch * new_tokens
     h = arch.hidden_size
@@ -206,9 +208,10 @@ def layer_ops(
         _linear("qkv_proj", t, ((h, arch.q_size), (h, arch.kv_size), (h, arch.kv_size)), wdt, adt),
         attention_op(arch, batch=batch, new_tokens=new_tokens, context=context, kv_dtype=kv_dtype),
         _linear("o_proj", t, ((arch.q_size, h),), wdt, adt),
-        _linear("router", t, ((h, arch.num_experts),), wdt, adt),
         expert_ffn_op(arch, tokens=t, weight_dtype=weight_dtype, group_tokens=ffn_group_tokens),
     ]
+    if not arch.ffn_is_dense:  # a dense layer's MLP is its one expert, taken without a router
+        ops.insert(-1, _linear("router", t, ((h, arch.num_experts),), wdt, adt))
     if arch.shared_expert_params:
         ops.append(shared_expert_op(arch, tokens=t, weight_dtype=weight_dtype))
     return ops
@@ -237,5 +240,10 @@ def lm_head_op(arch: ModelArch, *, batch: float, weight_dtype: str = "bfloat16")
 
 def gemm_shapes(arch: ModelArch) -> tuple[tuple[int, int], ...]:
     """Every distinct (d_in, d_out) GEMM shape of a forward pass: what hrm profile times."""
-    ops = [*layer_ops(arch, batch=1, new_tokens=1, context=1), lm_head_op(arch, batch=1)]
+    ops = [
+        op
+        for kind, _ in arch.layer_kinds()
+        for op in layer_ops(kind, batch=1, new_tokens=1, context=1)
+    ]
+    ops.append(lm_head_op(arch, batch=1))
     return tuple(dict.fromkeys(shape for op in ops for shape in op.gemm_shapes))

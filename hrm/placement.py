@@ -1,13 +1,15 @@
 """Which weights live on the GPU: one function that the planner's memory model and the executor's
 weight store both call, so that a plan counts exactly the tensors a run places.
 
-A policy's `weights_gpu_fraction` r_w becomes whole tensors, the same in every layer (the cost
-model streams (1 - r_w) * W_l per layer, reference, section 2):
+A policy's `weights_gpu_fraction` r_w becomes whole tensors, the same in every layer of a kind
+(the cost model streams (1 - r_w) of the layers' bytes, reference, section 2):
 
-1. the layer's dense weights first (norms, Q, K, V, O, router, and where the family has them
+1. the layers' dense weights first (norms, Q, K, V, O, router, and where the family has them
    q/k biases and norms and the shared expert): every token of every micro-batch needs them,
    whichever experts it routes to;
-2. then whole experts in index order (w1, w3, w2 together), as many as fit in r_w * W_l.
+2. then the MLP of each dense layer (a model with dense layers among sparse ones), for the same
+   reason;
+3. then whole experts in index order (w1, w3, w2 together), as many as fit.
 
 What is left of each layer is streamed: its dense weights (when not resident) then its experts,
 cut into pages at tensor boundaries. Rounding down to whole tensors never places more than the
@@ -16,6 +18,7 @@ policy allows; the planner reports the placed fraction, not the requested one.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -34,7 +37,8 @@ _TOLERANCE = 1e-9
 
 def dense_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
     """Shapes of one layer's dense tensors, in the linear layout [out, in], in arena order: the
-    LayerWeights fields this family has (executor/checkpoint.py)."""
+    LayerWeights fields this family has (executor/checkpoint.py). `arch` is of one kind of layer
+    (ModelArch.layer_arch)."""
     h, q, kv = arch.hidden_size, arch.q_size, arch.kv_size
     shapes = {"attn_norm": (h,), "wq": (q, h), "wk": (kv, h), "wv": (kv, h), "wo": (h, q)}
     if arch.attention_bias:
@@ -43,7 +47,9 @@ def dense_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
         shapes |= {"q_norm": (arch.head_dim,), "k_norm": (arch.head_dim,)}
     elif arch.qk_norm == "projection":
         shapes |= {"q_norm": (q,), "k_norm": (kv,)}
-    shapes |= {"ffn_norm": (h,), "router": (arch.num_experts, h)}
+    shapes |= {"ffn_norm": (h,)}
+    if not arch.ffn_is_dense:  # a dense layer's MLP is its one expert, taken without a router
+        shapes |= {"router": (arch.num_experts, h)}
     if arch.shared_expert_intermediate_size:
         si = arch.shared_expert_intermediate_size
         shapes |= {"shared_w1": (si, h), "shared_w3": (si, h), "shared_w2": (h, si)}
@@ -97,23 +103,107 @@ class WeightPlacement:
 def place_weights(
     arch: ModelArch, weights_gpu_fraction: float, weight_dtype: str
 ) -> WeightPlacement:
-    """The tensors of r_w = weights_gpu_fraction, in the order of the module docstring."""
+    """The tensors of r_w = weights_gpu_fraction, in the order of the module docstring, for a
+    model whose layers are all of one kind."""
+    (placement,) = (p for _, _, p in place_model(arch, weights_gpu_fraction, weight_dtype).kinds)
+    return placement
+
+
+@dataclass(frozen=True)
+class ModelPlacement:
+    """Each kind of layer's placement (ModelArch.layer_kinds) at one r_w."""
+
+    arch: ModelArch
+    kinds: tuple[tuple[ModelArch, int, WeightPlacement], ...]  # (geometry, layers, placement)
+
+    def of(self, layer: int) -> tuple[ModelArch, WeightPlacement]:
+        """Layer `layer`'s geometry and placement."""
+        dense = self.arch.is_dense(layer)
+        return next((k, p) for k, _, p in self.kinds if k.ffn_is_dense == dense)
+
+    @property
+    def layers_bytes(self) -> float:
+        return sum(n * p.layer_bytes for _, n, p in self.kinds)
+
+    @property
+    def resident_bytes(self) -> float:
+        return sum(n * p.resident_bytes for _, n, p in self.kinds)
+
+    @property
+    def fraction(self) -> float:
+        """The placed r_w: resident bytes over all layers' bytes."""
+        return self.resident_bytes / self.layers_bytes
+
+    @property
+    def next_fraction(self) -> float | None:
+        """The r_w that places the next whole item (module docstring); None when all are."""
+        items = _items(self.kinds)
+        placed = sum(p.dense_resident + p.resident_experts for _, _, p in self.kinds)
+        if placed == len(items):
+            return None
+        return (self.resident_bytes + items[placed][2]) / self.layers_bytes
+
+
+def _items(kinds) -> list[tuple[int, str, float]]:
+    """What becomes resident, in order, as (kind index, "dense" or "expert", bytes over all the
+    kind's layers): every kind's dense tensors, then the dense layers' MLPs (every token runs
+    them), then the routed experts by index."""
+    items = [(i, "dense", n * p.dense_bytes) for i, (_, n, p) in enumerate(kinds)]
+    order = sorted(range(len(kinds)), key=lambda i: not kinds[i][0].ffn_is_dense)
+    for i in order:
+        _, n, p = kinds[i]
+        items += [(i, "expert", n * p.expert_bytes)] * p.num_experts
+    return items
+
+
+def place_model(arch: ModelArch, weights_gpu_fraction: float, weight_dtype: str) -> ModelPlacement:
+    """Whole items of `_items` in order while they fit in r_w of all layers' bytes: the first
+    that does not fit ends it, so placing the placed fraction again places the same tensors. In
+    a model of one kind this is, per layer, its dense tensors then whole experts in index
+    order."""
     wdt = dtype_bytes(weight_dtype)
-    dense = _elements(dense_shapes(arch)) * wdt
-    expert = _elements(expert_shapes(arch)) * wdt
-    layer = dense + arch.num_experts * expert
-    budget = weights_gpu_fraction * layer * (1 + _TOLERANCE)
-    dense_resident = budget >= dense
-    experts = 0
-    if dense_resident:
-        experts = min(arch.num_experts, math.floor((budget - dense) / expert))
-    return WeightPlacement(
-        dense_resident=dense_resident,
-        resident_experts=experts,
-        num_experts=arch.num_experts,
-        dense_bytes=dense,
-        expert_bytes=expert,
+    kinds = []
+    for kind, n in arch.layer_kinds():
+        bytes_of = WeightPlacement(
+            dense_resident=False,
+            resident_experts=0,
+            num_experts=kind.num_experts,
+            dense_bytes=_elements(dense_shapes(kind)) * wdt,
+            expert_bytes=_elements(expert_shapes(kind)) * wdt,
+        )
+        kinds.append((kind, n, bytes_of))
+    budget = weights_gpu_fraction * sum(n * p.layer_bytes for _, n, p in kinds) * (1 + _TOLERANCE)
+    placed = [[False, 0] for _ in kinds]
+    for i, what, nbytes in _items(kinds):
+        if nbytes > budget:
+            break
+        budget -= nbytes
+        if what == "dense":
+            placed[i][0] = True
+        else:
+            placed[i][1] += 1
+    kinds = tuple(
+        (kind, n, dataclasses.replace(p, dense_resident=d, resident_experts=e))
+        for (kind, n, p), (d, e) in zip(kinds, placed, strict=True)
     )
+    return ModelPlacement(arch=arch, kinds=kinds)
+
+
+def slot_bytes(arch: ModelArch, weight_dtype: str) -> float:
+    """S with a layer's streamed bytes at most (1 - r_w) * S at any placed r_w: what the planner
+    counts per page slot. One kind: S = W_l. With dense layers (their items placed first):
+    a sparse layer streams at most (1 - r_w) * (all layers' bytes) / (sparse layers), and a
+    dense layer streams only while r_w < f, the fraction that places every dense layer whole."""
+    kinds = place_model(arch, 0.0, weight_dtype).kinds
+    total = sum(n * p.layer_bytes for _, n, p in kinds)
+    bound = 0.0
+    for kind, n, p in kinds:
+        if not kind.ffn_is_dense:
+            bound = max(bound, total / n)
+            continue
+        full = sum(m * q.dense_bytes for _, m, q in kinds) + n * p.num_experts * p.expert_bytes
+        bound = max(bound, p.layer_bytes / (1 - full / total) if full < total else p.layer_bytes)
+    return bound
 
 
 def streamed_tensors(arch: ModelArch, placement: WeightPlacement) -> list[tuple[tuple, tuple]]:
@@ -149,7 +239,11 @@ def cut_pages(sizes: list[int], pages: int) -> list[tuple[int, int]]:
 
 
 def largest_page_bytes(arch: ModelArch, weight_dtype: str, pages: int) -> float:
-    """The largest page of a layer streamed whole in `pages` pages: the ring's page size."""
-    placement = place_weights(arch, 0.0, weight_dtype)
-    sizes = [math.prod(shape) for _, shape in streamed_tensors(arch, placement)]
-    return max(end - start for start, end in cut_pages(sizes, pages)) * dtype_bytes(weight_dtype)
+    """The largest page of a layer streamed whole in `pages` pages, over the kinds of layer:
+    the ring's page size."""
+    largest = 0
+    for kind, _ in arch.layer_kinds():
+        placement = place_weights(kind, 0.0, weight_dtype)
+        sizes = [math.prod(shape) for _, shape in streamed_tensors(kind, placement)]
+        largest = max(largest, max(end - start for start, end in cut_pages(sizes, pages)))
+    return largest * dtype_bytes(weight_dtype)

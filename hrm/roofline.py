@@ -177,9 +177,10 @@ def run_time_bound(
 
     def step_time(new_tokens: float, context: float) -> float:
         ops = [
-            op.scaled(arch.num_layers)
+            op.scaled(layers)
+            for kind, layers in arch.layer_kinds()
             for op in layer_ops(
-                arch,
+                kind,
                 batch=batch,
                 new_tokens=new_tokens,
                 context=context,

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hrm.ops import layer_ops
-from hrm.placement import place_weights
+from hrm.placement import place_model
 from hrm.plan import Plan
 from hrm.policy import Policy, dtype_bytes
 from planner.cost import Setting
@@ -127,14 +127,19 @@ def _flexgen_seconds_per_token(setting: Setting, policy: Policy) -> float:
     gbs, n = policy.micro_batch_size, policy.batch_size
     ctx = wl.max_context_len
     w_layer = setting.weights.layer
-    ops = layer_ops(
-        arch,
-        batch=gbs,
-        new_tokens=1,
-        context=ctx,
-        weight_dtype=setting.weight_dtype,
-        kv_dtype=setting.kv_dtype,
-    )
+    # the mean layer: each kind of layer (ModelArch.layer_kinds) by its share of the layers
+    ops = [
+        op.scaled(layers / arch.num_layers)
+        for kind, layers in arch.layer_kinds()
+        for op in layer_ops(
+            kind,
+            batch=gbs,
+            new_tokens=1,
+            context=ctx,
+            weight_dtype=setting.weight_dtype,
+            kv_dtype=setting.kv_dtype,
+        )
+    ]
     flops = sum(op.flops for op in ops)
     local_bytes = w_layer + sum(op.kv_bytes + op.activation_bytes for op in ops)
     compute = policy.num_micro_batches * max(
@@ -166,7 +171,7 @@ def _fits(setting: Setting, policy: Policy) -> bool:
     """The policy fits with its weights placed as whole tensors (rounded down, hrm.placement)."""
     hw = setting.hardware
     mem = setting.memory(policy.batch_size, policy.micro_batch_size)
-    placed = place_weights(setting.arch, policy.weights_gpu_fraction, policy.weight_dtype)
+    placed = place_model(setting.arch, policy.weights_gpu_fraction, policy.weight_dtype)
     v = policy_vector(dataclasses.replace(policy, weights_gpu_fraction=placed.fraction))
     return bool(
         np.all(mem.gpu_total() @ v <= usable_bytes(hw.gpu.total_memory_bytes))

@@ -27,6 +27,7 @@ the layers) + the LM head of every micro-batch.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -69,9 +70,23 @@ class Setting:
     ffn_memo: dict[str, dict[float, float]] = field(
         default_factory=dict, init=False, compare=False, repr=False
     )
+    # one Setting per kind of layer, with its share of the layers (kinds)
+    _kinds: list = field(default_factory=list, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         check_tensor_parallel(self.arch, self.hardware)
+
+    def kinds(self) -> list[tuple[Setting, float]]:
+        """This setting for each kind of layer (ModelArch.layer_kinds), with its share of the
+        layers; itself alone when every layer is alike."""
+        if not self.arch.dense_layers:
+            return [(self, 1.0)]
+        if not self._kinds:
+            self._kinds.extend(
+                (dataclasses.replace(self, arch=kind), n / self.arch.num_layers)
+                for kind, n in self.arch.layer_kinds()
+            )
+        return self._kinds
 
     @property
     def compute_dtype(self) -> str:
@@ -203,7 +218,21 @@ class MicroBatchSeconds:
 
 
 def micro_batch_seconds(setting: Setting, b: float) -> MicroBatchSeconds:
-    """Per-layer seconds of one micro-batch of b sequences at each step, on either device."""
+    """Per-layer seconds of one micro-batch of b sequences at each step, on either device: of the
+    mean layer where dense layers sit among sparse ones (docs/decisions.md, 2026-12-05)."""
+    kinds = [(_kind_seconds(kind, b), share) for kind, share in setting.kinds()]
+    if len(kinds) == 1:
+        return kinds[0][0]
+    return MicroBatchSeconds(
+        **{
+            f.name: sum(getattr(mb, f.name) * share for mb, share in kinds)
+            for f in dataclasses.fields(MicroBatchSeconds)
+        }
+    )
+
+
+def _kind_seconds(setting: Setting, b: float) -> MicroBatchSeconds:
+    """micro_batch_seconds of a model whose layers are all of one kind."""
     arch, hw, wl = setting.arch, setting.hardware, setting.workload
     dtype = setting.compute_dtype
     adt, kdt = dtype_bytes(ACTIVATION_DTYPE), dtype_bytes(setting.kv_dtype)

@@ -17,7 +17,7 @@ from hrm.arch import ModelArch
 from hrm.cpu_gemm import CpuGemmChoice
 from hrm.errors import HrmError
 from hrm.hardware import HardwareProfile
-from hrm.placement import place_weights
+from hrm.placement import place_model
 from hrm.plan import MemoryFootprint, Plan, Prediction, check_schedule
 from hrm.policy import Policy
 from hrm.workload import Workload
@@ -163,13 +163,10 @@ def placed_policy(model: BatchModel, policy: Policy) -> Policy:
     if not policy.ffn_on_gpu:
         return policy
     arch, dtype = model.setting.arch, policy.weight_dtype
-    down = place_weights(arch, policy.weights_gpu_fraction, dtype)
+    down = place_model(arch, policy.weights_gpu_fraction, dtype)
     candidates = [down.fraction]
-    if down.streamed_bytes > 0:
-        up = min(1.0, (down.resident_bytes + down.expert_bytes) / down.layer_bytes)
-        if not down.dense_resident:
-            up = down.dense_bytes / down.layer_bytes
-        candidates.append(up)
+    if down.next_fraction is not None:
+        candidates.append(min(1.0, down.next_fraction))
     hardware = model.setting.hardware
     for rw in candidates:
         placed = dataclasses.replace(policy, weights_gpu_fraction=rw)

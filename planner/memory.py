@@ -5,7 +5,8 @@ planner/cost.py), so the same numbers feed the MILP's memory constraints, the cl
 and the footprint a Plan reports. N (batch) may be a numpy array: the search evaluates a whole row
 of batch sizes at once.
 
-Letters: L = layers, W_l = one layer's weight bytes (attention, router, norms and all experts),
+Letters: L = layers, W_l = one layer's weight bytes (attention, router, norms and all experts;
+with dense layers among sparse ones, the mean layer's),
 N = sequences, mu = micro-batch, S = prompt tokens per sequence (maximum), C = maximum context
 (S + generation), h = hidden, i = expert width, k = top-k, V = vocabulary.
 """
@@ -18,7 +19,7 @@ import numpy as np
 
 from hrm.arch import ModelArch
 from hrm.ops import ACTIVATION_DTYPE
-from hrm.placement import PREFILL_CHUNK_TOKENS
+from hrm.placement import PREFILL_CHUNK_TOKENS, slot_bytes
 from hrm.policy import dtype_bytes
 from hrm.workload import Workload
 
@@ -40,6 +41,7 @@ class WeightBytes:
     """Bytes of the model's weights by where they can live."""
 
     layer: float  # W_l: everything one layer holds, streamed page by page when not resident
+    slot: float  # S: a page slot holds at most (1 - r_w) * S (hrm.placement.slot_bytes)
     head: float  # final norm + LM head: on the device that runs the layers
     embedding: float  # the token embedding: always in CPU memory (a gather, then h2d)
     num_layers: int
@@ -48,7 +50,8 @@ class WeightBytes:
     def of(cls, arch: ModelArch, weight_dtype: str) -> WeightBytes:
         wdt = dtype_bytes(weight_dtype)
         return cls(
-            layer=arch.layer_params * wdt,
+            layer=arch.layers_params * wdt / arch.num_layers,
+            slot=slot_bytes(arch, weight_dtype),
             head=(arch.lm_head_params + arch.hidden_size) * wdt,
             embedding=arch.embedding_params * wdt,
             num_layers=arch.num_layers,
@@ -85,7 +88,10 @@ def workspace_bytes(arch: ModelArch, workload: Workload, micro_batch_size: int) 
     chunk = min(micro_batch_size * workload.prompt_len_max, PREFILL_CHUNK_TOKENS)
     per_token = max(
         (2 * arch.q_size + 2 * arch.kv_size) * adt,
-        (2 * arch.experts_per_token * arch.hidden_size + 3 * arch.intermediate_size) * adt,
+        *(
+            (2 * k.experts_per_token * k.hidden_size + 3 * k.intermediate_size) * adt
+            for k, _ in arch.layer_kinds()
+        ),
         2 * arch.hidden_size * 4.0,
     )
     return chunk * per_token + micro_batch_size * arch.vocab_size * 4.0
@@ -149,8 +155,8 @@ def memory_terms(
     gpu = {
         # r_w * L * W_l: the resident part of every layer
         "resident weights": v(rw=layers) * np.ones_like(n),
-        # 2 * (1 - r_w) * W_l when the GPU runs the layers: current and next layer's pages
-        "paged buffer": v(ffn=2 * w.layer, rw=-2 * w.layer) * np.ones_like(n),
+        # 2 * (1 - r_w) * S when the GPU runs the layers: current and next layer's pages
+        "paged buffer": v(ffn=2 * w.slot, rw=-2 * w.slot) * np.ones_like(n),
         "lm head": v(ffn=w.head) * np.ones_like(n),
         # r_c * KV
         "kv cache": v(rc=1.0) * kv,

@@ -119,10 +119,57 @@ def test_each_family_says_what_its_layers_add():
 
 
 @pytest.mark.parametrize(
+    ("changes", "dense"),
+    [
+        ({"mlp_only_layers": [0, 5]}, (0, 5)),
+        ({"decoder_sparse_step": 2}, tuple(range(0, 48, 2))),  # sparse where (i + 1) % 2 == 0
+        ({"decoder_sparse_step": 3, "mlp_only_layers": [2, 4]}, (0, 1, 2, 3, 4, 6, 7, 9)),
+        ({"mlp_only_layers": [], "decoder_sparse_step": 1}, ()),
+    ],
+)
+def test_qwen_dense_layers_are_the_ones_transformers_makes_dense(changes, dense):
+    config = json.loads((BUNDLED_DIR / "qwen3-30b-a3b.json").read_text()) | changes
+    arch = ModelArch.from_hf_config(config, where="c.json")
+    assert arch.dense_layers[: len(dense)] == dense
+    if len(dense) < 8:
+        assert arch.dense_layers == dense
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeDecoderLayer
+
+    theirs = Qwen3MoeConfig(**{**config, "num_hidden_layers": 10, "hidden_size": 64,
+                               "num_experts": 2, "moe_intermediate_size": 8,
+                               "intermediate_size": 16, "num_attention_heads": 2,
+                               "num_key_value_heads": 1, "head_dim": 32})  # fmt: skip
+    made = [type(Qwen3MoeDecoderLayer(theirs, i).mlp).__name__.endswith("MLP") for i in range(10)]
+    assert tuple(i for i in range(10) if made[i]) == tuple(i for i in dense if i < 10)
+
+
+def test_a_dense_layer_is_one_expert_every_token_takes():
+    config = json.loads((BUNDLED_DIR / "qwen2-57b-a14b.json").read_text())
+    sparse = ModelArch.from_hf_config(config)
+    mixed = ModelArch.from_hf_config(config | {"mlp_only_layers": [0, 3]})
+    (kind, n), (dense, m) = mixed.layer_kinds()
+    assert (n, m) == (26, 2) and kind.layer_params == sparse.layer_params
+    assert (dense.num_experts, dense.experts_per_token, dense.intermediate_size) == (1, 1, 18944)
+    assert dense.router_params == 0 and dense.shared_expert_params == 0
+    # the two dense layers hold their MLP instead of the router, 64 experts and shared expert
+    mlp = 3 * 3584 * 18944
+    assert sparse.total_params - mixed.total_params == 2 * (
+        sparse.layer_params - mlp - 2 * 3584 - sparse.attention_params
+    )
+    assert mixed.first_layers(3).dense_layers == (0,)
+    assert mixed.layer_arch(3) == dense and mixed.layer_arch(1) == kind
+    # a plan records them, so that it is not run on the model without them
+    assert mixed.geometry()["dense_layers"] == [0, 3] and "dense_layers" not in sparse.geometry()
+
+
+@pytest.mark.parametrize(
     ("changes", "fragment"),
     [
-        ({"mlp_only_layers": [0, 5]}, "mlp_only_layers [0, 5]: dense layers among sparse ones"),
-        ({"decoder_sparse_step": 2}, "decoder_sparse_step 2: dense layers"),
+        ({"mlp_only_layers": list(range(48))}, "make every layer dense"),
+        ({"decoder_sparse_step": 100}, "make every layer dense"),
+        ({"decoder_sparse_step": 0}, "decoder_sparse_step must be a positive integer, got 0"),
+        ({"mlp_only_layers": "0,5"}, "mlp_only_layers must be a list of layer indices"),
         ({"use_sliding_window": True}, "sliding-window attention is not supported"),
     ],
 )

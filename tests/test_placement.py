@@ -1,9 +1,11 @@
 """hrm.placement: whole tensors, dense weights first, never more than the policy allows."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hrm.arch import resolve_model
-from hrm.placement import place_weights
+from hrm.placement import place_model, place_weights, slot_bytes
 
 
 @pytest.fixture(scope="module")
@@ -69,3 +71,59 @@ def test_a_layers_dense_tensors_are_every_weight_but_its_experts(name):
     p = place_weights(arch, 0.0, "bfloat16")
     assert p.dense_bytes == 2 * arch.dense_layer_params
     assert p.layer_bytes == 2 * arch.layer_params
+
+
+# Qwen2-MoE 57B with four dense layers among its 28 (mlp_only_layers): two kinds of layer
+@pytest.fixture(scope="module")
+def mixed():
+    import json
+
+    from hrm.arch import BUNDLED_DIR, ModelArch
+
+    config = json.loads((BUNDLED_DIR / "qwen2-57b-a14b.json").read_text())
+    return ModelArch.from_hf_config(config | {"mlp_only_layers": [0, 1, 2, 27]}, name="mixed")
+
+
+def _streamed_per_layer(placed, arch) -> list[float]:
+    return [placed.of(i)[1].streamed_bytes for i in range(arch.num_layers)]
+
+
+@given(rw=st.floats(0.0, 1.0))
+@settings(max_examples=200, deadline=None)
+def test_with_dense_layers_the_placed_fraction_places_the_same_tensors(mixed, rw):
+    """The executor places the plan's (placed) r_w again: it must land on the same tensors, and
+    never above what was asked; the slot the planner counts holds any layer's streamed part."""
+    placed = place_model(mixed, rw, "bfloat16")
+    assert placed.fraction <= rw + 1e-12
+    again = place_model(mixed, placed.fraction, "bfloat16")
+    assert again.kinds == placed.kinds
+    nxt = placed.next_fraction
+    assert nxt is None or nxt > rw - 1e-12
+    assert max(_streamed_per_layer(placed, mixed)) <= (1 - placed.fraction) * slot_bytes(
+        mixed, "bfloat16"
+    ) * (1 + 1e-9)
+
+
+def test_dense_layers_mlps_go_resident_before_any_routed_expert(mixed):
+    (sparse, n, p), (dense, m, q) = place_model(mixed, 0.0, "bfloat16").kinds
+    assert (n, m) == (24, 4) and dense.ffn_is_dense and q.num_experts == 1
+    dense_parts = n * p.dense_bytes + m * q.dense_bytes
+    total = n * p.layer_bytes + m * q.layer_bytes
+    only_dense = place_model(mixed, dense_parts / total, "bfloat16")
+    assert [(k[2].dense_resident, k[2].resident_experts) for k in only_dense.kinds] == [
+        (True, 0),
+        (True, 0),
+    ]
+    mlps = place_model(mixed, (dense_parts + m * q.expert_bytes) / total, "bfloat16")
+    assert [k[2].resident_experts for k in mlps.kinds] == [0, 1]
+    one_more = (dense_parts + m * q.expert_bytes + n * p.expert_bytes) / total
+    assert mlps.next_fraction == pytest.approx(one_more)
+    assert [k[2].resident_experts for k in place_model(mixed, one_more, "bfloat16").kinds] == [1, 1]
+
+
+def test_one_kind_is_placed_as_before(mixtral):
+    """A model without dense layers: place_model is place_weights in every layer."""
+    for rw in (0.0, 0.2, 0.6, 1.0):
+        ((kind, n, p),) = place_model(mixtral, rw, "bfloat16").kinds
+        assert kind == mixtral and n == 32 and p == place_weights(mixtral, rw, "bfloat16")
+    assert slot_bytes(mixtral, "bfloat16") == 2 * mixtral.layer_params

@@ -93,6 +93,8 @@ def fuse_experts(src: Path, dst: Path, old: str = "mlp.experts.", new: str = "ml
     gate, up, down = names
     for layer in range(LAYERS):
         prefix = f"model.layers.{layer}."
+        if f"{prefix}{old}0.{gate}.weight" not in tensors:
+            continue  # a dense layer: its MLP is not an expert
         expert = [
             {w: tensors[f"{prefix}{old}{e}.{w}.weight"] for w in names} for e in range(EXPERTS)
         ]
@@ -157,7 +159,21 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
                             moe_intermediate_size=32),
         root / "qwen3_moe-64x8", seed=6,
     )  # fmt: skip
+    # dense layers among sparse ones: Qwen2-MoE's layer 1 by mlp_only_layers, Qwen3-MoE's
+    # layers 0 and 2 by decoder_sparse_step 2 (transformers: sparse where (i + 1) % step == 0)
+    dense = {
+        "qwen2_moe-dense": save_model(
+            _qwen_family_config("qwen2_moe", mlp_only_layers=[1]), root / "qwen2_moe-dense", 7
+        ),
+        "qwen3_moe-dense": save_model(
+            _qwen_family_config("qwen3_moe", decoder_sparse_step=2), root / "qwen3_moe-dense", 8
+        ),
+    }
+    dense["qwen3_moe-dense-fused"] = fuse_experts(
+        dense["qwen3_moe-dense"], root / "qwen3_moe-dense-fused"
+    )
     return {
+        **dense,
         "mixtral-single": single,
         "mixtral-sharded": sharded,
         "mixtral-fused": fused,

@@ -20,8 +20,10 @@ LENGTHS = (5, 12, 1, 9, 12, 3)
 STEPS = 16
 MIXTRAL = ("mixtral-single", "mixtral-sharded", "mixtral-fused")
 # Qwen2-MoE (gated shared expert, q/k/v biases), Qwen3-MoE (per-head q/k norms, its own head_dim;
-# per-expert and fused layouts; 64 experts top-8), OLMoE (q/k norms over the projection)
-FAMILIES = ("qwen2_moe", "qwen3_moe", "qwen3_moe-fused", "qwen3_moe-64x8", "olmoe")
+# per-expert and fused layouts; 64 experts top-8), OLMoE (q/k norms over the projection), and
+# dense layers among sparse ones (Qwen2-MoE's mlp_only_layers, Qwen3-MoE's decoder_sparse_step)
+DENSE = ("qwen2_moe-dense", "qwen3_moe-dense", "qwen3_moe-dense-fused")
+FAMILIES = ("qwen2_moe", "qwen3_moe", "qwen3_moe-fused", "qwen3_moe-64x8", "olmoe", *DENSE)
 ALL = (*MIXTRAL, "dbrx", *FAMILIES)
 # Logits against transformers' in the same dtype, per step (relative to the largest logit): on
 # the 2026-12-04 checkpoints at most 1.2e-2 in bfloat16 and 1.5e-3 in float16, over both

@@ -17,7 +17,7 @@ from executor.run import execute
 from executor.runtime import placed_runtime
 from hrm.arch import ModelArch
 from hrm.hardware import resolve_hardware
-from hrm.placement import place_weights
+from hrm.placement import place_model, place_weights
 from hrm.policy import Policy
 from hrm.workload import Workload
 from planner import predict
@@ -55,9 +55,14 @@ def policy(n=7, mu=3, *, attn=False, rw=0.0, rc=0.0, dtype="float32") -> Policy:
 
 
 def between(arch: ModelArch, dtype="float32") -> float:
-    """A resident fraction strictly between 0 and 1: the dense weights and one expert."""
-    p = place_weights(arch, 0.0, dtype)
-    return (p.dense_bytes + 1.01 * p.expert_bytes) / p.layer_bytes
+    """A resident fraction strictly between 0 and 1: the dense weights (with the dense layers'
+    MLPs) and one routed expert."""
+    kinds = place_model(arch, 0.0, dtype).kinds
+    first = sum(
+        n * (p.dense_bytes + (p.layer_bytes - p.dense_bytes) * k.ffn_is_dense) for k, n, p in kinds
+    )
+    expert = next(n * p.expert_bytes for k, n, p in kinds if not k.ffn_is_dense)
+    return (first + 1.01 * expert) / sum(n * p.layer_bytes for _, n, p in kinds)
 
 
 def run_on_cpu(path, plan, prompts, dtype: str):
@@ -84,9 +89,10 @@ def resident_tokens(checkpoints):
 
 
 FAMILIES = ("mixtral-single", "mixtral-fused", "dbrx", "qwen2_moe", "qwen3_moe", "olmoe")
+DENSE = ("qwen2_moe-dense", "qwen3_moe-dense")  # dense layers among sparse ones
 
 
-@pytest.mark.parametrize("name", [*FAMILIES, "qwen3_moe-64x8"])
+@pytest.mark.parametrize("name", [*FAMILIES, "qwen3_moe-64x8", *DENSE])
 @pytest.mark.parametrize(("schedule", "attn", "rc"), SCHEDULES)
 @pytest.mark.parametrize("resident", ["none", "between"])
 def test_every_schedule_matches_the_resident_run(
@@ -98,16 +104,14 @@ def test_every_schedule_matches_the_resident_run(
     try:
         out = generate(runtime, ragged_prompts(LENGTHS, seed=3), STEPS)
         store = runtime.store
-        placed = place_weights(checkpoint.arch, rw, "float32")
+        placed = place_model(checkpoint.arch, rw, "float32")
+        layers = [placed.of(i)[1] for i in range(checkpoint.arch.num_layers)]
         # the page table mapped every streamed expert of every layer once per pass of the layer
-        expected = {
-            (layer, e): STEPS
-            for layer in range(checkpoint.arch.num_layers)
-            for e in placed.streamed_experts
-        }
+        expected = {(i, e): STEPS for i, p in enumerate(layers) for e in p.streamed_experts}
         assert dict(store.mapped) == expected
-        # weights streamed per step: (1 - r_w) of every layer, as the plan counts them
-        assert store.h2d_bytes == STEPS * checkpoint.arch.num_layers * placed.streamed_bytes
+        # weights streamed per step: (1 - r_w) of the layers, as the plan counts them
+        assert store.h2d_bytes == STEPS * sum(p.streamed_bytes for p in layers)
+        assert store.h2d_bytes == pytest.approx(STEPS * (1 - placed.fraction) * placed.layers_bytes)
     finally:
         runtime.close()
     assert out.output_token_ids == resident_tokens(name)

@@ -35,10 +35,12 @@ def test_cuda_schedules_match_the_resident_run(checkpoints, monkeypatch, schedul
         syncs = len(device_syncs)  # closing waits for the device before it unpins
         store = runtime.store
         assert store.pinned, "the arenas were not pinned"
-        for arena in store.arenas:  # exact size: registered, not rounded by the caching allocator
+        for (
+            arena
+        ) in store.arenas.values():  # exact size: registered, not rounded by the caching allocator
             assert arena.numel() == store.streamed_elements
         assert all(s.is_cuda for s in store.slots)
-        assert all(a.data_ptr() % 4096 == 0 for a in store.arenas)
+        assert all(a.data_ptr() % 4096 == 0 for a in store.arenas.values())
         assert runtime.engine.stats["h2d"].nbytes > 0
         assert runtime.engine.mode == ("inline" if schedule == "serial" else "threads")
         streamed_kv = [t for mb in runtime.micro_batches for t in mb.cache.slot_major_tensors()]

@@ -22,7 +22,7 @@ def write_prompts(path, prompts):
     return path
 
 
-@pytest.mark.parametrize("name", ["dbrx", "qwen2_moe", "qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("name", ["dbrx", "qwen2_moe", "qwen3_moe", "olmoe", "qwen3_moe-dense"])
 def test_run_writes_outputs_in_input_order_and_a_record(run_cli, tmp_path, checkpoints, name):
     prompts = ragged_prompts((4, 9, 2), seed=7)
     out = tmp_path / "out.jsonl"
@@ -239,10 +239,10 @@ def test_generation_stops_at_an_eos_the_free_run_produces(
     assert len(stopped[0]) == free[0].index(eos) + 1 <= 5 < len(free[0])
 
 
-@pytest.mark.parametrize("name", ["qwen2_moe", "qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("name", ["qwen2_moe", "qwen3_moe", "olmoe", "qwen2_moe-dense"])
 def test_random_weights_carry_what_each_family_adds(run_cli, checkpoints, name):
     """--random-weights builds the family's own dense tensors (biases, q/k norms, the gated
-    shared expert) at its shapes: a run that lacked one would fail in its first layer."""
+    shared expert) and its dense layers at their shapes: a run that lacked one would fail."""
     config = checkpoints[name] / "config.json"
     status, stdout, err = run_cli(
         "run", "--model", config, "--random-weights", "--prompt-len", "3", "--batch", "2",

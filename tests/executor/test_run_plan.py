@@ -419,3 +419,40 @@ def test_overwrite_needs_an_output(run_cli, files):
     path, prompts, plan = files
     status, _, err = run_cli(*run_args(path, prompts, plan, "--overwrite"))
     assert_one_line_error(status, err, "--overwrite", "--output")
+
+
+@pytest.mark.parametrize("w", ["0", "0.4"])
+def test_a_model_with_dense_layers_is_planned_and_run_from_the_plan(
+    run_cli, checkpoints, files, tmp_path, w
+):
+    """Qwen2-MoE with its layer 1 dense, planned by `hrm plan` and run by `hrm run --plan`: the
+    tokens of the resident run, with the weights the plan counts on each side; a plan made
+    for the model without that dense layer is refused as another model's."""
+    _, prompts, _ = files
+    path = checkpoints["qwen2_moe-dense"]
+    plan = tmp_path / "plan.json"
+    policy = f"N=3,mu=2,attn=cpu,ffn=gpu,w={w},kv=0"
+    status, _, err = run_cli("plan", "--model", path, "--hardware", "l4", "--prompt-len", "9",
+                             "--gen-len", "4", "--dtype", "float32", "--policy", policy,
+                             "-o", plan)  # fmt: skip
+    assert status == 0, err
+    out = tmp_path / "out.jsonl"
+    status, stdout, err = run_cli(*run_args(path, prompts, plan, "--json", "--output", out))
+    assert status == 0, err
+    record = json.loads(stdout)
+    status, resident, _ = run_cli("run", "--checkpoint", path, "--prompts", prompts,
+                                  "--gen-len", "4", "--quiet")  # fmt: skip
+    assert status == 0 and out.read_text() == resident
+    planned = json.loads(plan.read_text())
+    assert (planned["memory"]["gpu"]["resident weights"] > 0) == (w != "0")
+    buffers = record["measured"]["buffer_bytes"]
+    assert buffers["cpu"]["layer weights"] == pytest.approx(
+        planned["memory"]["cpu"]["layer weights"]
+    )
+    assert buffers["gpu"]["resident weights"] == pytest.approx(
+        planned["memory"]["gpu"]["resident weights"]
+    )
+    assert buffers["gpu"]["paged buffer"] <= planned["memory"]["gpu"]["paged buffer"]
+    other = edit_plan(plan, tmp_path, lambda d: d["geometry"].pop("dense_layers"))
+    status, _, err = run_cli(*run_args(path, prompts, other))
+    assert_one_line_error(status, err, "another model (dense_layers None in the plan")

@@ -72,6 +72,29 @@ def test_cpu_only_run_by_hand(arch, make_cpu_profile):
     assert plan.bottleneck == "cpu expert ffn"
 
 
+def test_a_dense_layer_is_priced_as_its_mlp_by_hand(arch, make_cpu_profile):
+    """Layer 1 dense (an MLP of width 96, no router): per decode token it reads the MLP's
+    3*64*96*4 = 73728 B + its activations (2*64 + 3*96)*2 = 832 B, and passes 5*96 + 9*64 +
+    3*64 = 1248 elements (4992 B), where a sparse layer reads the router 1160 B, two experts
+    198656 B and passes 2624 elements (10496 B): 130760 B less per sequence, two micro-batches
+    of one.
+    On one device the layer times add, so the mixed model's step is the sparse model's less
+    the difference, and the mean of the two kinds' models exactly."""
+    hw = make_cpu_profile(flops=1e18)
+    wl = Workload(prompt_len_mean=8, prompt_len_max=8, gen_len=3)
+    mixed = dataclasses.replace(arch, dense_layers=(1,), dense_intermediate_size=96)
+    sparse, dense = (dataclasses.replace(k, num_layers=2) for k, _ in mixed.layer_kinds())
+    dense = dataclasses.replace(dense, dense_layers=(0, 1))
+    ours, theirs = (predict(a, hw, wl, policy(), schedule="cgopipe") for a in (mixed, arch))
+    per_step = 2 * 130760 / 1e9
+    assert ours.predicted.decode_s == pytest.approx(theirs.predicted.decode_s - 2 * per_step)
+    each = [predict(a, hw, wl, policy(), schedule="cgopipe").predicted for a in (sparse, dense)]
+    assert ours.predicted.total_s == pytest.approx(sum(p.total_s for p in each) / 2)
+    # and its weights: the MLP and norms and attention, not the router and the four experts
+    dense_layer = (12288 + 128 + 3 * 64 * 96) * 4
+    assert ours.memory.cpu["layer weights"] == pytest.approx(W_LAYER + dense_layer)
+
+
 def test_weight_stream_term_by_hand(arch, make_gpu_profile):
     # GPU layers, CPU attention, half the weights resident, PCIe 1e8 B/s both ways.
     hw = make_gpu_profile(link_bytes_per_s=1e8)
