@@ -121,8 +121,9 @@ def predict(path: Path, hw, cpu_gemm, dtype: str, batch: int, prompt_len: int, g
     from hrm.arch import resolve_model
     from hrm.workload import Workload
     from planner import predict_resident_run
-    from planner.cost import Setting, micro_batch_seconds
+    from planner.layer_seconds import micro_batch_seconds
     from planner.overheads import step_seconds
+    from planner.setting import Setting
 
     arch = resolve_model(path / "config.json")
     workload = Workload.from_prompt_lens([prompt_len] * batch, gen_len)

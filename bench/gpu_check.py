@@ -26,7 +26,7 @@ from bench_schedules import measure_plan, plan_all  # noqa: E402
 
 from hrm.arch import ModelArch, resolve_model  # noqa: E402
 from hrm.hardware import resolve_hardware  # noqa: E402
-from hrm.plan import SCHEDULES  # noqa: E402
+from hrm.plan import QUEUES, SCHEDULES  # noqa: E402
 from hrm.units import parse_bytes  # noqa: E402
 from hrm.workload import Workload  # noqa: E402
 
@@ -262,7 +262,7 @@ def _table(rows) -> str:
             f"{name:24} {pol['batch_size']:>4} {pol['micro_batch_size']:>3} "
             f"{r['predicted']['throughput_tok_s']:>10.1f} {tput:>10.1f} "
             f"{100 * r['error']:>+5.0f}% "
-            + " ".join(f"{busy.get(q, 0.0):>4.0%}" for q in ("gpu", "cpu", "h2d", "d2h"))
+            + " ".join(f"{busy.get(q, 0.0):>4.0%}" for q in QUEUES)
             + f" {r['h2d_gb_per_s']:>8.2f} {peak:>6.1f} / {planned:<5.1f}"
         )
     measured = {r["schedule"]: r["measured"]["throughput_tok_s"] for r in rows if "measured" in r}

@@ -25,8 +25,8 @@ from hrm.io import atomic_write_json, atomic_write_text
 from hrm.workload import Workload
 from planner.baselines import baselines
 from planner.compare import plan_options
-from planner.cost import Setting
 from planner.search import search
+from planner.setting import Setting
 
 # MTBench-like, 128 new tokens: the workload of the scaling and cost tables
 MTBENCH_G128 = Workload(prompt_len_mean=77, prompt_len_max=418, gen_len=128)

@@ -20,12 +20,12 @@ from pathlib import Path
 import torch
 
 from executor.safetensors_mmap import SafetensorsFile
-from hrm.arch import ModelArch, eos_token_ids
+from hrm.arch import ModelArch
 from hrm.errors import HrmError
+from hrm.hf_config import eos_token_ids
 from hrm.io import load_json
 from hrm.placement import dense_shapes
 
-SUPPORTED_MODEL_TYPES = ("mixtral", "dbrx", "qwen2_moe", "qwen3_moe", "olmoe")
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
@@ -236,6 +236,7 @@ _LAYER_READERS: dict[str, Callable[[_Tensors, ModelArch, int], LayerWeights]] = 
     "qwen3_moe": _qwen_layer,
     "olmoe": _qwen_layer,
 }
+SUPPORTED_MODEL_TYPES = tuple(_LAYER_READERS)  # what the executor reads (the planner: hf_config)
 
 
 @dataclass(frozen=True, kw_only=True)

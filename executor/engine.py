@@ -47,8 +47,8 @@ import torch
 
 from executor.buffers import Buffer
 from hrm.errors import HrmError
+from hrm.plan import QUEUES
 
-QUEUES = ("gpu", "cpu", "h2d", "d2h")
 DEVICE_QUEUES = ("gpu", "h2d", "d2h")
 MODES = ("inline", "threads", "deferred")
 JITTER_MAX_S = 0.002  # the longest delay HRM_ENGINE_JITTER puts before a task

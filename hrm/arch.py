@@ -1,8 +1,7 @@
 """ModelArch: the geometry of a Mixture-of-Experts transformer, from a Hugging Face config.json.
 
-This module is the one place that knows config field names (docs/architecture.md): the roofline,
-the planner and the executor all read the model through ModelArch.  Supported model types:
-mixtral, dbrx, qwen2_moe, qwen3_moe and olmoe.
+The roofline, the planner and the executor all read the model through ModelArch; hrm/hf_config.py
+is the one place that knows config field names (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -15,12 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from hrm.errors import HrmError
+from hrm.hf_config import MODEL_TYPES, PARSERS, eos_token_ids
 from hrm.io import load_json
 from hrm.policy import dtype_bytes
 from hrm.schema import positive_int
 
 BUNDLED_DIR = Path(__file__).resolve().parent / "model_configs"
-MODEL_TYPES = ("mixtral", "dbrx", "qwen2_moe", "qwen3_moe", "olmoe")
 QK_NORMS = ("head", "projection")  # RMSNorm per head over d (Qwen3-MoE), or over nq*d (OLMoE)
 
 
@@ -303,7 +302,7 @@ class ModelArch:
         if not isinstance(config, Mapping):
             raise HrmError(f"{where}: expected a JSON object")
         model_type = config.get("model_type")
-        parser = _PARSERS.get(model_type)
+        parser = PARSERS.get(model_type)
         if parser is None:
             raise HrmError(
                 f"{where}: unsupported model_type {model_type!r}; "
@@ -324,171 +323,6 @@ class ModelArch:
             return cls(name=name, model_type=model_type, **fields)
         except HrmError as exc:
             raise HrmError(f"{where}: {exc}") from None
-
-
-def _mixtral(c: Mapping[str, Any]) -> dict[str, Any]:
-    heads = c["num_attention_heads"]
-    return dict(
-        num_layers=c["num_hidden_layers"],
-        hidden_size=c["hidden_size"],
-        intermediate_size=c["intermediate_size"],
-        num_attention_heads=heads,
-        num_key_value_heads=c.get("num_key_value_heads") or heads,
-        head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-        num_experts=c["num_local_experts"],
-        experts_per_token=c["num_experts_per_tok"],
-        vocab_size=c["vocab_size"],
-        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-        norm="rmsnorm",
-        norm_eps=float(c.get("rms_norm_eps", 1e-5)),
-        rope_theta=float(_rope_theta(c, 1e6)),
-        max_position_embeddings=c.get("max_position_embeddings"),
-    )
-
-
-def _dbrx(c: Mapping[str, Any]) -> dict[str, Any]:
-    attn, ffn = c["attn_config"], c["ffn_config"]
-    heads = c["n_heads"]
-    return dict(
-        num_layers=c["n_layers"],
-        hidden_size=c["d_model"],
-        intermediate_size=ffn["ffn_hidden_size"],
-        num_attention_heads=heads,
-        num_key_value_heads=attn["kv_n_heads"],
-        head_dim=c["d_model"] // heads,
-        num_experts=ffn["moe_num_experts"],
-        experts_per_token=ffn["moe_top_k"],
-        vocab_size=c["vocab_size"],
-        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-        norm="layernorm",
-        norm_eps=1e-5,
-        rope_theta=float(attn.get("rope_theta", 10000.0)),
-        clip_qkv=attn.get("clip_qkv"),
-        router_norm_p=ffn.get("moe_normalize_expert_weights", 1.0),
-        renormalize_top_k=False,
-        max_position_embeddings=c.get("max_seq_len"),
-    )
-
-
-def _qwen2_moe(c: Mapping[str, Any]) -> dict[str, Any]:
-    """Qwen2-MoE: biases on q, k and v, a sigmoid-gated shared expert, top-k weights
-    renormalised only where norm_topk_prob says so."""
-    fields = _qwen_moe(c)
-    fields.update(
-        shared_expert_intermediate_size=c.get("shared_expert_intermediate_size", 0),
-        attention_bias=bool(c.get("qkv_bias", True)),
-    )
-    return fields
-
-
-def _qwen3_moe(c: Mapping[str, Any]) -> dict[str, Any]:
-    """Qwen3-MoE: q/k RMSNorm per head, a head_dim of its own (128 at hidden 2048 and 32 heads),
-    no shared expert."""
-    fields = _qwen_moe(c)
-    fields.update(attention_bias=bool(c.get("attention_bias", False)), qk_norm="head")
-    return fields
-
-
-def _qwen_moe(c: Mapping[str, Any]) -> dict[str, Any]:
-    """What Qwen2-MoE and Qwen3-MoE share: experts of moe_intermediate_size, a router that
-    rounds its top-k weights to the model's dtype, dense layers where the config lists them,
-    full attention."""
-    if c.get("use_sliding_window"):
-        raise HrmError("use_sliding_window true: sliding-window attention is not supported")
-    heads = c["num_attention_heads"]
-    return dict(
-        num_layers=c["num_hidden_layers"],
-        hidden_size=c["hidden_size"],
-        intermediate_size=c["moe_intermediate_size"],
-        num_attention_heads=heads,
-        num_key_value_heads=c.get("num_key_value_heads") or heads,
-        head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-        num_experts=_num_experts(c),
-        experts_per_token=c["num_experts_per_tok"],
-        vocab_size=c["vocab_size"],
-        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-        norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(_rope_theta(c, 1e6)),
-        renormalize_top_k=bool(c.get("norm_topk_prob", False)),
-        round_router_weights=True,
-        max_position_embeddings=c.get("max_position_embeddings"),
-        **_dense_layers(c),
-    )
-
-
-def _num_experts(c: Mapping[str, Any]) -> int:
-    """num_experts, which transformers 5.x writes as num_local_experts for Qwen and OLMoE."""
-    if "num_experts" in c:
-        return c["num_experts"]
-    if "num_local_experts" in c:
-        return c["num_local_experts"]
-    raise KeyError("num_experts")
-
-
-def _dense_layers(c: Mapping[str, Any]) -> dict[str, Any]:
-    """Qwen's dense layers among sparse ones, as transformers picks them: a layer is dense when
-    it is in mlp_only_layers or (index + 1) is not a multiple of decoder_sparse_step; its MLP is
-    intermediate_size wide."""
-    listed = c.get("mlp_only_layers") or []
-    step = c.get("decoder_sparse_step", 1)
-    step = 1 if step is None else step
-    if not isinstance(listed, list) or any(
-        isinstance(i, bool) or not isinstance(i, int) for i in listed
-    ):
-        raise HrmError(f"mlp_only_layers must be a list of layer indices, got {listed!r}")
-    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
-        raise HrmError(f"decoder_sparse_step must be a positive integer, got {step!r}")
-    layers = c["num_hidden_layers"]
-    dense = tuple(i for i in range(layers) if i in listed or (i + 1) % step)
-    if not dense:
-        return {}
-    if len(dense) == layers:
-        raise HrmError(
-            f"mlp_only_layers {listed} and decoder_sparse_step {step} make every layer dense: "
-            "that is not a mixture of experts"
-        )
-    return {"dense_layers": dense, "dense_intermediate_size": c["intermediate_size"]}
-
-
-def _olmoe(c: Mapping[str, Any]) -> dict[str, Any]:
-    """OLMoE: q/k RMSNorm over the whole projection, Mixtral's layout under Qwen's names."""
-    fields = _mixtral({**c, "num_local_experts": _num_experts(c)})
-    fields.update(
-        renormalize_top_k=bool(c.get("norm_topk_prob", False)),
-        round_router_weights=True,
-        qk_norm="projection",
-        attention_bias=bool(c.get("attention_bias", False)),
-        clip_qkv=c.get("clip_qkv"),
-        rope_theta=float(_rope_theta(c, 10000.0)),
-    )
-    return fields
-
-
-def eos_token_ids(config: Mapping[str, Any], where: str = "config.json") -> tuple[int, ...]:
-    """`eos_token_id` of a config.json or generation_config.json: an int, a list of ints or null."""
-    value = config.get("eos_token_id")
-    values = value if isinstance(value, list) else [] if value is None else [value]
-    for v in values:
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise HrmError(
-                f"{where}: eos_token_id must be a token id or a list of them, got {value!r}"
-            )
-    return tuple(values)
-
-
-def _rope_theta(c: Mapping[str, Any], default: float) -> float:
-    """transformers 5.x moved rope_theta into rope_parameters; read either."""
-    params = c.get("rope_parameters") or {}
-    return params.get("rope_theta", c.get("rope_theta", default))
-
-
-_PARSERS = {
-    "mixtral": _mixtral,
-    "dbrx": _dbrx,
-    "qwen2_moe": _qwen2_moe,
-    "qwen3_moe": _qwen3_moe,
-    "olmoe": _olmoe,
-}
 
 
 def bundled_model_names() -> list[str]:

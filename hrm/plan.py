@@ -19,7 +19,8 @@ from hrm.schema import check_keys, dataclass_keys
 from hrm.workload import Workload
 
 SCHEDULES = ("cgopipe", "serial", "overlap", "gpu-attention")
-RESOURCES = ("gpu", "cpu", "h2d", "d2h")
+# the four queues of a run: the GPU, the CPU workers and the link in each direction
+QUEUES = ("gpu", "cpu", "h2d", "d2h")
 
 
 def check_schedule(name: str) -> str:
@@ -136,7 +137,7 @@ class Plan:
     @property
     def busy_fraction(self) -> dict[str, float]:
         total = self.predicted.total_s
-        return {r: (self.busy_s.get(r, 0.0) / total if total > 0 else 0.0) for r in RESOURCES}
+        return {r: (self.busy_s.get(r, 0.0) / total if total > 0 else 0.0) for r in QUEUES}
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -30,9 +30,9 @@ from pathlib import Path
 
 from hrm.errors import HrmError
 from hrm.io import check_writable_dir
+from hrm.plan import QUEUES
 from hrm.record import RunRecord
 
-QUEUES = ("gpu", "cpu", "h2d", "d2h")
 BAND = 0.10  # the scatter's band around y = x
 
 

@@ -26,10 +26,10 @@ from hrm.ops import layer_ops
 from hrm.placement import place_model
 from hrm.plan import Plan
 from hrm.policy import Policy, dtype_bytes
-from planner.cost import Setting
 from planner.evaluate import batch_model, build_plan, policy_vector
 from planner.memory import usable_bytes
 from planner.search import fill_gpu
+from planner.setting import Setting
 from planner.transfers import link_seconds
 
 _NO_CAP = 1 << 20  # sequences: far beyond any batch that fits

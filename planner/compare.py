@@ -21,9 +21,9 @@ from hrm.errors import HrmError
 from hrm.hardware import HardwareProfile
 from hrm.plan import Plan
 from hrm.workload import Workload
-from planner.cost import Setting
 from planner.evaluate import batch_model, component_seconds
 from planner.search import NoPolicyFits, search
+from planner.setting import Setting
 from planner.transfers import check_tensor_parallel
 
 

@@ -18,21 +18,20 @@ from hrm.cpu_gemm import CpuGemmChoice
 from hrm.errors import HrmError
 from hrm.hardware import HardwareProfile
 from hrm.placement import place_model
-from hrm.plan import MemoryFootprint, Plan, Prediction, check_schedule
+from hrm.plan import QUEUES, MemoryFootprint, Plan, Prediction, check_schedule
 from hrm.policy import Policy
 from hrm.workload import Workload
 from planner.cost import (
-    QUEUES,
     QueueTerms,
     ScheduleTerms,
-    Setting,
-    micro_batch_seconds,
     queue_terms,
     schedule_terms,
     weight_stream_seconds,
     with_last_micro_batch,
 )
+from planner.layer_seconds import micro_batch_seconds
 from planner.memory import RC, MemoryTerms, memory_terms, placement_vector, usable_bytes
+from planner.setting import Setting
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -30,8 +30,9 @@ from hrm.plan import Plan, check_schedule
 from hrm.policy import Policy
 from hrm.units import format_bytes
 from hrm.workload import Workload
-from planner.cost import Setting, micro_batch_seconds, queue_terms, schedule_terms
+from planner.cost import queue_terms, schedule_terms
 from planner.evaluate import batch_model, build_plan, fits, run_seconds
+from planner.layer_seconds import micro_batch_seconds
 from planner.memory import (
     ATT,
     FFN,
@@ -43,6 +44,7 @@ from planner.memory import (
     usable_bytes,
 )
 from planner.milp import solve_placement
+from planner.setting import Setting
 
 MU_GRID = (
     1,

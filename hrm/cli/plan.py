@@ -119,8 +119,8 @@ def run(args: argparse.Namespace) -> int:
     if args.sweep:
         return _run_sweep(args, arch, hardware, workload, options)
     from planner.baselines import baselines
-    from planner.cost import Setting
     from planner.search import search
+    from planner.setting import Setting
 
     named, requested_weights = _named(args, arch, hardware, workload, options)
     result = search(arch, hardware, workload, top_k=args.top, max_batch_size=cap, **options)

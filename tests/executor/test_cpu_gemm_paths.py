@@ -17,7 +17,8 @@ from hrm.cpu_gemm import CpuGemmChoice, choose_cpu_gemm
 from hrm.hardware import HardwareProfile, resolve_hardware
 from hrm.profiling import cpu
 from hrm.workload import Workload
-from planner.cost import Setting, micro_batch_seconds
+from planner.layer_seconds import micro_batch_seconds
+from planner.setting import Setting
 from tests.conftest import assert_one_line_error
 from tests.executor.conftest import ragged_prompts
 from tests.gemm_curves import AMX, AVX2, MIXED, scaled

@@ -9,8 +9,8 @@ from hrm.hardware import resolve_hardware
 from hrm.workload import Workload
 from planner import predict
 from planner.baselines import baselines
-from planner.cost import Setting
 from planner.search import search
+from planner.setting import Setting
 
 WORKLOAD = Workload(prompt_len_mean=77, prompt_len_max=418, gen_len=64)
 

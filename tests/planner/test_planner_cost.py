@@ -18,9 +18,9 @@ from hrm.placement import place_weights
 from hrm.policy import Policy
 from hrm.workload import Workload
 from planner import predict
-from planner.cost import Setting
 from planner.evaluate import batch_model, policy_vector
 from planner.memory import RC, RW
+from planner.setting import Setting
 
 W_LAYER = 443904.0
 
@@ -289,7 +289,8 @@ def test_the_measured_launch_overhead_is_charged_per_layer_expert_and_step(arch,
 
     from hrm.hardware_parts import LaunchOverhead
     from hrm.ops import expected_distinct_experts
-    from planner.cost import Setting, micro_batch_seconds
+    from planner.layer_seconds import micro_batch_seconds
+    from planner.setting import Setting
 
     plain = cpu_only_profile()
     overhead = LaunchOverhead(per_layer_s=1e-3, per_expert_s=1e-4, per_step_s=2e-3)
@@ -376,7 +377,7 @@ def test_cpu_decode_attention_is_charged_at_the_measured_kv_read_rate(arch, work
     without its curve keeps the FLOPs-and-bandwidth model."""
     from hrm.hardware_parts import Curve
     from hrm.ops import layer_ops
-    from planner.cost import micro_batch_seconds
+    from planner.layer_seconds import micro_batch_seconds
     from tests.planner.tiny_setup import cpu_only_profile
 
     hw = cpu_only_profile()
@@ -410,7 +411,7 @@ def test_cpu_prefill_attention_is_charged_at_its_measured_rate_over_the_padded_s
     4 * 2048 * nq * d + 5 * 2048 * nq FLOPs."""
     from hrm.hardware_parts import Curve
     from hrm.ops import prefill_attention_flops
-    from planner.cost import micro_batch_seconds
+    from planner.layer_seconds import micro_batch_seconds
     from tests.planner.tiny_setup import cpu_only_profile
 
     hw = cpu_only_profile()
@@ -469,7 +470,8 @@ def test_a_measured_grouped_ffn_curve_prices_the_gpus_expert_ffn(arch, workload)
     """T_ffn = 6*T*h*i*k / P_ffn(rows) on the GPU where the profile measured the executor's whole
     grouped FFN (a flat curve here, so the rate is P at any rows); without one, the GEMM curve."""
     from hrm.hardware import resolve_hardware
-    from planner.cost import Setting, micro_batch_seconds
+    from planner.layer_seconds import micro_batch_seconds
+    from planner.setting import Setting
 
     l4 = resolve_hardware("l4")
     rate = 5e12
@@ -493,7 +495,9 @@ def test_the_gpu_is_charged_the_launch_time_its_dense_kernels_do_not_hide(arch, 
     time, less the kernels; nothing when the kernels outlast it; nothing unmeasured."""
     from hrm.hardware import resolve_hardware
     from hrm.hardware_parts import LaunchOverhead
-    from planner.cost import Setting, micro_batch_seconds, queue_terms
+    from planner.cost import queue_terms
+    from planner.layer_seconds import micro_batch_seconds
+    from planner.setting import Setting
 
     l4 = resolve_hardware("l4")
 

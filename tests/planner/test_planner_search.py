@@ -12,7 +12,8 @@ from hrm.plan import Plan
 from hrm.policy import Policy
 from hrm.workload import Workload
 from planner import predict
-from planner.cost import Setting, micro_batch_seconds, queue_terms, schedule_terms
+from planner.cost import queue_terms, schedule_terms
+from planner.layer_seconds import micro_batch_seconds
 from planner.search import (
     MU_GRID,
     bracket_row,
@@ -22,6 +23,7 @@ from planner.search import (
     search,
     solve_point,
 )
+from planner.setting import Setting
 
 REL = 1e-6
 

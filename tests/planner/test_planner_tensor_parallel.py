@@ -16,8 +16,9 @@ from hrm.hardware import HardwareProfile, resolve_hardware
 from hrm.hardware_parts import Interconnect
 from hrm.workload import Workload
 from planner.compare import Option, cost_per_million_tokens, parse_prices
-from planner.cost import Setting, micro_batch_seconds
+from planner.layer_seconds import micro_batch_seconds
 from planner.search import NoPolicyFits, search
+from planner.setting import Setting
 from planner.transfers import all_reduce_seconds
 from tests.conftest import assert_one_line_error
 

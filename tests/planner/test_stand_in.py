@@ -11,8 +11,8 @@ from hrm.errors import HrmError
 from hrm.hardware import HardwareProfile, resolve_hardware
 from hrm.policy import Policy
 from planner import predict
-from planner.cost import Setting
 from planner.evaluate import batch_model, policy_vector
+from planner.setting import Setting
 from tests.planner.tiny_setup import cpu_only_profile
 
 

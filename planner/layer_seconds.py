@@ -1,0 +1,181 @@
+"""Seconds one micro-batch spends in one layer at every step, on each device and link: the
+per-micro-batch inputs of the cost model (planner/cost.py attaches the placement to them)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+
+from hrm.cpu_gemm import CpuGemmChoice
+from hrm.hardware_parts import DeviceSpec
+from hrm.ops import ACTIVATION_DTYPE, layer_ops, lm_head_op, prefill_attention_flops
+from hrm.policy import dtype_bytes
+from planner.memory import PREFILL_CHUNK_TOKENS
+from planner.op_time import expert_ffn_seconds, op_seconds
+from planner.overheads import launch_seconds, step_seconds, unhidden_gpu_launch
+from planner.setting import Setting
+from planner.transfers import all_reduce_seconds, link_seconds
+
+DENSE_OPS = ("norms", "qkv_proj", "o_proj", "router", "shared_expert")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MicroBatchSeconds:
+    """Seconds one micro-batch of b sequences spends per layer at every step, on each resource."""
+
+    gpu_dense: np.ndarray
+    gpu_ffn: np.ndarray
+    gpu_attention: np.ndarray
+    cpu_dense: np.ndarray
+    cpu_ffn: np.ndarray
+    cpu_attention: np.ndarray
+    activations_to_gpu: np.ndarray  # prefill: hidden page in; decode: attention output (D2)
+    activations_to_cpu: np.ndarray  # prefill: hidden page out; decode: QKV (D1)
+    kv_to_gpu: np.ndarray  # decode with GPU attention: the CPU part of the cache, prefetched
+    kv_to_cpu: np.ndarray  # prefill: the prompt's K, V; decode: the new token's
+    gpu_all_reduce: np.ndarray  # tensor parallelism: after attention and after the experts
+    cpu_launch: np.ndarray  # the executor's fixed cost of one layer on the CPU (measured)
+    gpu_launch: np.ndarray  # the host's issue time of a GPU layer its kernels do not cover
+    head_gpu: np.ndarray  # final norm + LM head, once per step (not per layer)
+    head_cpu: np.ndarray
+    embed_to_gpu: np.ndarray  # next tokens' embeddings, gathered on the CPU
+
+
+def micro_batch_seconds(setting: Setting, b: float) -> MicroBatchSeconds:
+    """Per-layer seconds of one micro-batch of b sequences at each step, on either device: of the
+    mean layer where dense layers sit among sparse ones (docs/decisions.md, 2026-12-05)."""
+    kinds = [(_kind_seconds(kind, b), share) for kind, share in setting.kinds()]
+    if len(kinds) == 1:
+        return kinds[0][0]
+    return MicroBatchSeconds(
+        **{
+            f.name: sum(getattr(mb, f.name) * share for mb, share in kinds)
+            for f in dataclasses.fields(MicroBatchSeconds)
+        }
+    )
+
+
+def _phase_ops(setting: Setting, b: float) -> tuple[dict, dict]:
+    """The layer's ops by name in prefill (its chunks' FFN groups) and in decode."""
+
+    def ops(new_tokens, context, group) -> dict:
+        return {
+            op.name: op
+            for op in layer_ops(
+                setting.arch,
+                batch=b,
+                new_tokens=new_tokens,
+                context=context,
+                weight_dtype=setting.weight_dtype,
+                kv_dtype=setting.kv_dtype,
+                ffn_group_tokens=group,
+            )  # fmt: skip
+        }
+
+    s_pre = setting.workload.prefill_len
+    chunk = min(b * s_pre, PREFILL_CHUNK_TOKENS)
+    return ops(s_pre, s_pre, chunk), ops(1, setting.decode_contexts, b)
+
+
+def _on_device(
+    setting: Setting,
+    b: float,
+    role: str,
+    device: DeviceSpec | None,
+    cpu_gemm: CpuGemmChoice | None = None,
+) -> dict[str, np.ndarray]:
+    """A micro-batch's dense ops, routed FFN, attention and LM head on one device, per step."""
+    steps, dtype, wl = setting.steps, setting.compute_dtype, setting.workload
+    if device is None:  # no GPU: these entries are multiplied by F_g = 0
+        return {key: np.zeros(steps) for key in ("dense", "ffn", "attention", "head")}
+    arch, (prefill, decode) = setting.arch, _phase_ops(setting, b)
+    s_pre = wl.prefill_len
+    chunk = min(b * s_pre, PREFILL_CHUNK_TOKENS)
+
+    def both(name: str, pre_rows: float, dec_rows: float) -> np.ndarray:
+        if name not in prefill:
+            return np.zeros(steps)
+        pre = op_seconds(prefill[name], device, dtype, pre_rows, cpu_gemm=cpu_gemm)
+        dec = op_seconds(decode[name], device, dtype, dec_rows, cpu_gemm=cpu_gemm)
+        return np.concatenate([[pre], dec * np.ones(steps - 1)])
+
+    def ffn(tokens: float, group: float) -> float:
+        memo = setting.ffn_memo.setdefault(role, {})
+        return expert_ffn_seconds(arch, device, dtype, tokens=tokens, group_tokens=group,
+                                  weight_dtype=setting.weight_dtype, cpu_gemm=cpu_gemm,
+                                  memo=memo)  # fmt: skip
+
+    head = lm_head_op(arch, batch=b, weight_dtype=setting.weight_dtype)
+    attention = both("attention", s_pre, arch.num_attention_heads / arch.num_key_value_heads)
+    on_cpu = cpu_gemm is not None
+    prefill_curve = device.prefill_attention_curves.get(setting.kv_dtype) if on_cpu else None
+    if prefill_curve is not None:
+        # prefill attention on the CPU at the executor's measured rate for the FLOPs it
+        # computes, the micro-batch padded to the longest prompt (hrm profile):
+        # T = F_exec / R(F_exec)
+        flops = prefill_attention_flops(arch, batch=b, length=wl.prompt_len_max)
+        attention[0] = flops / prefill_curve.at(flops)
+    curve = device.attention_curves.get(setting.kv_dtype) if on_cpu else None
+    if curve is not None and steps > 1:
+        # decode attention on the CPU at the executor's measured K/V read rate in the KV
+        # dtype for this many bytes per call (hrm profile): T = bytes / B_attn(bytes)
+        kv = np.asarray(decode["attention"].bytes, dtype=float) * np.ones(steps - 1)
+        attention[1:] = kv / curve.at_each(kv)
+    return {
+        "dense": sum(both(name, chunk, b) for name in DENSE_OPS),
+        "ffn": np.concatenate([[ffn(b * s_pre, chunk)], ffn(b, b) * np.ones(steps - 1)]),
+        "attention": attention,
+        "head": op_seconds(head, device, dtype, b, cpu_gemm=cpu_gemm) * np.ones(steps),
+    }
+
+
+def _kind_seconds(setting: Setting, b: float) -> MicroBatchSeconds:
+    """micro_batch_seconds of a model whose layers are all of one kind."""
+    arch, hw, steps = setting.arch, setting.hardware, setting.steps
+    dtype, s_pre = setting.compute_dtype, setting.workload.prefill_len
+    adt, kdt = dtype_bytes(ACTIVATION_DTYPE), dtype_bytes(setting.kv_dtype)
+    # a CPU standing in for the GPU runs the CPU's GEMM paths and kernels (hrm/stand_in.py)
+    cpu = _on_device(setting, b, "cpu", hw.cpu, setting.cpu_gemm_choice)
+    gpu = _on_device(setting, b, "gpu", hw.gpu, setting.cpu_gemm_choice if hw.stand_in else None)
+    cpu_overhead = hw.cpu.launch_overhead_for(dtype)
+    hidden_page = b * s_pre * arch.hidden_size * adt
+    kv_token = 2 * arch.kv_size * kdt  # K and V of one token in one layer
+
+    def steps_of(seconds, prefill: float, decode) -> np.ndarray:
+        return np.concatenate([[seconds(prefill)], seconds(decode) * np.ones(steps - 1)])
+
+    def h2d(nbytes):
+        return link_seconds(hw, nbytes, "h2d")
+
+    def d2h(nbytes):
+        return link_seconds(hw, nbytes, "d2h")
+
+    def all_reduce(nbytes):
+        return all_reduce_seconds(hw, nbytes)
+
+    return MicroBatchSeconds(
+        gpu_dense=gpu["dense"],
+        gpu_ffn=gpu["ffn"],
+        gpu_attention=gpu["attention"],
+        cpu_dense=cpu["dense"],
+        cpu_ffn=cpu["ffn"],
+        cpu_attention=cpu["attention"],
+        activations_to_gpu=steps_of(h2d, hidden_page, b * arch.q_size * adt),
+        activations_to_cpu=steps_of(d2h, hidden_page, b * (arch.q_size + 2 * arch.kv_size) * adt),
+        kv_to_gpu=np.concatenate([[0.0], h2d(b * setting.decode_contexts * kv_token)]),
+        kv_to_cpu=steps_of(d2h, b * s_pre * kv_token, b * kv_token),
+        # two all-reduces of the micro-batch's hidden states per layer (Megatron: after the O
+        # projection and after the expert FFN), prefill over all its prompt tokens
+        gpu_all_reduce=2 * steps_of(all_reduce, hidden_page, b * arch.hidden_size * adt),
+        cpu_launch=launch_seconds(
+            cpu_overhead, arch, steps, min(b * s_pre, PREFILL_CHUNK_TOKENS), b
+        ),
+        gpu_launch=unhidden_gpu_launch(
+            hw.gpu.launch_overhead_for(dtype) if hw.gpu is not None else None, gpu["dense"], steps
+        ),
+        head_gpu=gpu["head"],
+        head_cpu=cpu["head"] + step_seconds(cpu_overhead),
+        embed_to_gpu=h2d(b * arch.hidden_size * adt) * np.ones(steps),
+    )

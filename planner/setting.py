@@ -1,0 +1,117 @@
+"""Setting: everything fixed while the planner searches one model on one machine and workload."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hrm.arch import ModelArch
+from hrm.cpu_gemm import CpuGemmChoice, choose_cpu_gemm
+from hrm.hardware import HardwareProfile
+from hrm.placement import largest_page_bytes
+from hrm.workload import Workload
+from planner.memory import MemoryTerms, WeightBytes, memory_terms
+from planner.memory import placement_vector as vec
+from planner.transfers import check_tensor_parallel
+
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Setting:
+    """Everything fixed while a search runs: model, machine, workload, schedule, dtypes."""
+
+    arch: ModelArch
+    hardware: HardwareProfile
+    workload: Workload
+    schedule: str = "cgopipe"
+    weight_dtype: str = "bfloat16"
+    kv_dtype: str = "bfloat16"
+    # the CPU's GEMM path by token count (hrm.cpu_gemm); None: chosen from the profile's CPU
+    cpu_gemm: CpuGemmChoice | None = None
+    # the KV cache is left-padded to the longest prompt (the resident executor's), so decode
+    # attends over the padded slots even when prefill packs the prompts
+    padded_kv_cache: bool = False
+    # the routed FFN's seconds per group of tokens, by device role (planner.op_time)
+    ffn_memo: dict[str, dict[float, float]] = field(
+        default_factory=dict, init=False, compare=False, repr=False
+    )
+    # one Setting per kind of layer, with its share of the layers (kinds)
+    _kinds: list = field(default_factory=list, init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        check_tensor_parallel(self.arch, self.hardware)
+
+    def kinds(self) -> list[tuple[Setting, float]]:
+        """This setting for each kind of layer (ModelArch.layer_kinds), with its share of the
+        layers; itself alone when every layer is alike."""
+        if not self.arch.dense_layers:
+            return [(self, 1.0)]
+        if not self._kinds:
+            self._kinds.extend(
+                (dataclasses.replace(self, arch=kind), n / self.arch.num_layers)
+                for kind, n in self.arch.layer_kinds()
+            )
+        return self._kinds
+
+    @property
+    def compute_dtype(self) -> str:
+        """GEMMs run in the weight dtype, or bfloat16 after dequantising integer weights."""
+        return self.weight_dtype if self.weight_dtype in FLOAT_DTYPES else "bfloat16"
+
+    @property
+    def cpu_gemm_choice(self) -> CpuGemmChoice:
+        """The path the executor takes for each CPU GEMM: given (what a run took), else the one
+        hrm.cpu_gemm picks from the profile's curves."""
+        if self.cpu_gemm is not None:
+            return self.cpu_gemm
+        return choose_cpu_gemm(
+            self.hardware.cpu, self.compute_dtype, source=f"profile {self.hardware.name}"
+        )
+
+    @property
+    def steps(self) -> int:
+        return self.workload.gen_len
+
+    @property
+    def decode_contexts(self) -> np.ndarray:
+        """Keys a decode step attends over: S + t for t = 1..G-1 (S the mean, or the max when the
+        prompts or the cache are padded)."""
+        padded = self.workload.padding or self.padded_kv_cache
+        start = self.workload.prompt_len_max if padded else self.workload.prompt_len_mean
+        return start + np.arange(1, self.steps, dtype=float)
+
+    @property
+    def weights(self) -> WeightBytes:
+        return WeightBytes.of(self.arch, self.weight_dtype)
+
+    @property
+    def weights_staged(self) -> bool:
+        """The streamed weights exceed what the host may pin (`link.pinnable`, judged with every
+        layer streamed): they stay pageable and each page goes through a pinned staging ring."""
+        link = self.hardware.link
+        if link is None or link.pinnable_bytes is None:
+            return False
+        return self.arch.num_layers * self.weights.layer > link.pinnable_bytes
+
+    def memory(self, batch_size, micro_batch_size: int) -> MemoryTerms:
+        """Every buffer at N = batch_size (scalar or array) and mu = micro_batch_size; with staged
+        weights also the ring: F_g * 2 * the largest page of a layer streamed whole (pages cut
+        at tensor boundaries by hrm.placement, as the executor cuts them)."""
+        terms = memory_terms(
+            self.arch,
+            self.workload,
+            batch_size=batch_size,
+            micro_batch_size=micro_batch_size,
+            weight_dtype=self.weight_dtype,
+            kv_dtype=self.kv_dtype,
+            gpu_count=max(1, self.hardware.gpu_count),
+        )
+        if self.weights_staged:
+            m = np.ceil(np.asarray(batch_size, dtype=float) / micro_batch_size)
+            pages = np.ones_like(m) if self.schedule in ("serial", "overlap") else m
+            page = np.vectorize(lambda p: largest_page_bytes(self.arch, self.weight_dtype, int(p)))
+            terms.cpu["weight staging"] = 2 * page(pages)[..., None] * vec(ffn=1.0)
+        return terms
