@@ -68,15 +68,26 @@ def test_a_family_field_missing_is_named(run_cli, tmp_path, broken):
 
 
 @pytest.mark.parametrize(
-    ("change", "fragment"),
+    ("name", "change", "fragment"),
     [
-        ("model.layers.1.mlp.experts.3.up_proj.weight", "is missing from the checkpoint"),
-        ("model.layers.0.self_attn.q_norm.weight", "has shape [5]"),
+        (
+            "qwen3_moe",
+            "model.layers.1.mlp.experts.3.up_proj.weight",
+            "is missing from the checkpoint",
+        ),
+        ("qwen3_moe", "model.layers.0.self_attn.q_norm.weight", "has shape [5]"),
+        # a dense layer (decoder_sparse_step 2 makes layer 0 one) reads its MLP, not experts
+        (
+            "qwen3_moe-dense",
+            "model.layers.0.mlp.down_proj.weight",
+            "is missing from the checkpoint",
+        ),
+        ("qwen3_moe-dense", "model.layers.2.mlp.gate_proj.weight", "has shape [5]"),
     ],
 )
-def test_a_qwen_tensor_missing_or_misshapen_is_named(run_cli, tmp_path, broken, change,
+def test_a_qwen_tensor_missing_or_misshapen_is_named(run_cli, tmp_path, broken, name, change,
                                                      fragment):  # fmt: skip
-    path = broken("qwen3_moe")
+    path = broken(name)
     tensors = load_file(path / "model.safetensors")
     if "missing" in fragment:
         del tensors[change]

@@ -118,7 +118,10 @@ def test_layouts_load_the_same_weights(checkpoints, names):
             for dtype in ("bfloat16", "float16")
             for gemm, padded in (("native", False), ("widened", True))
         ),
-        *((name, "bfloat16", "native", False) for name in ("qwen2_moe", "qwen3_moe", "olmoe")),
+        *(
+            (name, "bfloat16", "native", False)
+            for name in ("qwen2_moe", "qwen3_moe", "olmoe", "qwen2_moe-dense", "qwen3_moe-dense")
+        ),
     ],
 )
 def test_16_bit_logits_within_tolerance_on_each_gemm_path(checkpoints, name, dtype, gemm, padded):
