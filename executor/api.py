@@ -29,7 +29,7 @@ from executor.checkpoint import (
 from executor.engine import engine_mode, jitter_seed
 from hrm.arch import ModelArch
 from hrm.errors import HrmError
-from hrm.io import read_prompts_file
+from hrm.requests import Request, prompt_ids, read_requests
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,14 +39,20 @@ class RunSpec:
     checkpoint: Path | None  # None: random weights made in memory for `arch`
     arch: ModelArch
     prompts: tuple[tuple[int, ...], ...]
-    gen_len: int
+    gen_len: int  # the longest answer: each request's default and cap
     dtype: str
     device: str
     tokenizer: Any = None  # the checkpoint's tokenizer, or None (token ids only)
+    requests: tuple[Request, ...] = ()  # a request file's lines; () for random prompts
 
     @property
     def batch_size(self) -> int:
         return len(self.prompts)
+
+    def max_new(self, i: int) -> int:
+        """Prompt i's most new tokens: its max_tokens, capped at gen_len, else gen_len."""
+        given = self.requests[i].max_tokens if self.requests else None
+        return self.gen_len if given is None else min(given, self.gen_len)
 
     @property
     def prompt_lens(self) -> list[int]:
@@ -57,7 +63,7 @@ def prepare_run(
     checkpoint: str | os.PathLike | None,
     *,
     random_arch: ModelArch | None = None,
-    gen_len: int,
+    gen_len: int | None,
     prompts_path: str | os.PathLike | None = None,
     prompt_len: int | None = None,
     batch: int | None = None,
@@ -67,32 +73,42 @@ def prepare_run(
 ) -> RunSpec:
     """Resolve a run's arguments into a RunSpec; every user error is an HrmError.
 
-    random_arch (with checkpoint None): random weights of that architecture, made in memory."""
+    random_arch (with checkpoint None): random weights of that architecture, made in memory.
+    gen_len None: the largest max_tokens of the request file, each of whose lines needs one."""
     directory = Path(checkpoint) if checkpoint is not None else None
     arch = read_arch(directory) if directory is not None else random_arch
     if dtype is not None and dtype not in TORCH_DTYPES:
         raise HrmError(f"--dtype: unknown dtype {dtype!r}; use one of {', '.join(TORCH_DTYPES)}")
     dtype = dtype or (stored_dtype(directory, arch) if directory is not None else "bfloat16")
-    if gen_len < 1:
+    if gen_len is not None and gen_len < 1:
         raise HrmError(f"--gen-len must be a positive integer, got {gen_len}")
     _check_device(device)
     tokenizer = load_tokenizer(directory) if directory is not None else None
     where = directory if directory is not None else f"random {arch.name} weights"
+    requests: tuple[Request, ...] = ()
     if prompts_path is not None:
-        prompts, needs_text = read_prompts_file(Path(prompts_path))
-        if needs_text and tokenizer is None:
+        requests = tuple(read_requests(Path(prompts_path)))
+        gen_len = _answer_length(requests, gen_len, prompts_path)
+        ids = [prompt_ids(r, tokenizer, where, prompts_path) for r in requests]
+        stops = next((r for r in requests if r.stop), None)
+        if stops is not None and tokenizer is None:
             raise HrmError(
-                f"{prompts_path}: has text prompts but {where} has no tokenizer; "
-                "give prompt_token_ids instead"
+                f"{prompts_path}:{stops.line}: stop strings, but {where} has no tokenizer to "
+                "read the text; remove them"
             )
-        ids = [p if isinstance(p, list) else tokenizer(p)["input_ids"] for p in prompts]
         _check_ids(ids, arch.vocab_size, prompts_path)
+        for r, p in zip(requests, ids, strict=True):
+            at = f"{prompts_path}:{r.line}: a prompt"
+            fix = "shorten it or lower its max_tokens" + ("" if r.max_tokens else " (--gen-len)")
+            arch.check_positions(len(p), r.max_tokens or gen_len, at, fix)
     else:
         if not prompt_len or prompt_len < 1 or not batch or batch < 1:
             raise HrmError("--prompt-len and --batch must both be positive integers")
+        if gen_len is None:
+            raise HrmError("--gen-len: give the tokens to generate for each random prompt")
         g = torch.Generator().manual_seed(seed)
         ids = torch.randint(0, arch.vocab_size, (batch, prompt_len), generator=g).tolist()
-    arch.check_positions(max(len(p) for p in ids), gen_len)
+        arch.check_positions(prompt_len, gen_len)
     return RunSpec(
         checkpoint=directory,
         arch=arch,
@@ -101,7 +117,20 @@ def prepare_run(
         dtype=dtype,
         device=device,
         tokenizer=tokenizer,
+        requests=requests,
     )
+
+
+def _answer_length(requests, gen_len: int | None, path) -> int:
+    """--gen-len, else the largest max_tokens (then every request needs one)."""
+    if gen_len is not None:
+        return gen_len
+    missing = next((r for r in requests if r.max_tokens is None), None)
+    if missing is not None:
+        raise HrmError(
+            f"{path}:{missing.line}: no max_tokens, and no --gen-len for it; give one or the other"
+        )
+    return max(r.max_tokens for r in requests)
 
 
 def _check_device(device: str) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -33,10 +33,22 @@ class Sampling:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Limits:
+    """One sequence's own: at most `max_new` tokens, its sampling (its generator seeded with its
+    seed), and stop strings that end it once its text holds one (`decode` gives the text)."""
+
+    max_new: int
+    sampling: Sampling = Sampling()
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
 class Generation:
     output_token_ids: list[list[int]]  # per prompt, in input order; ends at its stop token if any
     prefill_s: float  # prompts through the model and the first token sampled
     decode_s: float  # every later step
+    finish_reasons: list[str] = field(default_factory=list)  # "stop" or "length", per prompt
+    decode_rows: int = 0  # sequence-steps computed after prefill (finished ones leave the batch)
     step_logits: list[torch.Tensor] = field(default_factory=list)  # [B, V] per step, if asked
 
     @property
@@ -71,72 +83,120 @@ def generate(
     gen_len: int,
     *,
     sampling: Sampling = Sampling(),
+    limits: Sequence[Limits] | None = None,
     stop_token_ids: Sequence[int] = (),
+    decode: Callable[[list[int]], str] | None = None,
     keep_logits: bool = False,
     on_step: Callable[[str], None] | None = None,
     micro_batch_sizes: Sequence[int] | None = None,
 ) -> Generation:
-    """Generate up to `gen_len` tokens for every prompt; a sequence stops after a stop token.
+    """Generate up to `gen_len` tokens for every prompt; a sequence stops after a stop token,
+    at its own `limits` (default: gen_len, `sampling` with seed + its row), or once `decode` of
+    its tokens holds one of its stop strings. A sequence that stops leaves its micro-batch, so
+    no later step computes it; the batch ends when every sequence has stopped.
 
     `model` is a resident MoEModel or a placed Runtime (executor/runtime.py): the one loop below
     drives both. on_step(phase) after each step: "prefill" once (the first token), then "decode"
     per step. micro_batch_sizes: how a Runtime cuts the batch (default mu each)."""
     if gen_len < 1 or not prompts or not all(prompts):
         raise HrmError("generation needs at least one non-empty prompt and gen_len >= 1")
-    runtime = model if isinstance(model, Runtime) else resident_runtime(model)
-    device = runtime.device
     B = len(prompts)
-    generator = torch.Generator(device=device).manual_seed(sampling.seed)
-    stops = torch.tensor(list(stop_token_ids), dtype=torch.long, device=device)
-
+    if limits is None:
+        limits = [Limits(max_new=gen_len, sampling=replace(sampling, seed=sampling.seed + i))
+                  for i in range(B)]  # fmt: skip
+    if any(not 1 <= lim.max_new <= gen_len for lim in limits):
+        raise HrmError(f"each sequence's max_new must be in [1, {gen_len}]")
+    runtime = model if isinstance(model, Runtime) else resident_runtime(model)
+    state = _Sequences(limits, stop_token_ids, decode, runtime.device)
     step_logits: list[torch.Tensor] = []
-    tokens = torch.empty(B, gen_len, dtype=torch.long, device=device)  # [B, N]
-    finished = torch.zeros(B, dtype=torch.bool, device=device)  # [B]
-    stop_step = gen_len
-
     t0 = time.perf_counter()
     try:
         with torch.inference_mode():
             runtime.start_batch([list(p) for p in prompts], gen_len, micro_batch_sizes)
+            previous = None
             for step in range(gen_len):
-                previous = tokens[:, step - 1] if step else None
                 logits = runtime.step(step, previous, last=step == gen_len - 1)
                 if keep_logits:
                     step_logits.append(logits)
-                tokens[:, step] = sample(logits, sampling, generator)
+                previous = state.advance(logits)
                 if step == 0:
-                    _sync(device)  # a GPU's work is queued: the clock waits for it
+                    _sync(runtime.device)  # a GPU's work is queued: the clock waits for it
                     t1 = time.perf_counter()  # the first token is prefill's output
                 if on_step is not None:
                     on_step("decode" if step else "prefill")
-                if stops.numel():
-                    finished |= torch.isin(tokens[:, step], stops)
-                    if bool(finished.all()):
-                        stop_step = step + 1
-                        break
-        _sync(device)
+                keep = state.retire()
+                if not keep.any():
+                    break
+                if not keep.all():
+                    runtime.retire(keep)
+                    previous = previous[keep.to(previous.device)]
+                state.decode_rows += int(keep.sum()) if step + 1 < gen_len else 0
+        _sync(runtime.device)
         t2 = time.perf_counter()
     finally:
         if runtime is not model:
             runtime.close()
     return Generation(
-        output_token_ids=_trim(tokens[:, :stop_step].tolist(), stop_token_ids),
+        output_token_ids=state.tokens,
         prefill_s=t1 - t0,
         decode_s=t2 - t1,
+        finish_reasons=state.reasons,
+        decode_rows=state.decode_rows,
         step_logits=step_logits,
     )
+
+
+class _Sequences:
+    """Each sequence's tokens and why it stopped, and which rows of the running batch are which
+    sequences (rows leave the batch as their sequences stop)."""
+
+    def __init__(self, limits: Sequence[Limits], stop_token_ids, decode, device: torch.device):
+        self.limits, self.decode = list(limits), decode
+        self.stops = set(stop_token_ids)
+        self.rows = list(range(len(limits)))  # row -> sequence
+        self.tokens: list[list[int]] = [[] for _ in limits]
+        self.reasons: list[str] = ["length"] * len(limits)
+        self.done = [False] * len(limits)
+        self.decode_rows = 0
+        self.generators = [
+            torch.Generator(device=device).manual_seed(lim.sampling.seed)
+            if lim.sampling.temperature > 0
+            else None
+            for lim in limits
+        ]
+
+    def advance(self, logits: torch.Tensor) -> torch.Tensor:
+        """Sample every row's next token [rows], and note the sequences it ends."""
+        out = logits.argmax(dim=-1)
+        for row, i in enumerate(self.rows):
+            if self.generators[i] is not None:
+                out[row] = sample(
+                    logits[row : row + 1], self.limits[i].sampling, self.generators[i]
+                )
+        for row, token in enumerate(out.tolist()):
+            i = self.rows[row]
+            self.tokens[i].append(token)
+            if token in self.stops or self._stop_string(i):
+                self.done[i], self.reasons[i] = True, "stop"
+            elif len(self.tokens[i]) >= self.limits[i].max_new:
+                self.done[i] = True
+        return out
+
+    def _stop_string(self, i: int) -> bool:
+        stop = self.limits[i].stop
+        return (
+            bool(stop)
+            and self.decode is not None
+            and any(s in self.decode(self.tokens[i]) for s in stop)
+        )
+
+    def retire(self) -> torch.Tensor:
+        """The rows that go on [rows] (bool); the others' sequences have stopped."""
+        keep = torch.tensor([not self.done[i] for i in self.rows], dtype=torch.bool)
+        self.rows = [i for i in self.rows if not self.done[i]]
+        return keep
 
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _trim(rows: list[list[int]], stop_token_ids: Sequence[int]) -> list[list[int]]:
-    """Cut each sequence after its first stop token (kept, as transformers keeps EOS)."""
-    stops = set(stop_token_ids)
-    out = []
-    for row in rows:
-        end = next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
-        out.append(row[:end])
-    return out

@@ -71,6 +71,25 @@ class KVCache:
         self.length = padded_len
         self._valid_on.clear()
 
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep only sequences `rows` (indices, in order), for the steps after some stopped. A
+        slot-major layer is rewritten into the front of its own (pinned) storage, contiguous."""
+        for layer in range(len(self.k)):
+            if layer in self.slots:
+                pair = []
+                for t in self.slots[layer]:
+                    kept = t[:, rows].clone()  # [S, b, nkv, D]
+                    front = t.view(-1)[: kept.numel()].view(kept.shape)
+                    pair.append(front.copy_(kept))
+                self.slots[layer] = (pair[0], pair[1])
+                self.k[layer], self.v[layer] = (t.permute(1, 2, 0, 3) for t in pair)
+            else:
+                index = rows.to(self.k[layer].device)
+                self.k[layer], self.v[layer] = self.k[layer][index], self.v[layer][index]
+        self.key_valid = self.key_valid[rows.to(self.key_valid.device)]
+        self.has_padding = not bool(self.key_valid.all())
+        self._valid_on.clear()
+
     def write_prompts(
         self,
         layer: int,

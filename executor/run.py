@@ -20,7 +20,7 @@ import torch
 from executor.api import RunSpec, load_weights, peak_memory_bytes
 from executor.batching import PartialOutput, plan_batches
 from executor.checkpoint import TORCH_DTYPES, Checkpoint
-from executor.generate import Sampling, generate
+from executor.generate import Limits, Sampling, generate
 from executor.runtime import placed_runtime
 from hrm.arch import ModelArch
 from hrm.cpu_gemm import CpuGemmChoice
@@ -31,6 +31,7 @@ from hrm.profiling import BUSY_WARNING_SHARE
 from hrm.profiling.cpu import cpu_times, measured_others_share
 from hrm.progress import progress_bar
 from hrm.record import Measurement
+from hrm.requests import answer_line
 from hrm.units import format_bytes
 
 
@@ -132,22 +133,30 @@ def execute(
     done: dict[int, dict[str, Any]] = {}
     totals = {"prefill_s": 0.0, "decode_s": 0.0, "generated_tokens": 0}
     peak_buffers: dict[str, dict[str, float]] = {"gpu": {}, "cpu": {}}
-    bar = progress_bar(total=len(pending) * spec.gen_len, desc="prefill", quiet=quiet)
+    steps_of = [max(spec.max_new(i) for i in b.indices) for b in pending]
+    bar = progress_bar(total=sum(steps_of), desc="prefill", quiet=quiet)
     times_before, start = cpu_times(), time.perf_counter()
+    created = int(time.time())
     try:
-        for batch in pending:
+        for batch, batch_steps in zip(pending, steps_of, strict=True):
             steps = bar.n
             gen = generate(
                 runtime,
                 [spec.prompts[i] for i in batch.indices],
-                spec.gen_len,
-                sampling=sampling or Sampling(),
+                batch_steps,
+                limits=[_limits(spec, i, sampling or Sampling()) for i in batch.indices],
                 stop_token_ids=stop_token_ids,
+                decode=_decoder(spec),
                 micro_batch_sizes=batch.micro_batch_sizes,
                 on_step=lambda phase: (bar.set_description(phase, refresh=False), bar.update()),
             )
-            bar.update(steps + spec.gen_len - bar.n)  # the steps a batch that stopped early saved
-            rows = [_output(spec, ids) for ids in gen.output_token_ids]
+            bar.update(steps + batch_steps - bar.n)  # the steps a batch that stopped early saved
+            rows = [
+                _output(spec, i, ids, reason, created)
+                for i, ids, reason in zip(
+                    batch.indices, gen.output_token_ids, gen.finish_reasons, strict=True
+                )
+            ]
             if partial is not None:
                 partial.append(batch.indices, rows)
             if on_batch is not None:
@@ -195,10 +204,40 @@ def _placed(spec: RunSpec, policy: Policy, schedule: str, checkpoint, cpu_gemm, 
     )
 
 
-def _output(spec: RunSpec, ids: list[int]) -> dict[str, Any]:
-    """One output line: the generated ids and, with a tokenizer, their text."""
+def _limits(spec: RunSpec, i: int, run: Sampling) -> Limits:
+    """Prompt i's own length, sampling and stop strings: its request's where it gives them,
+    else the run's, its seed the run's plus i (so that a prompt's draws do not depend on the
+    batch it runs in)."""
+    r = spec.requests[i] if spec.requests else None
+    sampling = Sampling(
+        temperature=run.temperature if r is None or r.temperature is None else r.temperature,
+        top_p=run.top_p if r is None or r.top_p is None else r.top_p,
+        seed=run.seed + i if r is None or r.seed is None else r.seed,
+    )
+    return Limits(max_new=spec.max_new(i), sampling=sampling, stop=r.stop if r else ())
+
+
+def _decoder(spec: RunSpec) -> Callable[[list[int]], str] | None:
+    if spec.tokenizer is None:
+        return None
+    return lambda ids: spec.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _output(spec: RunSpec, i: int, ids: list[int], reason: str, created: int) -> dict[str, Any]:
+    """Prompt i's output line: OpenAI's batch answer for an OpenAI request, else the generated
+    ids and (with a tokenizer) their text, why it stopped and its token counts. The text ends
+    before the first stop string it holds."""
+    r = spec.requests[i] if spec.requests else None
     text = None if spec.tokenizer is None else spec.tokenizer.decode(ids, skip_special_tokens=True)
-    return {"output_token_ids": ids, "text": text}
+    if text is not None and r is not None and r.stop:
+        cut = min((text.find(s) for s in r.stop if s in text), default=len(text))
+        text = text[:cut]
+    counts = {"prompt_tokens": len(spec.prompts[i]), "completion_tokens": len(ids)}
+    if r is not None and r.openai:
+        name = spec.checkpoint.name if spec.checkpoint else spec.arch.name
+        return answer_line(r, i, text=text or "", finish_reason=reason, model=name,
+                           created=created, **counts)  # fmt: skip
+    return {"output_token_ids": ids, "text": text, "finish_reason": reason, **counts}
 
 
 def _keep_peaks(peaks: dict[str, dict[str, float]], now: dict[str, dict[str, float]]) -> None:

@@ -237,6 +237,24 @@ class Runtime:
                 mb.cache.length += 1
         return torch.cat([mb.buffers.pop("logits") for mb in self.micro_batches])
 
+    def retire(self, keep: torch.Tensor) -> None:
+        """Drop the rows whose sequences stopped (keep [rows], bool, in step order) from their
+        micro-batches, and the micro-batches left empty: later steps compute only the rest."""
+        kept, start = [], 0
+        for mb in self.micro_batches:
+            rows = keep[start : start + mb.size]
+            start += mb.size
+            if rows.all():
+                kept.append(mb)
+            elif rows.any():
+                index = rows.nonzero().flatten()
+                mb.lens = mb.lens[index.to(mb.lens.device)]
+                mb.cache.keep_rows(index)
+                kept.append(mb)
+        for j, mb in enumerate(kept):
+            mb.index = j
+        self.batch.micro_batches[:] = kept
+
     # -- what the run reports ------------------------------------------------------------------
 
     def allocated_bytes(self) -> dict[str, dict[str, float]]:

@@ -96,26 +96,21 @@ def _given_workload(args):
 
 
 def prompt_lengths(path: Path, model: str) -> list[int]:
-    """Every prompt's length in tokens: token ids counted, text tokenized with the tokenizer of
-    the --model checkpoint directory (a bundled config has none)."""
-    from hrm.io import read_prompts_file
+    """Every prompt's length in tokens: token ids counted, text tokenized (and chat messages
+    rendered) with the tokenizer of the --model checkpoint directory (a bundled config has none)."""
+    from hrm.requests import prompt_ids, read_requests
 
-    prompts, needs_text = read_prompts_file(path)
+    requests = read_requests(path)
     tokenizer = None
-    if needs_text:
+    if any(not isinstance(r.prompt, list) for r in requests):
         directory = Path(model)
         directory = directory.parent if directory.name == "config.json" else directory
         if directory.is_dir():
             from executor.checkpoint import load_tokenizer
 
             tokenizer = load_tokenizer(directory)
-        if tokenizer is None:
-            line = next(n for n, p in enumerate(prompts, 1) if isinstance(p, str))
-            raise HrmError(
-                f"{path}:{line}: a text prompt, and --model {model} has no tokenizer to count its "
-                "tokens; give --model a checkpoint directory with one, or prompt_token_ids"
-            )
-    return [len(p) if isinstance(p, list) else len(tokenizer(p)["input_ids"]) for p in prompts]
+    where = f"--model {model}"
+    return [len(prompt_ids(r, tokenizer, where, path)) for r in requests]
 
 
 def max_batch(args, job: Job | None) -> int | None:

@@ -53,12 +53,19 @@ def add_parser(subparsers) -> None:
     )
     prompts = p.add_mutually_exclusive_group(required=True)
     prompts.add_argument(
-        "--prompts", help='JSONL: {"prompt_token_ids": [...]} or {"prompt": "text"} per line'
+        "--prompts",
+        help='JSONL: {"prompt_token_ids": [...]} or {"prompt": "text"} per line, or OpenAI batch '
+        "requests (/v1/chat/completions, /v1/completions)",
     )
     prompts.add_argument("--prompt-len", type=int, help="random prompts of this many tokens")
     p.add_argument("--batch", type=int, help="number of random prompts (with --prompt-len)")
     p.add_argument("--seed", type=int, default=0, help="seed of random prompts and sampling (0)")
-    p.add_argument("--gen-len", type=int, required=True, help="tokens to generate per prompt")
+    p.add_argument(
+        "--gen-len",
+        type=int,
+        help="tokens to generate per prompt: the default, and the cap, of a request's max_tokens "
+        "(default: the largest max_tokens in --prompts)",
+    )
     p.add_argument("--device", default="cpu", help="cpu or cuda (cpu)")
     p.add_argument(
         "--dtype",
@@ -146,6 +153,10 @@ def _settings(args, job) -> dict:
         "gen_len": job.spec.gen_len,
         "dtype": job.spec.dtype,
         "sampling": [args.temperature, args.top_p, args.seed],
+        "requests": [
+            [r.max_tokens, r.temperature, r.top_p, r.seed, list(r.stop), r.custom_id]
+            for r in job.spec.requests
+        ],
         "ignore_eos": args.ignore_eos,
     }
 
