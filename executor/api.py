@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import resource
 import sys
+from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,8 @@ from executor.checkpoint import (
 from executor.engine import engine_mode, jitter_seed
 from hrm.arch import ModelArch
 from hrm.errors import HrmError
-from hrm.requests import Request, prompt_ids, read_requests
+from hrm.requests import Request, answer_lengths, prompt_ids, read_requests
+from hrm.workload import Workload
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,6 +50,16 @@ class RunSpec:
     @property
     def batch_size(self) -> int:
         return len(self.prompts)
+
+    def workload(self, indices: Sequence[int] | None = None) -> Workload:
+        """The prompts at `indices` (default all) with each one's most new tokens, unpadded
+        (prefill packs the prompts)."""
+        indices = range(self.batch_size) if indices is None else indices
+        return Workload.from_prompt_lens(
+            [len(self.prompts[i]) for i in indices],
+            self.gen_len,
+            answer_lens=[self.max_new(i) for i in indices],
+        )
 
     def max_new(self, i: int) -> int:
         """Prompt i's most new tokens: its max_tokens, capped at gen_len, else gen_len."""
@@ -88,7 +100,7 @@ def prepare_run(
     requests: tuple[Request, ...] = ()
     if prompts_path is not None:
         requests = tuple(read_requests(Path(prompts_path)))
-        gen_len = _answer_length(requests, gen_len, prompts_path)
+        gen_len = max(answer_lengths(list(requests), gen_len, prompts_path))
         ids = [prompt_ids(r, tokenizer, where, prompts_path) for r in requests]
         stops = next((r for r in requests if r.stop), None)
         if stops is not None and tokenizer is None:
@@ -119,18 +131,6 @@ def prepare_run(
         tokenizer=tokenizer,
         requests=requests,
     )
-
-
-def _answer_length(requests, gen_len: int | None, path) -> int:
-    """--gen-len, else the largest max_tokens (then every request needs one)."""
-    if gen_len is not None:
-        return gen_len
-    missing = next((r for r in requests if r.max_tokens is None), None)
-    if missing is not None:
-        raise HrmError(
-            f"{path}:{missing.line}: no max_tokens, and no --gen-len for it; give one or the other"
-        )
-    return max(r.max_tokens for r in requests)
 
 
 def _check_device(device: str) -> None:

@@ -96,7 +96,7 @@ def check_plan(
 class RunResult:
     outputs: dict[int, dict[str, Any]]  # input index -> output line, of the batches run now
     measured: Measurement
-    batches: list[list[int]]  # prompt lengths of each batch that ran, for the prediction
+    batches: list[tuple[int, ...]]  # input indices of each batch that ran, for the prediction
     environment: dict[str, Any]
     cpu_gemm: CpuGemmChoice | None  # the GEMM path the layers took on a CPU, else None
 
@@ -182,7 +182,7 @@ def execute(
     return RunResult(
         outputs=done,
         measured=measured,
-        batches=[[len(spec.prompts[i]) for i in b.indices] for b in pending],
+        batches=[b.indices for b in pending],
         environment=environment,
         cpu_gemm=runtime.model.cpu_gemm,
     )

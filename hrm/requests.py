@@ -218,6 +218,20 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def answer_lengths(requests: list[Request], gen_len: int | None, path) -> list[int]:
+    """Each request's most new tokens: its max_tokens capped at gen_len (--gen-len, a default and
+    a cap), else gen_len; without gen_len every request needs its own."""
+    if gen_len is None:
+        missing = next((r for r in requests if r.max_tokens is None), None)
+        if missing is not None:
+            raise HrmError(
+                f"{path}:{missing.line}: no max_tokens, and no --gen-len for it; give one or the "
+                "other"
+            )
+        return [r.max_tokens for r in requests]
+    return [gen_len if r.max_tokens is None else min(r.max_tokens, gen_len) for r in requests]
+
+
 def prompt_ids(request: Request, tokenizer, where, path) -> list[int]:
     """A request's prompt as token ids: given, tokenized, or its chat rendered by the
     checkpoint's chat template with the generation prompt (as transformers renders it)."""

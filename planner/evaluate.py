@@ -146,7 +146,7 @@ def build_plan(model: BatchModel, policy: Policy, *, whole_tensors: bool = True)
         predicted=Prediction(
             prefill_s=float(step[0]),
             decode_s=float(step[1:].sum()),
-            generated_tokens=model.batch_size * setting.workload.gen_len,
+            generated_tokens=round(model.batch_size * setting.workload.gen_len_mean),
         ),
         busy_s=busy,
         memory=memory,

@@ -43,9 +43,30 @@ class MicroBatchSeconds:
     embed_to_gpu: np.ndarray  # next tokens' embeddings, gathered on the CPU
 
 
+# the share of a micro-batch a decode step computes, rounded up to this many parts (at most this
+# many distinct evaluations per micro-batch size)
+ACTIVE_PARTS = 64
+
+
 def micro_batch_seconds(setting: Setting, b: float) -> MicroBatchSeconds:
     """Per-layer seconds of one micro-batch of b sequences at each step, on either device: of the
-    mean layer where dense layers sit among sparse ones (docs/decisions.md, 2026-12-05)."""
+    mean layer where dense layers sit among sparse ones (docs/decisions.md, 2026-12-05). Where
+    the requests have lengths of their own, decode step t computes the sequences still going,
+    b * active_t of them in expectation (Workload.decode_active, rounded up to 1/ACTIVE_PARTS)."""
+    full = _mean_layer(setting, b)
+    active = np.ceil(setting.workload.decode_active * ACTIVE_PARTS - 1e-9) / ACTIVE_PARTS
+    if (active >= 1).all():
+        return full
+    fields = {f.name: getattr(full, f.name).copy() for f in dataclasses.fields(MicroBatchSeconds)}
+    for share in np.unique(active[active < 1]):  # > 0: the longest answer runs to the last step
+        fewer = _mean_layer(setting, b * float(share))
+        steps = 1 + np.flatnonzero(active == share)  # decode step t is entry t
+        for name, values in fields.items():
+            values[steps] = getattr(fewer, name)[steps]
+    return MicroBatchSeconds(**fields)
+
+
+def _mean_layer(setting: Setting, b: float) -> MicroBatchSeconds:
     kinds = [(_kind_seconds(kind, b), share) for kind, share in setting.kinds()]
     if len(kinds) == 1:
         return kinds[0][0]

@@ -222,7 +222,7 @@ def bracket_row(
     attention, points whose bound passes `threshold` are solved along the memory frontier."""
     ffn, att = combo
     fill = fill_gpu(setting, m * mu, mu, combo)
-    tokens = m * mu * setting.workload.gen_len
+    tokens = m * mu * setting.workload.gen_len_mean
 
     def throughput(rw: np.ndarray, rc: np.ndarray, keep: np.ndarray) -> np.ndarray:
         v = np.stack(
@@ -275,18 +275,19 @@ def _frontier_optimum(setting: Setting, fill: Fill, idx: np.ndarray, throughput)
 
 def row_bound(setting: Setting, mb, combos: list[tuple[int, int]], mu: int) -> float:
     """Throughput no N = m*mu can beat: every decode step costs at least L * m * (one micro-batch's
-    dense and expert work on the device that runs the layers), so tok/s <= mu*G / ((G-1)*L*that)."""
-    gen = setting.workload.gen_len
-    if gen < 2:
+    dense and expert work on the device that runs the layers), so tok/s <= mu * (mean answer
+    length) / (L * that work summed over the decode steps)."""
+    if setting.workload.gen_len < 2:
         return math.inf
     per_mb = [
-        mb.gpu_dense[1] + mb.gpu_ffn[1]
+        (mb.gpu_dense[1:] + mb.gpu_ffn[1:]).sum()
         if f
-        else mb.cpu_dense[1] + mb.cpu_ffn[1] + mb.cpu_attention[1]
+        else (mb.cpu_dense[1:] + mb.cpu_ffn[1:] + mb.cpu_attention[1:]).sum()
         for f, _ in combos
     ]
     least = min(per_mb)
-    return math.inf if least <= 0 else mu * gen / ((gen - 1) * setting.arch.num_layers * least)
+    tokens = mu * setting.workload.gen_len_mean
+    return math.inf if least <= 0 else tokens / (setting.arch.num_layers * least)
 
 
 def largest_batch(setting: Setting) -> int:

@@ -1,6 +1,7 @@
 """Policy, Workload, Plan and RunRecord: strict, frozen, and round-tripping through their files."""
 
 import dataclasses
+import re
 
 import pytest
 
@@ -99,3 +100,30 @@ def test_run_record_round_trips_and_reports_error(tmp_path):
     assert record.measured.throughput_tok_s == 80.0
     assert record.prediction_error == pytest.approx((100 - 80) / 80)
     assert RunRecord.load(record.save(tmp_path / "run.json")) == record
+
+
+def test_a_workload_of_requests_with_their_own_lengths():
+    w = Workload.from_prompt_lens([10, 20, 30, 40], 99, answer_lens=[4, 2, 4, 1])
+    assert w.gen_len == 4 and w.gen_lens == ((1, 1), (2, 1), (4, 2))
+    assert w.gen_len_mean == 11 / 4
+    assert list(w.decode_active) == [0.75, 0.5, 0.5]  # steps 1..3: longer than 1, 2, 3
+    assert Workload.from_dict(w.to_dict()) == w
+    assert (
+        "gen_lens" not in WORKLOAD.to_dict() and Workload.from_dict(WORKLOAD.to_dict()) == WORKLOAD
+    )
+    same = Workload.from_prompt_lens([10, 20], 99, answer_lens=[7, 7])
+    assert same.gen_len == 7 and same.gen_lens == ()
+
+
+@pytest.mark.parametrize(
+    ("gen_lens", "fragment"),
+    [
+        ([[4, 1], [9, 2]], "must be in [1, gen_len] and reach 8"),
+        ([[8, 0]], "needs a positive count"),
+        ([[8]], "gen_lens must be a list of [length, count] pairs"),
+    ],
+)
+def test_a_workloads_bad_answer_lengths_are_refused(gen_lens, fragment):
+    data = dict(WORKLOAD.to_dict(), gen_len=8, gen_lens=gen_lens)
+    with pytest.raises(HrmError, match=re.escape(fragment)):
+        Workload.from_dict(data)

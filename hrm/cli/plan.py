@@ -50,7 +50,12 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument("--max-prompt-len", type=int, help="longest prompt (default: the mean)")
     p.add_argument("--padding", action="store_true", help="pad every prompt to the longest")
-    p.add_argument("--gen-len", type=int, required=True, help="tokens generated per sequence")
+    p.add_argument(
+        "--gen-len",
+        type=int,
+        help="tokens generated per sequence: with --prompts, the default and cap of each "
+        "request's max_tokens (default: the largest max_tokens)",
+    )
     p.add_argument("--cpu-mem", help="CPU memory to plan for, e.g. '128 GB' (default: profile)")
     p.add_argument("--gpu-mem", help="memory per GPU to plan for, e.g. '12 GB' (default: profile)")
     p.add_argument("--pcie", help="host-to-device bandwidth per GPU, e.g. '16 GB/s'")

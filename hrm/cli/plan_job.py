@@ -56,17 +56,19 @@ def workload_and_job(args, arch):
     lengths fit the model's positions."""
     from hrm.workload import Workload
 
-    if args.gen_len <= 0:
+    if args.gen_len is not None and args.gen_len <= 0:
         raise HrmError(f"--gen-len must be positive, got {args.gen_len}")
     if args.prompts is not None:
         if args.prompt_len is not None or args.max_prompt_len is not None:
             raise HrmError(
                 "--prompts gives the prompt lengths; leave out --prompt-len and --max-prompt-len"
             )
-        lens = prompt_lengths(Path(args.prompts), args.model)
-        workload = Workload.from_prompt_lens(lens, args.gen_len, padding=args.padding)
-        job = Job(prompts=len(lens), tokens=float(len(lens) * args.gen_len))
+        lens, answers = prompt_lengths(Path(args.prompts), args.model, args.gen_len)
+        workload = Workload.from_prompt_lens(lens, max(answers), args.padding, answers)
+        job = Job(prompts=len(lens), tokens=float(sum(answers)))
     else:
+        if args.gen_len is None:
+            raise HrmError("--gen-len: give the tokens each sequence generates")
         workload = _given_workload(args)
         job = None
         if args.dataset_tokens is not None:
@@ -95,10 +97,11 @@ def _given_workload(args):
     )
 
 
-def prompt_lengths(path: Path, model: str) -> list[int]:
-    """Every prompt's length in tokens: token ids counted, text tokenized (and chat messages
-    rendered) with the tokenizer of the --model checkpoint directory (a bundled config has none)."""
-    from hrm.requests import prompt_ids, read_requests
+def prompt_lengths(path: Path, model: str, gen_len: int | None) -> tuple[list[int], list[int]]:
+    """Every prompt's length in tokens, and its most new tokens (its max_tokens capped at
+    --gen-len, else --gen-len): token ids counted, text tokenized (and chat messages rendered)
+    with the tokenizer of the --model checkpoint directory (a bundled config has none)."""
+    from hrm.requests import answer_lengths, prompt_ids, read_requests
 
     requests = read_requests(path)
     tokenizer = None
@@ -110,7 +113,8 @@ def prompt_lengths(path: Path, model: str) -> list[int]:
 
             tokenizer = load_tokenizer(directory)
     where = f"--model {model}"
-    return [len(prompt_ids(r, tokenizer, where, path)) for r in requests]
+    lens = [len(prompt_ids(r, tokenizer, where, path)) for r in requests]
+    return lens, answer_lengths(requests, gen_len, path)
 
 
 def max_batch(args, job: Job | None) -> int | None:

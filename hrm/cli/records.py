@@ -15,7 +15,6 @@ def run_record(spec, result, *, policy, schedule: str, profile=None, plan=None):
     """The RunRecord: the plan (None for a resident run), the prediction on `profile` (None: no
     prediction) and the measurement."""
     from hrm.record import RunRecord
-    from hrm.workload import Workload
     from planner import MODEL_VERSION
 
     predicted = None
@@ -29,7 +28,7 @@ def run_record(spec, result, *, policy, schedule: str, profile=None, plan=None):
         model=spec.arch.name,
         hardware=hardware,
         # prefill packs the prompts (no compute on padding), so the workload is unpadded
-        workload=Workload.from_prompt_lens(spec.prompt_lens, spec.gen_len).to_dict(),
+        workload=spec.workload().to_dict(),
         plan=plan.to_dict() if plan is not None else None,
         predicted=predicted,
         measured=result.measured,
@@ -39,20 +38,19 @@ def run_record(spec, result, *, policy, schedule: str, profile=None, plan=None):
 
 def _predict_batches(spec, result, policy, schedule, profile) -> dict:
     """The planner's prediction summed over the batches that ran, and each resource's busy time."""
-    from hrm.workload import Workload
     from planner import predict
 
     totals = {"prefill_s": 0.0, "decode_s": 0.0, "generated_tokens": 0}
     busy: dict[str, float] = {}
-    for lens in result.batches:
-        n = len(lens)
+    for indices in result.batches:
+        n = len(indices)
         at_batch = dataclasses.replace(
             policy, batch_size=n, micro_batch_size=min(n, policy.micro_batch_size)
         )
         batch_plan = predict(
             spec.arch,
             profile,
-            Workload.from_prompt_lens(lens, spec.gen_len),
+            spec.workload(indices),
             at_batch,
             schedule,
             cpu_gemm=result.cpu_gemm,

@@ -155,7 +155,6 @@ def _plan_for(args, spec, hardware):
     from hrm.cli.memory_check import host_budget
     from hrm.errors import HrmError
     from hrm.units import format_bytes, parse_bytes
-    from hrm.workload import Workload
     from planner.search import search
 
     if not hardware.has_gpu and not args.gpu_mem:
@@ -177,7 +176,7 @@ def _plan_for(args, spec, hardware):
         from hrm.stand_in import stand_in_profile
 
         hardware = stand_in_profile(hardware.with_resources(cpu_memory_bytes=cpu), gpu)
-    workload = Workload.from_prompt_lens(spec.prompt_lens, spec.gen_len)
+    workload = spec.workload()
     result = search(
         spec.arch,
         hardware,

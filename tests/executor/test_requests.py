@@ -230,3 +230,17 @@ def test_chat_without_a_tokenizer_is_refused(run_cli, tmp_path, checkpoints):
     status, _, err = run_cli("run", "--checkpoint", checkpoints["mixtral-single"], "--prompts",
                              path, "--quiet")  # fmt: skip
     assert_one_line_error(status, err, "batch.jsonl:1: chat messages, but", "has no tokenizer")
+
+
+def test_the_runs_prediction_takes_each_requests_length(run_cli, tmp_path, checkpoints):
+    """--hardware predicts the batch with each request's own length: the tokens it predicts are
+    the tokens the run generates, and the record's workload says the lengths."""
+    requests = [completion(f"r{i}", [5 + i, 6, 7], max_tokens=n) for i, n in enumerate((2, 6, 3))]
+    status, out, err = run_cli("run", "--checkpoint", checkpoints["mixtral-single"], "--prompts",
+                               write(tmp_path / "b.jsonl", requests), "--hardware", "ci-cpu",
+                               "--quiet", "--json")  # fmt: skip
+    assert status == 0, err
+    record = json.loads(out)
+    assert record["workload"]["gen_len"] == 6
+    assert record["workload"]["gen_lens"] == [[2, 1], [3, 1], [6, 1]]
+    assert record["predicted"]["generated_tokens"] == record["measured"]["generated_tokens"] == 11

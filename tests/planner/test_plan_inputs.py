@@ -219,3 +219,52 @@ def test_a_named_weights_fraction_rounded_to_whole_tensors_is_said(run_cli):
     status, out, _ = run_cli("plan", *L4, "--prompt-len", "77", "--gen-len", "32", "--policy",
                              "N=512,mu=64,w=0")  # fmt: skip
     assert status == 0 and "is placed as" not in out
+
+
+def _requests(tmp_path, pairs):
+    """OpenAI completion requests of (prompt length, max_tokens)."""
+    path = tmp_path / "batch.jsonl"
+    path.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "custom_id": f"r{i}",
+                    "method": "POST",
+                    "url": "/v1/completions",
+                    "body": {"prompt": [1] * n, "max_tokens": m},
+                }
+            )
+            + "\n"
+            for i, (n, m) in enumerate(pairs)
+        )  # fmt: skip
+    )
+    return path
+
+
+def test_requests_own_lengths_are_planned_as_they_are(run_cli, tmp_path):
+    """Without --gen-len: the longest max_tokens bounds every step, each request generates its
+    own, and the job counts those tokens; --gen-len caps them."""
+    pairs = [(40 + i % 50, (16, 64, 128)[i % 3]) for i in range(300)]
+    status, out, err = run_cli("plan", *L4, "--prompts", _requests(tmp_path, pairs), "--json")
+    assert status == 0, err
+    data = json.loads(out)
+    assert data["workload"]["gen_len"] == 128
+    assert data["workload"]["gen_lens"] == [[16, 100], [64, 100], [128, 100]]
+    assert data["job"]["tokens"] == 100 * (16 + 64 + 128)
+    n = data["policy"]["batch_size"]
+    assert data["predicted"]["generated_tokens"] == pytest.approx(n * (16 + 64 + 128) / 3, abs=1)
+    status, out, _ = run_cli("plan", *L4, "--prompts", _requests(tmp_path, pairs), "--gen-len",
+                             "64", "--json")  # fmt: skip
+    capped = json.loads(out)
+    assert capped["workload"]["gen_lens"] == [[16, 100], [64, 200]]
+    assert capped["job"]["tokens"] == 100 * 16 + 200 * 64
+
+
+def test_a_request_without_max_tokens_needs_gen_len(run_cli, tmp_path):
+    path = tmp_path / "batch.jsonl"
+    path.write_text(json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions",
+                                "body": {"prompt": [1, 2]}}) + "\n")  # fmt: skip
+    status, _, err = run_cli("plan", *L4, "--prompts", path)
+    assert_one_line_error(status, err, "batch.jsonl:1: no max_tokens, and no --gen-len")
+    status, _, err = run_cli("plan", *L4, "--prompt-len", "20")
+    assert_one_line_error(status, err, "--gen-len")

@@ -516,3 +516,20 @@ def test_the_gpu_is_charged_the_launch_time_its_dense_kernels_do_not_hide(arch, 
     assert not micro_batch_seconds(
         Setting(arch=arch, hardware=l4, workload=workload), 3
     ).gpu_launch.any()
+
+
+def test_a_decode_step_computes_the_sequences_still_going(arch, make_cpu_profile):
+    """Two sequences in one micro-batch, one answering 1 token and one 3: each decode step
+    computes one sequence, as a batch of that one alone does; prefill computes both."""
+    hw = make_cpu_profile(flops=1e18)
+    mixed = Workload(prompt_len_mean=8, prompt_len_max=8, gen_len=3, gen_lens=((1, 1), (3, 1)))
+    assert list(mixed.decode_active) == [0.5, 0.5] and mixed.gen_len_mean == 2
+    two = predict(arch, hw, mixed, policy(batch_size=2, micro_batch_size=2), schedule="cgopipe")
+    one = predict(arch, hw, dataclasses.replace(mixed, gen_lens=()),
+                  policy(batch_size=1, micro_batch_size=1), schedule="cgopipe")  # fmt: skip
+    every = predict(arch, hw, dataclasses.replace(mixed, gen_lens=()),
+                    policy(batch_size=2, micro_batch_size=2), schedule="cgopipe")  # fmt: skip
+    assert two.predicted.decode_s == pytest.approx(one.predicted.decode_s, rel=1e-12)
+    assert two.predicted.prefill_s == pytest.approx(every.predicted.prefill_s, rel=1e-12)
+    assert two.predicted.decode_s < every.predicted.decode_s
+    assert two.predicted.generated_tokens == 4 and every.predicted.generated_tokens == 6
