@@ -30,7 +30,7 @@ from executor.checkpoint import (
 from executor.engine import engine_mode, jitter_seed
 from hrm.arch import ModelArch
 from hrm.errors import HrmError
-from hrm.requests import Request, answer_lengths, prompt_ids, read_requests
+from hrm.requests import API, Request, answer_lengths, locate, prompt_ids, read_requests
 from hrm.workload import Workload
 
 
@@ -77,6 +77,7 @@ def prepare_run(
     random_arch: ModelArch | None = None,
     gen_len: int | None,
     prompts_path: str | os.PathLike | None = None,
+    requests: Sequence[Request] | None = None,
     prompt_len: int | None = None,
     batch: int | None = None,
     seed: int = 0,
@@ -86,7 +87,8 @@ def prepare_run(
     """Resolve a run's arguments into a RunSpec; every user error is an HrmError.
 
     random_arch (with checkpoint None): random weights of that architecture, made in memory.
-    gen_len None: the largest max_tokens of the request file, each of whose lines needs one."""
+    requests: read already (the Python API's), else from prompts_path. gen_len None: the
+    largest max_tokens of the requests, each of which then needs one."""
     directory = Path(checkpoint) if checkpoint is not None else None
     arch = read_arch(directory) if directory is not None else random_arch
     if dtype is not None and dtype not in TORCH_DTYPES:
@@ -97,22 +99,12 @@ def prepare_run(
     _check_device(device)
     tokenizer = load_tokenizer(directory) if directory is not None else None
     where = directory if directory is not None else f"random {arch.name} weights"
-    requests: tuple[Request, ...] = ()
-    if prompts_path is not None:
-        requests = tuple(read_requests(Path(prompts_path)))
-        gen_len = max(answer_lengths(list(requests), gen_len, prompts_path))
-        ids = [prompt_ids(r, tokenizer, where, prompts_path) for r in requests]
-        stops = next((r for r in requests if r.stop), None)
-        if stops is not None and tokenizer is None:
-            raise HrmError(
-                f"{prompts_path}:{stops.line}: stop strings, but {where} has no tokenizer to "
-                "read the text; remove them"
-            )
-        _check_ids(ids, arch.vocab_size, prompts_path)
-        for r, p in zip(requests, ids, strict=True):
-            at = f"{prompts_path}:{r.line}: a prompt"
-            fix = "shorten it or lower its max_tokens" + ("" if r.max_tokens else " (--gen-len)")
-            arch.check_positions(len(p), r.max_tokens or gen_len, at, fix)
+    if requests is None and prompts_path is not None:
+        requests = read_requests(Path(prompts_path))
+    if requests is not None:
+        source = prompts_path if prompts_path is not None else API
+        gen_len = max(answer_lengths(list(requests), gen_len, source))
+        ids = _request_ids(requests, tokenizer, arch, gen_len, where, source)
     else:
         if not prompt_len or prompt_len < 1 or not batch or batch < 1:
             raise HrmError("--prompt-len and --batch must both be positive integers")
@@ -129,8 +121,27 @@ def prepare_run(
         dtype=dtype,
         device=device,
         tokenizer=tokenizer,
-        requests=requests,
+        requests=tuple(requests or ()),
     )
+
+
+def _request_ids(requests, tokenizer, arch: ModelArch, gen_len: int, where, source):
+    """Each request's prompt as token ids, checked against the vocabulary and, with its most
+    new tokens, against the model's positions; stop strings need the tokenizer."""
+    ids = [prompt_ids(r, tokenizer, where, source) for r in requests]
+    stops = next((r for r in requests if r.stop), None)
+    if stops is not None and tokenizer is None:
+        raise HrmError(
+            f"{locate(source, stops.line)}: stop strings, but {where} has no tokenizer to read "
+            "the text; remove them"
+        )
+    _check_ids(ids, arch.vocab_size, source)
+    for r, p in zip(requests, ids, strict=True):
+        fix = "shorten it or lower its max_tokens" + ("" if r.max_tokens else " (--gen-len)")
+        arch.check_positions(
+            len(p), r.max_tokens or gen_len, f"{locate(source, r.line)}: a prompt", fix
+        )
+    return ids
 
 
 def _check_device(device: str) -> None:

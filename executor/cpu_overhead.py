@@ -172,7 +172,7 @@ def _rest_sampler(model: MoEModel, priced: dict, batch: int, elementwise_rate: f
     # distinct last tokens (the embedding's 64 distinct rows): the sequences route apart
     prompts = [[(n + t) % shaped.vocab_size for t in range(PROMPT_LEN)] for n in range(batch)]
 
-    def from_decode(phase: str) -> None:  # prefill's calls are not the decode step's
+    def from_decode(phase: str, _tokens: int) -> None:  # prefill's calls are not the decode's
         if phase == "prefill":
             priced.update(gemm=0.0, attention=0.0)
 

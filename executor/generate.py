@@ -87,7 +87,7 @@ def generate(
     stop_token_ids: Sequence[int] = (),
     decode: Callable[[list[int]], str] | None = None,
     keep_logits: bool = False,
-    on_step: Callable[[str], None] | None = None,
+    on_step: Callable[[str, int], None] | None = None,
     micro_batch_sizes: Sequence[int] | None = None,
 ) -> Generation:
     """Generate up to `gen_len` tokens for every prompt; a sequence stops after a stop token,
@@ -96,8 +96,9 @@ def generate(
     no later step computes it; the batch ends when every sequence has stopped.
 
     `model` is a resident MoEModel or a placed Runtime (executor/runtime.py): the one loop below
-    drives both. on_step(phase) after each step: "prefill" once (the first token), then "decode"
-    per step. micro_batch_sizes: how a Runtime cuts the batch (default mu each)."""
+    drives both. on_step(phase, tokens) after each step: "prefill" once (the first token), then
+    "decode" per step, with the tokens it made. micro_batch_sizes: how a Runtime cuts the batch
+    (default mu each)."""
     if gen_len < 1 or not prompts or not all(prompts):
         raise HrmError("generation needs at least one non-empty prompt and gen_len >= 1")
     B = len(prompts)
@@ -123,7 +124,7 @@ def generate(
                     _sync(runtime.device)  # a GPU's work is queued: the clock waits for it
                     t1 = time.perf_counter()  # the first token is prefill's output
                 if on_step is not None:
-                    on_step("decode" if step else "prefill")
+                    on_step("decode" if step else "prefill", len(state.rows))
                 keep = state.retire()
                 if not keep.any():
                     break

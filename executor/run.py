@@ -134,12 +134,13 @@ def execute(
     totals = {"prefill_s": 0.0, "decode_s": 0.0, "generated_tokens": 0}
     peak_buffers: dict[str, dict[str, float]] = {"gpu": {}, "cpu": {}}
     steps_of = [max(spec.max_new(i) for i in b.indices) for b in pending]
-    bar = progress_bar(total=sum(steps_of), desc="prefill", quiet=quiet)
+    budget = [sum(spec.max_new(i) for i in b.indices) for b in pending]  # tokens at most
+    bar = progress_bar(total=sum(budget), desc="prefill", quiet=quiet, unit="tok")
     times_before, start = cpu_times(), time.perf_counter()
     created = int(time.time())
     try:
-        for batch, batch_steps in zip(pending, steps_of, strict=True):
-            steps = bar.n
+        for batch, batch_steps, most in zip(pending, steps_of, budget, strict=True):
+            before = bar.n
             gen = generate(
                 runtime,
                 [spec.prompts[i] for i in batch.indices],
@@ -148,9 +149,9 @@ def execute(
                 stop_token_ids=stop_token_ids,
                 decode=_decoder(spec),
                 micro_batch_sizes=batch.micro_batch_sizes,
-                on_step=lambda phase: (bar.set_description(phase, refresh=False), bar.update()),
+                on_step=lambda phase, n: (bar.set_description(phase, refresh=False), bar.update(n)),
             )
-            bar.update(steps + batch_steps - bar.n)  # the steps a batch that stopped early saved
+            bar.update(before + most - bar.n)  # the tokens its stopped sequences did not make
             rows = [
                 _output(spec, i, ids, reason, created)
                 for i, ids, reason in zip(

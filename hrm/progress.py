@@ -22,8 +22,9 @@ def progress(
     return tqdm(iterable, desc=desc, total=total, disable=not show_progress(quiet), leave=False)
 
 
-def progress_bar(*, total: int, desc: str, quiet: bool):
-    """A tqdm bar to advance by hand (bar.update()) when the work is not one loop."""
+def progress_bar(*, total: int, desc: str, quiet: bool, unit: str = "it"):
+    """A tqdm bar to advance by hand (bar.update()) when the work is not one loop; its rate is
+    in `unit`s a second, its ETA for the whole total."""
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, disable=not show_progress(quiet), leave=False)
+    return tqdm(total=total, desc=desc, unit=unit, disable=not show_progress(quiet), leave=False)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,7 @@ from typing import Any
 from hrm.errors import HrmError
 
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+API = "requests"  # where the Python API's requests come from: request n is requests[n - 1]
 FINISH_REASONS = ("stop", "length")
 _OPENAI_KEYS = {"custom_id", "method", "url", "body"}
 _PLAIN_KEYS = {"prompt_token_ids", "prompt"}
@@ -152,48 +153,48 @@ def _check_body(body: dict, where: str) -> None:
             )
 
 
-def _limits(body: dict, where: str) -> dict[str, Any]:
+def _limits(body: dict, where: str, at: str = "body.") -> dict[str, Any]:
     if "max_tokens" in body and "max_completion_tokens" in body:
         raise HrmError(f"{where}: give max_tokens or max_completion_tokens, not both")
     key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     max_tokens = body.get(key)
     if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):
-        raise HrmError(f"{where}: body.{key} must be a positive integer, got {max_tokens!r}")
+        raise HrmError(f"{where}: {at}{key} must be a positive integer, got {max_tokens!r}")
     temperature, top_p, seed = body.get("temperature"), body.get("top_p"), body.get("seed")
     if temperature is not None and (not _is_number(temperature) or not temperature >= 0):
-        raise HrmError(f"{where}: body.temperature must be 0 or positive, got {temperature!r}")
+        raise HrmError(f"{where}: {at}temperature must be 0 or positive, got {temperature!r}")
     if top_p is not None and (not _is_number(top_p) or not 0 < top_p <= 1):
-        raise HrmError(f"{where}: body.top_p must be in (0, 1], got {top_p!r}")
+        raise HrmError(f"{where}: {at}top_p must be in (0, 1], got {top_p!r}")
     if seed is not None and not _is_int(seed):
-        raise HrmError(f"{where}: body.seed must be an integer, got {seed!r}")
+        raise HrmError(f"{where}: {at}seed must be an integer, got {seed!r}")
     stop = body.get("stop")
     stop = [stop] if isinstance(stop, str) else [] if stop is None else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise HrmError(f"{where}: body.stop must be a string or a list of non-empty strings")
+        raise HrmError(f"{where}: {at}stop must be a string or a list of non-empty strings")
     model = body.get("model")
     return dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
                 stop=tuple(stop), model=model if isinstance(model, str) else None)  # fmt: skip
 
 
-def _messages(messages: Any, where: str) -> tuple[dict[str, Any], ...]:
+def _messages(messages: Any, where: str, at: str = "body.") -> tuple[dict[str, Any], ...]:
     """Chat messages as the template takes them: a role and text content (a string, or a list
     of text parts, joined)."""
     if not isinstance(messages, list) or not messages:
-        raise HrmError(f"{where}: body.messages must be a non-empty list")
+        raise HrmError(f"{where}: {at}messages must be a non-empty list")
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise HrmError(f"{where}: body.messages[{i}] needs a role")
+            raise HrmError(f"{where}: {at}messages[{i}] needs a role")
         content = m.get("content")
         if isinstance(content, list):
             if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-                raise HrmError(f"{where}: body.messages[{i}]: only text content is supported")
+                raise HrmError(f"{where}: {at}messages[{i}]: only text content is supported")
             content = "".join(str(p.get("text", "")) for p in content)
         if not isinstance(content, str):
-            raise HrmError(f"{where}: body.messages[{i}].content must be text")
+            raise HrmError(f"{where}: {at}messages[{i}].content must be text")
         extra = sorted(m.keys() - {"role", "content", "name"})
         if extra:
-            raise HrmError(f"{where}: body.messages[{i}].{extra[0]} is not supported here")
+            raise HrmError(f"{where}: {at}messages[{i}].{extra[0]} is not supported here")
         out.append({**m, "content": content})
     return tuple(out)
 
@@ -218,6 +219,50 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def locate(source, line: int) -> str:
+    """Where a request is, for a message: FILE:LINE, or requests[i] for the Python API's."""
+    return f"{API}[{line - 1}]" if str(source) == API else f"{source}:{line}"
+
+
+def requests_from(items: Sequence[Any], where: str = API) -> list[Request]:
+    """The Python API's requests (hrm.api.generate): each a text prompt, a list of token ids, or a
+    dict of one of prompt, prompt_token_ids or messages, with max_tokens, temperature, top_p,
+    seed and stop of its own; line n is items[n - 1]."""
+    if isinstance(items, str | bytes) or not isinstance(items, Sequence) or not items:
+        raise HrmError(f"{where}: give a non-empty list of prompts")
+    out = []
+    for n, item in enumerate(items, 1):
+        at = f"{where}[{n - 1}]"
+        if isinstance(item, str):
+            out.append(Request(line=n, prompt=_text(item, "the prompt", at)))
+        elif isinstance(item, list):
+            out.append(Request(line=n, prompt=_ids(item, "the prompt", at)))
+        elif isinstance(item, Mapping):
+            out.append(_api_request(dict(item), n, at))
+        else:
+            raise HrmError(
+                f"{at}: a prompt is text, token ids or a dict, not {type(item).__name__}"
+            )
+    return out
+
+
+def _api_request(item: dict, n: int, at: str) -> Request:
+    given = sorted(item.keys() & {"prompt", "prompt_token_ids", "messages"})
+    if len(given) != 1:
+        raise HrmError(f"{at}: give exactly one of prompt, prompt_token_ids or messages")
+    extra = sorted(item.keys() - {*given, "max_tokens", "temperature", "top_p", "seed", "stop"})
+    if extra:
+        raise HrmError(f"{at}: {extra[0]} is not supported here; remove it")
+    limits = _limits(item, at, at="")
+    key = given[0]
+    if key == "messages":
+        return Request(line=n, messages=_messages(item[key], at, at=""), **limits)
+    prompt = item[key]
+    prompt = _ids(prompt, key, at) if isinstance(prompt, list) or key != "prompt" else prompt
+    prompt = _text(prompt, key, at) if not isinstance(prompt, list) else prompt
+    return Request(line=n, prompt=prompt, **limits)
+
+
 def answer_lengths(requests: list[Request], gen_len: int | None, path) -> list[int]:
     """Each request's most new tokens: its max_tokens capped at gen_len (--gen-len, a default and
     a cap), else gen_len; without gen_len every request needs its own."""
@@ -225,8 +270,8 @@ def answer_lengths(requests: list[Request], gen_len: int | None, path) -> list[i
         missing = next((r for r in requests if r.max_tokens is None), None)
         if missing is not None:
             raise HrmError(
-                f"{path}:{missing.line}: no max_tokens, and no --gen-len for it; give one or the "
-                "other"
+                f"{locate(path, missing.line)}: no max_tokens, and no --gen-len for it; give one "
+                "or the other"
             )
         return [r.max_tokens for r in requests]
     return [gen_len if r.max_tokens is None else min(r.max_tokens, gen_len) for r in requests]
@@ -235,7 +280,7 @@ def answer_lengths(requests: list[Request], gen_len: int | None, path) -> list[i
 def prompt_ids(request: Request, tokenizer, where, path) -> list[int]:
     """A request's prompt as token ids: given, tokenized, or its chat rendered by the
     checkpoint's chat template with the generation prompt (as transformers renders it)."""
-    at = f"{path}:{request.line}"
+    at = locate(path, request.line)
     needs = "chat messages" if request.messages is not None else "a text prompt"
     if isinstance(request.prompt, list):
         ids = request.prompt

@@ -102,12 +102,30 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     import sys
 
+    def warn(message: str) -> None:
+        print(f"hrm run: {message}", file=sys.stderr)
+
+    job, result = run_job(args, warn)
+    from hrm.cli.records import format_summary, run_record
+
+    record = run_record(
+        job.spec, result, policy=job.policy, schedule=job.schedule, profile=job.profile,
+        plan=job.plan,
+    )  # fmt: skip
+    if args.json:
+        print(json.dumps(record.to_dict(), indent=2))
+        return 0
+    print(format_summary(record), file=sys.stderr)
+    return 0
+
+
+def run_job(args: argparse.Namespace, warn):
+    """(job, result) of `hrm run ARGS`: the job settled before any weight is loaded, then run by
+    the one run driver into OUTPUT (resumable) or, with no --output, onto stdout in input order
+    (not with --json, nor from the Python API, which sets args.requests: hrm.api.generate)."""
     from hrm.cli.run_plan import settle_job
     from hrm.hardware import resolve_hardware
     from hrm.io import check_writable
-
-    def warn(message: str) -> None:
-        print(f"hrm run: {message}", file=sys.stderr)
 
     planner_args = _check_flags(args)
     random_arch = _random_arch(args)
@@ -132,17 +150,7 @@ def run(args: argparse.Namespace) -> int:
         ) from None
     if partial is not None:
         partial.finish(len(job.spec.prompts))
-    from hrm.cli.records import format_summary, run_record
-
-    record = run_record(
-        job.spec, result, policy=job.policy, schedule=job.schedule, profile=job.profile,
-        plan=job.plan,
-    )  # fmt: skip
-    if args.json:
-        print(json.dumps(record.to_dict(), indent=2))
-        return 0
-    print(format_summary(record), file=sys.stderr)
-    return 0
+    return job, result
 
 
 def _settings(args, job) -> dict:
@@ -174,7 +182,8 @@ def _execute(args, job, hardware, partial, warn):
     from hrm.profiling.host_gemm import cpu_gemm_chooser
 
     spec = job.spec
-    stream = InOrder(sys.stdout) if partial is None and not args.json else None
+    to_stdout = partial is None and not args.json and getattr(args, "requests", None) is None
+    stream = InOrder(sys.stdout) if to_stdout else None
     choose = cpu_gemm_chooser(
         spec.arch,
         spec.dtype,

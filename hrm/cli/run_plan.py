@@ -108,6 +108,7 @@ def run_spec(args, random_arch, dtype):
         random_arch=random_arch,
         gen_len=args.gen_len,
         prompts_path=args.prompts,
+        requests=getattr(args, "requests", None),  # the Python API's (hrm.api.generate)
         prompt_len=args.prompt_len,
         batch=args.batch,
         seed=args.seed,

@@ -194,10 +194,14 @@ def test_a_busy_machine_is_reported(run_cli, checkpoints, monkeypatch):
 
 
 def test_prefill_is_its_own_phase_for_the_progress_bar(checkpoints):
-    phases: list[str] = []
+    """Each step says its phase and the tokens it made: the bar's tokens a second and ETA."""
+    from executor.generate import Limits
+
+    phases: list[tuple[str, int]] = []
     model = MoEModel(open_checkpoint(checkpoints["dbrx"]))
-    generate(model, [[1, 2, 3]], 4, on_step=phases.append)
-    assert phases == ["prefill", "decode", "decode", "decode"]
+    limits = [Limits(max_new=4), Limits(max_new=2)]
+    generate(model, [[1, 2, 3], [4, 5]], 4, limits=limits, on_step=lambda *a: phases.append(a))
+    assert phases == [("prefill", 2), ("decode", 2), ("decode", 1), ("decode", 1)]
 
 
 @pytest.mark.parametrize(

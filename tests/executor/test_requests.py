@@ -244,3 +244,38 @@ def test_the_runs_prediction_takes_each_requests_length(run_cli, tmp_path, check
     assert record["workload"]["gen_len"] == 6
     assert record["workload"]["gen_lens"] == [[2, 1], [3, 1], [6, 1]]
     assert record["predicted"]["generated_tokens"] == record["measured"]["generated_tokens"] == 11
+
+
+def test_the_python_api_is_hrm_run(run_cli, tmp_path, chat_checkpoint, checkpoints):
+    """hrm.api.generate answers as `hrm run` does, for text, ids and chat requests with their own
+    limits, resident and under a plan; its errors are the command's, as HrmError."""
+    from hrm.api import generate as hrm_generate
+    from hrm.errors import HrmError
+
+    requests = [
+        "w9 w8 w7",
+        [17, 18, 19],
+        {"messages": [{"role": "user", "content": "w5 w6"}], "max_tokens": 3},
+        {"prompt": "w40 w41", "max_tokens": 8, "temperature": 1.1, "seed": 4, "stop": "w3"},
+    ]
+    results = hrm_generate(chat_checkpoint, requests, gen_len=6)
+    plain = [{"prompt": "w9 w8 w7"}, {"prompt_token_ids": [17, 18, 19]}]
+    cli = run(run_cli, chat_checkpoint, write(tmp_path / "p.jsonl", plain), "--gen-len", "6")
+    assert [r.output_token_ids for r in results[:2]] == [line["output_token_ids"] for line in cli]
+    assert results[2].prompt_tokens == 5 and results[2].completion_tokens <= 3
+    assert results[3].finish_reason in ("stop", "length") and "w3" not in (results[3].text or "")
+    assert results[3] == hrm_generate(chat_checkpoint, requests[3:], gen_len=6)[0]  # its seed
+    plan = tmp_path / "plan.json"
+    policy = "N=2,mu=1,attn=cpu,ffn=gpu,w=0,kv=0"
+    status, _, err = run_cli("plan", "--model", checkpoints["mixtral-single"], "--hardware", "l4",
+                             "--prompt-len", "3", "--gen-len", "6", "--dtype", "float32",
+                             "--policy", policy, "-o", plan)  # fmt: skip
+    assert status == 0, err
+    ids = [[5, 6, 7], [8, 9, 10], [11, 12, 13]]
+    planned = hrm_generate(checkpoints["mixtral-single"], ids, gen_len=4, plan=plan)
+    resident = hrm_generate(checkpoints["mixtral-single"], ids, gen_len=4)
+    assert planned == resident and all(r.text is None for r in planned)
+    with pytest.raises(HrmError, match=r"requests\[1\]: give exactly one of prompt"):
+        hrm_generate(chat_checkpoint, ["w5", {"max_tokens": 3}], gen_len=4)
+    with pytest.raises(HrmError, match=r"requests\[0\]: no max_tokens, and no --gen-len"):
+        hrm_generate(chat_checkpoint, ["w5"])
