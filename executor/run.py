@@ -133,24 +133,14 @@ def execute(
     done: dict[int, dict[str, Any]] = {}
     totals = {"prefill_s": 0.0, "decode_s": 0.0, "generated_tokens": 0}
     peak_buffers: dict[str, dict[str, float]] = {"gpu": {}, "cpu": {}}
-    steps_of = [max(spec.max_new(i) for i in b.indices) for b in pending]
     budget = [sum(spec.max_new(i) for i in b.indices) for b in pending]  # tokens at most
     bar = progress_bar(total=sum(budget), desc="prefill", quiet=quiet, unit="tok")
     times_before, start = cpu_times(), time.perf_counter()
     created = int(time.time())
     try:
-        for batch, batch_steps, most in zip(pending, steps_of, budget, strict=True):
+        for batch, most in zip(pending, budget, strict=True):
             before = bar.n
-            gen = generate(
-                runtime,
-                [spec.prompts[i] for i in batch.indices],
-                batch_steps,
-                limits=[_limits(spec, i, sampling or Sampling()) for i in batch.indices],
-                stop_token_ids=stop_token_ids,
-                decode=_decoder(spec),
-                micro_batch_sizes=batch.micro_batch_sizes,
-                on_step=lambda phase, n: (bar.set_description(phase, refresh=False), bar.update(n)),
-            )
+            gen = _generate_batch(spec, runtime, batch, sampling, stop_token_ids, bar)
             bar.update(before + most - bar.n)  # the tokens its stopped sequences did not make
             rows = [
                 _output(spec, i, ids, reason, created)
@@ -186,6 +176,20 @@ def execute(
         batches=[b.indices for b in pending],
         environment=environment,
         cpu_gemm=runtime.model.cpu_gemm,
+    )
+
+
+def _generate_batch(spec: RunSpec, runtime, batch, sampling, stop_token_ids, bar):
+    """One batch to its longest answer, each prompt with its own limits; the bar counts tokens."""
+    return generate(
+        runtime,
+        [spec.prompts[i] for i in batch.indices],
+        max(spec.max_new(i) for i in batch.indices),
+        limits=[_limits(spec, i, sampling or Sampling()) for i in batch.indices],
+        stop_token_ids=stop_token_ids,
+        decode=_decoder(spec),
+        micro_batch_sizes=batch.micro_batch_sizes,
+        on_step=lambda phase, n: (bar.set_description(phase, refresh=False), bar.update(n)),
     )
 
 

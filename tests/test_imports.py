@@ -6,27 +6,30 @@ import sys
 
 import pytest
 
-HRM_MODULES = [
-    "hrm",
-    "hrm.arch",
-    "hrm.hardware",
-    "hrm.ops",
-    "hrm.roofline",
-    "hrm.roofline_report",
-    "hrm.plots",
-    "hrm.policy",
-    "hrm.plan",
-    "hrm.record",
-    "hrm.workload",
-    "hrm.units",
-    "hrm.cli",
-]
+
+def _hrm_modules() -> list[str]:
+    """Every module of the hrm package (its __main__ runs the CLI, so it is left out)."""
+    import pkgutil
+
+    import hrm
+
+    found = pkgutil.walk_packages(hrm.__path__, prefix="hrm.")
+    return ["hrm", *sorted(m.name for m in found if not m.name.endswith("__main__"))]
+
+
+HRM_MODULES = _hrm_modules()
 
 
 def _loaded_after(statement: str) -> set[str]:
     code = f"import sys; {statement}; print(' '.join(sorted(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return set(out.stdout.split())
+
+
+def test_the_walk_finds_every_hrm_module():
+    assert len(HRM_MODULES) > 40 and {"hrm.cli.run", "hrm.profiling.cpu", "hrm.api"} < set(
+        HRM_MODULES
+    )
 
 
 @pytest.mark.parametrize("module", HRM_MODULES)

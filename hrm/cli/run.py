@@ -17,7 +17,7 @@ from hrm.plan import SCHEDULES
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "run",
-        help="generate with a Mixtral/DBRX checkpoint and measure throughput",
+        help="generate with a local MoE checkpoint (or random weights) and measure throughput",
         description="Run batched generation on a local checkpoint directory (config.json + "
         "safetensors) and report measured prefill and decode time and throughput.",
     )
@@ -51,6 +51,12 @@ def add_parser(subparsers) -> None:
         action="store_true",
         help="start over, discarding an OUTPUT.partial a killed run left (needs --output)",
     )
+    _add_prompt_arguments(p)
+    _add_run_arguments(p)
+    p.set_defaults(run=run)
+
+
+def _add_prompt_arguments(p) -> None:
     prompts = p.add_mutually_exclusive_group(required=True)
     prompts.add_argument(
         "--prompts",
@@ -66,6 +72,9 @@ def add_parser(subparsers) -> None:
         help="tokens to generate per prompt: the default, and the cap, of a request's max_tokens "
         "(default: the largest max_tokens in --prompts)",
     )
+
+
+def _add_run_arguments(p) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda (cpu)")
     p.add_argument(
         "--dtype",
@@ -96,7 +105,6 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument("--json", action="store_true", help="print the RunRecord as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:

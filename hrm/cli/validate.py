@@ -127,7 +127,6 @@ def _validate(args, checkpoint: Path, hardware) -> int:
     from hrm.arch import resolve_model
     from hrm.profiling.host_speed import HostSpeedCheck
     from hrm.progress import progress_bar
-    from hrm.report import load_records, summaries, write_report
 
     sweep = "quick" if args.quick else "full"
     batches, prompts, gens = SWEEPS[sweep]
@@ -177,14 +176,8 @@ def _validate(args, checkpoint: Path, hardware) -> int:
             # the warm-up pass, then the timed passes interleaved: drift hits every setting
             for rep in (None, *range(repeats)):
                 if rep is not None and every_pass:
-                    bar.set_description(f"validate (profiling for pass {rep + 1})")
-                    hardware = _profile_host(checkpoint, quiet=True, sweep=sweep)
-                    speed = speed.against(hardware)
-                    # the first run after a profile is not steady (_settle_notes): one untimed
-                    settle[rep] = _resident_run(checkpoint, settings[0], hardware)["measured"][
-                        "throughput_tok_s"
-                    ]
-                    bar.set_description("validate")
+                    hardware, speed, settle[rep] = _reprofile(checkpoint, sweep, speed,
+                                                              settings[0], bar, rep)  # fmt: skip
                 if rep is not None:
                     profiles[rep] = hardware
                 for setting in _warmed(settings, rep, sweep):
@@ -197,6 +190,34 @@ def _validate(args, checkpoint: Path, hardware) -> int:
                     check_speed(name, rep, dtype)
                     record = _offloaded_run(checkpoint, hardware, dtype, schedule, shape)
                     keep(name, rep, record)
+
+    def notes(rows) -> list[str]:
+        out = _spread_notes(spreads, warm_up, hardware)
+        out += _profile_notes(profiles, speed) if every_pass else []
+        out += _settle_notes(settle, _setting_name(*settings[0]), spreads)
+        return out + speed.summary({row.name: row.error for row in rows})
+
+    # one file per profile: with --profile-every sweep every pass has the same one
+    saved = {_profile_file(rep, every_pass): profile for rep, profile in profiles.items()}
+    return _write_results(args, hardware, records, notes, saved)
+
+
+def _reprofile(checkpoint: Path, sweep: str, speed, first_setting, bar, rep: int):
+    """(profile, speed check, settling throughput) before timed pass `rep`: this host profiled
+    again, then one untimed run, since the first run after a profile is not steady
+    (_settle_notes)."""
+    bar.set_description(f"validate (profiling for pass {rep + 1})")
+    hardware = _profile_host(checkpoint, quiet=True, sweep=sweep)
+    settle = _resident_run(checkpoint, first_setting, hardware)["measured"]["throughput_tok_s"]
+    bar.set_description("validate")
+    return hardware, speed.against(hardware), settle
+
+
+def _write_results(args, hardware, records: dict, notes, profiles: dict) -> int:
+    """The records under DIR/runs, the report with `notes(rows)`, the profiles that predicted
+    them; exit status 1 when the MAPE over settings exceeds --max-mape."""
+    from hrm.report import load_records, summaries, write_report
+
     out = Path(args.output)
     with tempfile.TemporaryDirectory() as staging:
         runs = Path(staging) / "runs"
@@ -205,17 +226,11 @@ def _validate(args, checkpoint: Path, hardware) -> int:
             (runs / f"{name}.json").write_text(json.dumps(record, indent=2) + "\n")
         rows = load_records(sorted(runs.glob("*.json")))
         title = f"{rows[0].model} on {hardware.name}: predicted against measured"
-        notes = _spread_notes(spreads, warm_up, hardware)
-        notes += _profile_notes(profiles, speed) if every_pass else []
-        notes += _settle_notes(settle, _setting_name(*settings[0]), spreads)
-        notes += speed.summary({row.name: row.error for row in rows})
-        write_report(rows, out, title=title, notes=notes)
+        write_report(rows, out, title=title, notes=notes(rows))
         (out / "runs").mkdir(exist_ok=True)
         for path in runs.iterdir():
             path.replace(out / "runs" / path.name)
-        # one file per profile: with --profile-every sweep every pass has the same one
-        saved = {_profile_file(rep, every_pass): profile for rep, profile in profiles.items()}
-        for name, profile in saved.items():
+        for name, profile in profiles.items():
             profile.save(out / name)
     overall = list(summaries(rows).values())[-1]["all"]
     print(

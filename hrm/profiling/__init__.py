@@ -149,7 +149,32 @@ def measure_profile(
         )
     for warning in warnings:
         warn(warning)
-    provenance: dict[str, Any] = {
+    provenance = _provenance(plan, facts, command, kept, load_before, busy) | cpu_notes
+    gpu_spec = link = None
+    if gpu_part is not None:
+        gpu_spec, link, gpu_notes = gpu_part
+        provenance.update(gpu_notes)
+    if warnings:
+        provenance["warnings"] = warnings
+    description = f"measured by hrm profile ({plan.name}): {facts.cpu_model}, {facts.cores} cores"
+    if gpu_spec is not None:
+        description += f"; {gpu_spec.count}x {gpu_spec.name}"
+    return HardwareProfile(
+        name=name,
+        source="measured",
+        description=description,
+        provenance=provenance,
+        cpu=cpu_part,
+        gpu=gpu_spec,
+        link=link,
+    )
+
+
+def _provenance(plan: SweepPlan, facts, command: str, kept, load_before, busy) -> dict[str, Any]:
+    """When, where, with what and how the profile was measured."""
+    import torch
+
+    return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "host": platform.node(),
         "os": platform.platform(),
@@ -174,26 +199,7 @@ def measure_profile(
             "round); spreads are the slowest and fastest sample; CPU timed with "
             "time.perf_counter on all cores, GPU with CUDA events after a synchronize"
         ),
-        **cpu_notes,
     }
-    gpu_spec = link = None
-    if gpu_part is not None:
-        gpu_spec, link, gpu_notes = gpu_part
-        provenance.update(gpu_notes)
-    if warnings:
-        provenance["warnings"] = warnings
-    description = f"measured by hrm profile ({plan.name}): {facts.cpu_model}, {facts.cores} cores"
-    if gpu_spec is not None:
-        description += f"; {gpu_spec.count}x {gpu_spec.name}"
-    return HardwareProfile(
-        name=name,
-        source="measured",
-        description=description,
-        provenance=provenance,
-        cpu=cpu_part,
-        gpu=gpu_spec,
-        link=link,
-    )
 
 
 def _measure_cpu(
@@ -349,26 +355,28 @@ def _measure_gpu(
             "copy_bytes": units.format_bytes(copy_bytes / 2),
             **_rate_summary(copy_timing, copy_bytes, units.format_bandwidth),
         },
-        "link": {
-            "stored": "pinned host memory; h2d and d2h are the best median over the sweep",
-            "columns": "bytes per transfer, median, slowest, fastest",
-            **{
-                f"{direction}_{kind}": [
-                    [
-                        units.format_bytes(size),
-                        *_rate_summary(t, size, units.format_bandwidth).values(),
-                    ]
-                    for size, t in points
-                ]
-                for (direction, kind), points in link_sweep.items()
-            },
-            "both_directions": {
-                "bytes_each_way": units.format_bytes(both_bytes / 2),
-                **_rate_summary(both_timing, both_bytes, units.format_bandwidth),
-            },
-        },
+        "link": _link_notes(link_sweep, both_timing, both_bytes),
     }
     return spec, link, notes
+
+
+def _link_notes(link_sweep, both_timing, both_bytes) -> dict[str, Any]:
+    """The link's sweep per direction and memory kind, and both directions at once."""
+    return {
+        "stored": "pinned host memory; h2d and d2h are the best median over the sweep",
+        "columns": "bytes per transfer, median, slowest, fastest",
+        **{
+            f"{direction}_{kind}": [
+                [units.format_bytes(size), *_rate_summary(t, size, units.format_bandwidth).values()]
+                for size, t in points
+            ]
+            for (direction, kind), points in link_sweep.items()
+        },
+        "both_directions": {
+            "bytes_each_way": units.format_bytes(both_bytes / 2),
+            **_rate_summary(both_timing, both_bytes, units.format_bandwidth),
+        },
+    }
 
 
 def _other_shapes(arch: ModelArch) -> list[tuple[int, int]]:
