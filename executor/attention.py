@@ -138,13 +138,8 @@ def measure_attention_curve(
         for batch, context in QUICK_CURVE_POINTS if quick else CURVE_POINTS:
             nbytes = 2 * batch * nkv * context * d * torch_dtype.itemsize
             layers = max(1, math.ceil(rotate_bytes / nbytes))
-            cache = KVCache(
-                num_layers=layers,
-                batch_size=batch,
-                kv_heads=nkv,
-                max_len=context,
-                head_dim=d,
-                dtype=torch_dtype,
+            cache = KVCache.for_model(
+                arch, batch_size=batch, max_len=context, dtype=torch_dtype, num_layers=layers
             )
             for t in (*cache.k, *cache.v):
                 t.normal_(generator=g)
@@ -203,8 +198,9 @@ def measure_prefill_attention_curve(arch, dtype: str = "bfloat16", *, quick: boo
     points = []
     with torch.inference_mode():
         for batch, length in QUICK_PREFILL_POINTS if quick else PREFILL_CURVE_POINTS:
-            cache = KVCache(num_layers=1, batch_size=batch, kv_heads=nkv, max_len=length,
-                            head_dim=d, dtype=torch_dtype)  # fmt: skip
+            cache = KVCache.for_model(
+                arch, batch_size=batch, max_len=length, dtype=torch_dtype, num_layers=1
+            )
             lens = torch.full((batch,), length)
             lens[: batch // 4] = length // 2
             cache.start(lens, length)

@@ -321,12 +321,27 @@ def open_checkpoint(
     return Checkpoint(directory=directory, arch=arch, weights=weights, dtype=t.dtype)
 
 
+# the standard deviation transformers draws these families' linear weights from
+# (initializer_range); every random-weight builder draws from it
+INIT_STD = 0.02
+
+
+def init_kind(name: str, ndim: int) -> str:
+    """How transformers initialises a weight, by its name and rank: a norm's weight to ones, any
+    other vector (a bias) to zeros, a matrix from N(0, INIT_STD^2). The one rule of the three
+    random-weight builders (random_checkpoint here, executor/overhead.py's shared-expert
+    miniature, and hrm validate's checkpoint saved by transformers)."""
+    if "norm" in name:
+        return "ones"
+    return "zeros" if ndim == 1 else "normal"
+
+
 def random_checkpoint(
     arch: ModelArch, dtype: str, seed: int = 0, device: str = "cpu"
 ) -> Checkpoint:
     """The architecture with random weights made in memory (`hrm run --random-weights`): what
-    speed is measured on where real weights cannot be downloaded. Linear weights ~ N(0, 0.02^2)
-    as transformers initialises them, norms 1; every tensor its own allocation, as if loaded.
+    speed is measured on where real weights cannot be downloaded, initialised as transformers
+    does (init_kind); every tensor its own allocation, as if loaded.
     Layers after the first of each kind (sparse, dense) are copies of it: a speed run needs
     every layer's bytes, not new random numbers, and copying is ~50x faster than drawing (a
     32-layer Mixtral in seconds)."""
@@ -338,7 +353,7 @@ def random_checkpoint(
     g = torch.Generator().manual_seed(seed)
 
     def weight(*shape: int) -> torch.Tensor:  # drawn in place: no fp32 transient to count
-        return torch.empty(shape, dtype=torch_dtype).normal_(0.0, 0.02, generator=g).to(device)
+        return torch.empty(shape, dtype=torch_dtype).normal_(0.0, INIT_STD, generator=g).to(device)
 
     def ones(*shape: int) -> torch.Tensor:
         return torch.ones(shape, dtype=torch_dtype, device=device)
@@ -346,11 +361,11 @@ def random_checkpoint(
     H = arch.hidden_size
 
     def dense_tensor(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        if name.endswith("norm"):
-            return ones(*shape)
-        if name in ("bq", "bk", "bv"):  # biases start at zero, as transformers initialises them
-            return torch.zeros(shape, dtype=torch_dtype, device=device)
-        return weight(*shape)
+        kind = init_kind(name, len(shape))
+        if kind == "normal":
+            return weight(*shape)
+        fill = torch.ones if kind == "ones" else torch.zeros
+        return fill(shape, dtype=torch_dtype, device=device)
 
     def new_layer(kind: ModelArch) -> LayerWeights:
         expert = expert_shapes(kind)

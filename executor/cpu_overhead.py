@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from executor.checkpoint import Checkpoint, ExpertWeights, ModelWeights
+from executor.checkpoint import INIT_STD, Checkpoint, ExpertWeights, ModelWeights
 from executor.generate import generate
 from executor.model import MoEModel
 from executor.overhead import assemble_weights
@@ -195,11 +195,11 @@ def shaped_weights(arch: ModelArch, dtype: torch.dtype) -> ModelWeights:
     h, i = arch.hidden_size, arch.intermediate_size
 
     def tiled(rows: int, cols: int) -> torch.Tensor:
-        block = (torch.randn(min(rows, 64), cols, generator=g) * 0.05).to(dtype)
+        block = (torch.randn(min(rows, 64), cols, generator=g) * INIT_STD).to(dtype)
         return block.repeat(-(-rows // block.shape[0]), 1)[:rows].contiguous()
 
     def random_rows(rows: int, cols: int) -> torch.Tensor:
-        return (torch.randn(rows, cols, generator=g) * 0.05).to(dtype)
+        return (torch.randn(rows, cols, generator=g) * INIT_STD).to(dtype)
 
     expert_bytes = 3 * h * i * dtype.itemsize
     distinct = max(1, min(arch.num_layers * arch.num_experts, EXPERT_BYTES_CAP // expert_bytes))

@@ -58,6 +58,24 @@ class KVCache:
         self.has_padding = False
         self.length = 0  # slots filled, the same for every sequence
 
+    @classmethod
+    def for_model(
+        cls, arch, *, batch_size: int, max_len: int, dtype: torch.dtype, num_layers=None, **kw
+    ) -> KVCache:
+        """The one place a cache takes a model's dimensions (ModelArch): its key/value heads and
+        head size, every layer unless `num_layers` (a profiler's rotation) says otherwise; `kw`
+        as __init__ (device, layer_devices, slot_major)."""
+        layers = kw.get("layer_devices")
+        return cls(
+            num_layers=num_layers or (len(layers) if layers else arch.num_layers),
+            batch_size=batch_size,
+            kv_heads=arch.num_key_value_heads,
+            max_len=max_len,
+            head_dim=arch.head_dim,
+            dtype=dtype,
+            **kw,
+        )
+
     @property
     def max_len(self) -> int:
         return self.key_valid.shape[1]

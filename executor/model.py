@@ -114,13 +114,10 @@ class MoEModel:
     ) -> KVCache:
         """A cache of every layer on `device` (default the model's), or of one layer per entry
         of layer_devices, each where it says (slot_major: executor/kv_cache.py)."""
-        a = self.arch
-        return KVCache(
-            num_layers=len(layer_devices) if layer_devices else a.num_layers,
+        return KVCache.for_model(
+            self.arch,
             batch_size=batch_size,
-            kv_heads=a.num_key_value_heads,
             max_len=max_len,
-            head_dim=a.head_dim,
             dtype=self.dtype,
             device=device or self.device,
             layer_devices=layer_devices,

@@ -28,7 +28,14 @@ import dataclasses
 
 import torch
 
-from executor.checkpoint import Checkpoint, ExpertWeights, LayerWeights, ModelWeights
+from executor.checkpoint import (
+    INIT_STD,
+    Checkpoint,
+    ExpertWeights,
+    LayerWeights,
+    ModelWeights,
+    init_kind,
+)
 from executor.generate import generate
 from executor.model import MoEModel
 from hrm.arch import ModelArch
@@ -65,7 +72,7 @@ def random_weights(arch: ModelArch, dtype: torch.dtype, device: str = "cpu") -> 
     g = torch.Generator().manual_seed(0)
 
     def w(*shape):
-        return (torch.randn(*shape, generator=g) * 0.05).to(dtype=dtype, device=device)
+        return (torch.randn(*shape, generator=g) * INIT_STD).to(dtype=dtype, device=device)
 
     h, i = arch.hidden_size, arch.intermediate_size
     experts = [
@@ -90,10 +97,10 @@ def assemble_weights(
     from hrm.placement import dense_shapes
 
     def tensor(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        if name.endswith("norm"):
-            return torch.ones(shape, dtype=dtype, device=device)
-        if len(shape) == 1:  # a bias
-            return torch.zeros(shape, dtype=dtype, device=device)
+        kind = init_kind(name, len(shape))
+        if kind != "normal":
+            fill = torch.ones if kind == "ones" else torch.zeros
+            return fill(shape, dtype=dtype, device=device)
         return router(*shape) if name == "router" else dense(*shape)
 
     h = arch.hidden_size
@@ -177,7 +184,8 @@ def _one_layer_model(
     dt = getattr(torch, dtype)
     one_expert = dataclasses.replace(layer_arch, num_experts=1, experts_per_token=1)
     one = random_weights(one_expert, dt, device)
-    router = torch.randn(arch.num_experts, arch.hidden_size, generator=torch.Generator()) * 0.05
+    router = torch.randn(arch.num_experts, arch.hidden_size, generator=torch.Generator())
+    router = router * INIT_STD
     layer = dataclasses.replace(
         one.layers[0],
         router=router.to(dtype=dt, device=device),

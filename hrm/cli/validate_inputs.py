@@ -95,18 +95,21 @@ def random_checkpoint(args, tmp: Path) -> Path:
 
 
 def _fill_random(model) -> None:
-    """Weights as transformers initialises them (N(0, 0.02), norms 1, biases 0), the rows of one
+    """Weights as transformers initialises them (executor.checkpoint.init_kind), the rows of one
     drawn block per tensor tiled: what validate times does not depend on the values, and drawing
     every one of Mixtral 8x7B's 3.1 billion (2 layers) took 27 of its seconds, tiling 11."""
     import torch
 
+    from executor.checkpoint import INIT_STD, init_kind
+
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.fill_(1.0 if "norm" in name else 0.0)
+            kind = init_kind(name, p.dim())
+            if kind != "normal":
+                p.fill_(1.0 if kind == "ones" else 0.0)
                 continue
             rows = p.view(-1, p.shape[-1])
             n = min(rows.shape[0], 64)
-            block = (torch.randn(n, rows.shape[1], generator=g) * 0.02).to(p.dtype)
+            block = (torch.randn(n, rows.shape[1], generator=g) * INIT_STD).to(p.dtype)
             rows.copy_(block.repeat(-(-rows.shape[0] // n), 1)[: rows.shape[0]])

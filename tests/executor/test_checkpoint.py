@@ -165,3 +165,29 @@ def test_stop_tokens_prefer_generation_config(tmp_path, checkpoints):
     assert read_arch(tmp_path).eos_token_ids == (2,)
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9]}))
     assert read_arch(tmp_path).eos_token_ids == (7, 9)
+
+
+def test_the_initialisation_rule_is_transformers_own():
+    """init_kind, the rule every random-weight builder follows, read against the weights
+    transformers itself initialises (Qwen2-MoE: norms, q/k/v biases, the shared expert's gate):
+    norms at one, biases at zero, matrices at its initializer_range (INIT_STD for the bundled
+    families)."""
+    from transformers import AutoModelForCausalLM
+
+    from executor.checkpoint import INIT_STD, init_kind
+    from tests.executor.conftest import _qwen_family_config
+
+    config = _qwen_family_config("qwen2_moe", initializer_range=INIT_STD)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    kinds = set()
+    for name, p in model.named_parameters():
+        kind = init_kind(name, p.dim())
+        kinds.add(kind)
+        if kind == "ones":
+            assert torch.all(p == 1), name
+        elif kind == "zeros":
+            assert torch.all(p == 0), name
+        elif p.numel() >= 4096:
+            assert float(p.detach().std()) == pytest.approx(INIT_STD, rel=0.1), name
+    assert kinds == {"ones", "zeros", "normal"}
