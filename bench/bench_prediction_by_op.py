@@ -58,28 +58,11 @@ def measure(
     seconds: dict[tuple[str, str], float] = defaultdict(float)
     phase = {"now": "prefill"}
 
-    def timed(name: str, part: str):
-        inner = getattr(model, name)
-
-        def wrapper(*args, **kwargs):
-            t0 = time.perf_counter()
-            out = inner(*args, **kwargs)
-            elapsed = time.perf_counter() - t0
-            seconds[(phase["now"], part)] += elapsed
-            return out
-
-        setattr(model, name, wrapper)
-
     # post_attention includes experts: its own share is taken out below
-    for name, part in (
-        ("pre_attention", "dense"),
-        ("prefill_attention", "attention"),
-        ("decode_attention", "attention"),
-        ("post_attention", "post_attention"),
-        ("experts", "expert ffn"),
-        ("logits", "lm head"),
-    ):
-        timed(name, part)
+    stages = {"pre_attention": "dense", "prefill_attention": "attention",
+              "decode_attention": "attention", "post_attention": "post_attention",
+              "experts": "expert ffn", "logits": "lm head"}  # fmt: skip
+    model.time_stages(stages, seconds, key=lambda part: (phase["now"], part))
     inner_step = runtime.step
 
     def step(index, tokens, *, last):

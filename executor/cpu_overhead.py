@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-import time
 from dataclasses import dataclass
 
 import torch
@@ -133,21 +132,7 @@ def _timed_model(checkpoint: Checkpoint, cpu_gemm: CpuGemmChoice):
     stages adding their seconds to priced["gemm"] and priced["attention"]."""
     model = MoEModel(checkpoint, cpu_gemm)
     priced = {"gemm": 0.0, "attention": 0.0}
-    linear, attention = model.linear, model.decode_attention
-
-    def timed_linear(x, w):
-        t0 = time.perf_counter()
-        out = linear(x, w)
-        priced["gemm"] += time.perf_counter() - t0
-        return out
-
-    def timed_attention(*args):
-        t0 = time.perf_counter()
-        out = attention(*args)
-        priced["attention"] += time.perf_counter() - t0
-        return out
-
-    model.linear, model.decode_attention = timed_linear, timed_attention
+    model.time_stages({"linear": "gemm", "decode_attention": "attention"}, priced)
     return model, priced
 
 

@@ -14,6 +14,7 @@ E = experts, K = experts per token, I = expert width, A = token-expert assignmen
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 import torch
@@ -102,6 +103,22 @@ class MoEModel:
         if path == "widened":
             return widened_linear(x, w, self._scratch, rows=rows)
         return native_linear(x, w, rows=rows)
+
+    def time_stages(self, stages: dict[str, str], seconds: dict, key=None) -> None:
+        """Wrap each of this model's methods in `stages` (method name -> part) so that its wall
+        time adds to seconds[key(part)] (default: the part): the one timing hook the profilers
+        and the by-operation bench read the model's stages with."""
+        for name, part in stages.items():
+            inner = getattr(self, name)
+
+            def timed(*args, _inner=inner, _part=part, **kwargs):
+                t0 = time.perf_counter()
+                out = _inner(*args, **kwargs)
+                at = key(_part) if key is not None else _part
+                seconds[at] = seconds.get(at, 0.0) + time.perf_counter() - t0
+                return out
+
+            setattr(self, name, timed)
 
     def new_cache(
         self,

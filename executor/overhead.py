@@ -219,24 +219,16 @@ def measure_elementwise_rate(
 
     model, layer, layer_arch = _one_layer_model(arch, dtype, cpu_gemm=cpu_gemm)
     tokens = GATE_ROWS * arch.num_experts // arch.experts_per_token
-    gemm_s = [0.0]
-    linear = model.linear
-
-    def timed_linear(x, w):
-        t0 = time.perf_counter()
-        out = linear(x, w)
-        gemm_s[0] += time.perf_counter() - t0
-        return out
-
-    model.linear = timed_linear
+    gemm_s = {"gemm": 0.0}
+    model.time_stages({"linear": "gemm"}, gemm_s)
     x = _tokens(layer_arch, tokens, dtype, "cpu")
     rest = []
     with torch.inference_mode():
         for _ in range(repeats + 1):  # the first call builds the kernels: not timed
-            gemm_s[0] = 0.0
+            gemm_s["gemm"] = 0.0
             t0 = time.perf_counter()
             model.experts(layer, x)
-            rest.append(time.perf_counter() - t0 - gemm_s[0])
+            rest.append(time.perf_counter() - t0 - gemm_s["gemm"])
     op = expert_ffn_op(layer_arch, tokens=tokens, weight_dtype=dtype)
     return op.elementwise_elements / max(statistics.median(rest[1:]), 1e-9)
 

@@ -254,3 +254,22 @@ def test_small_row_counts_run_zero_padded_to_the_rows_the_choice_says(checkpoint
     assert generate(MoEModel(checkpoint, padded), prompts, 3).output_token_ids == expected
     assert any(tokens <= 3 for tokens, _ in calls)
     assert all(rows == (4 if tokens <= 3 else tokens) for tokens, rows in calls)
+
+
+def test_the_timing_hook_adds_each_stages_time_and_changes_no_result(checkpoints, monkeypatch):
+    """MoEModel.time_stages, the one hook the profilers and the by-op bench time stages with."""
+    import executor.model
+
+    prompts = [[1, 2, 3], [4, 5]]
+    model = MoEModel(open_checkpoint(checkpoints["dbrx"]))
+    plain = generate(model, prompts, 3).output_token_ids
+    clock = iter(range(1000))
+    monkeypatch.setattr(executor.model.time, "perf_counter", lambda: float(next(clock)))
+    seconds: dict = {}
+    model.time_stages({"linear": "gemm", "logits": "head"}, seconds, key=lambda p: ("x", p))
+    calls = sum(model.gemm_calls.values())
+    assert generate(model, prompts, 3).output_token_ids == plain
+    # on the fake clock a call takes 1 tick plus 2 for each timed call inside it: a GEMM 1, the
+    # LM head 3 (its GEMM inside), once per step
+    assert seconds[("x", "gemm")] == sum(model.gemm_calls.values()) - calls > 0
+    assert seconds[("x", "head")] == 3 * 3
