@@ -97,8 +97,8 @@ class DeviceSpec:
     matmul_curves: Mapping[str, Curve] = field(default_factory=dict)
     # Free memory when a measured profile was taken (MemAvailable, cudaMemGetInfo); None if unknown.
     available_memory_bytes: float | None = None
-    # per dtype the executor ran in, measured by hrm profile (a profile from before 2026-12-04
-    # has one, measured in float32); see launch_overhead_for
+    # per dtype the executor ran in, measured by hrm profile (an older profile's one figure was
+    # measured in float32: `upgrade`); see launch_overhead_for
     launch_overhead: Mapping[str, LaunchOverhead] = field(default_factory=dict)
     # What long GEMMs sustain (a published measurement, cited in the file): the planner's rate
     # where no curve was measured; the peak stays the roofline's top roof.
@@ -220,7 +220,6 @@ _DEVICE_OPTIONAL = {
     "launch_overhead",
     "sustained_flops",
     "attention_curves",
-    "attention_curve",  # before 2026-12-03: one curve, measured in bfloat16
     "prefill_attention_curves",
     "elementwise_rate",
     "expert_ffn_curves",
@@ -230,7 +229,6 @@ _DEVICE_OPTIONAL = {
 # what hrm profile measures with the executor's own code on one kind of device only
 _CPU_ONLY = (
     "attention_curves",
-    "attention_curve",
     "prefill_attention_curves",
     "elementwise_rate",
     "gemm_shape_curves",
@@ -244,7 +242,26 @@ def _by_dtype(data, key: str, where: str, keys: set[str]) -> dict:
     return check_keys(data.get(key) or {}, where=f"{where}: {key}", required=set(), optional=keys)
 
 
+def upgrade(data: Any, where: str) -> Any:
+    """A device section written by an older hrm profile, in today's keys (the one place that
+    reads old formats): one `attention_curve`, measured in bfloat16, becomes attention_curves
+    {bfloat16: ...}; an unkeyed `launch_overhead`, measured in float32, becomes {float32: ...}."""
+    if not isinstance(data, dict):
+        return data
+    data = dict(data)
+    if data.get("attention_curve") is not None:
+        if data.get("attention_curves"):
+            raise HrmError(f"{where}: give attention_curves only (attention_curve is its old name)")
+        data["attention_curves"] = {"bfloat16": data["attention_curve"]}
+    data.pop("attention_curve", None)
+    overhead = data.get("launch_overhead")
+    if isinstance(overhead, dict) and "per_layer_s" in overhead:
+        data["launch_overhead"] = {"float32": overhead}
+    return data
+
+
 def _device_from_dict(data: Any, where: str, is_cpu: bool = False) -> DeviceSpec:
+    data = upgrade(data, where)
     data = check_keys(data, where=where, required=_DEVICE_KEYS, optional=_DEVICE_OPTIONAL)
     # only a CPU widens 16-bit weights (the executor's CPU path), so only a CPU has those rates
     rate_keys = set(RATE_DTYPES) | (set(WIDENED_KEYS.values()) if is_cpu else set())
@@ -263,10 +280,6 @@ def _device_from_dict(data: Any, where: str, is_cpu: bool = False) -> DeviceSpec
                 raise HrmError(f"{where}: {key} is measured for the {only_for} only")
     overhead = _overheads_from_dict(data.get("launch_overhead"), f"{where}: launch_overhead")
     attention = data.get("attention_curves") or {}
-    if data.get("attention_curve") is not None:  # a profile from before 2026-12-03
-        if attention:
-            raise HrmError(f"{where}: give attention_curves only (attention_curve is its old name)")
-        attention = {"bfloat16": data["attention_curve"]}
     elementwise = _by_dtype(data, "elementwise_rate", where, set(RATE_DTYPES))
     copy = data.get("copy_bandwidth")
     sustained = _by_dtype(data, "sustained_flops", where, set(RATE_DTYPES))
@@ -387,12 +400,9 @@ def _device_to_dict(device: DeviceSpec) -> dict[str, Any]:
 
 
 def _overheads_from_dict(data: Any, where: str) -> dict[str, LaunchOverhead]:
-    """dtype -> LaunchOverhead; the one unkeyed entry of a profile from before 2026-12-04 was
-    measured in float32."""
+    """dtype -> LaunchOverhead."""
     if data is None:
         return {}
-    if isinstance(data, dict) and "per_layer_s" in data:
-        return {"float32": _overhead_from_dict(data, where)}
     data = check_keys(data, where=where, required=set(), optional=set(RATE_DTYPES))
     return {d: _overhead_from_dict(o, f"{where}: {d}") for d, o in data.items()}
 
