@@ -5,7 +5,7 @@ Both run the same random checkpoint (saved by transformers into a temporary dire
 batch of random prompts and the same generation length, greedy, never stopping early; each is
 warmed up, then timed `--repeats` times and the median kept.  The host is profiled first (`hrm
 profile --quick` at the bench model's own shape) unless `--hardware` names a profile; the
-executor takes the CPU GEMM path that profile chooses (hrm.cpu_gemm), and the bound and the
+executor takes the CPU GEMM path that profile chooses (hrm.rules.cpu_gemm), and the bound and the
 prediction price that same path: the roofline bound at the path's peak
 (hrm.roofline.run_time_bound) and the planner's prediction of the run at the path's curves,
 which is the bound of every op at max(FLOPs / achieved rate, bytes / bandwidth).  A second part
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from hrm.cpu_gemm import CpuGemmChoice
+from hrm.rules.cpu_gemm import CpuGemmChoice
 
 ROOT = Path(__file__).resolve().parents[1]
 FULL = dict(hidden=1024, width=3584, layers=4, batch=64, prompt_len=64, gen_len=128)

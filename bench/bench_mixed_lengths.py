@@ -47,9 +47,9 @@ def main() -> int:
     from hrm.arch import resolve_model
     from hrm.cli.records import run_record
     from hrm.hardware import resolve_hardware
+    from hrm.hardware.stand_in import stand_in_profile
     from hrm.policy import Policy, parse_policy_text
     from hrm.requests import Request
-    from hrm.stand_in import stand_in_profile
 
     arch = dataclasses.replace(resolve_model("mixtral-8x7b"), name="bench", num_layers=4, **BENCH)
     rng = random.Random(0)

@@ -7,7 +7,7 @@ phase (prefill, decode). Beside each it puts the planner's seconds for the same 
 (planner.cost.micro_batch_seconds with the all-CPU policy of `hrm run --hardware`) from a quick
 `hrm profile --model` of this host at the benchmark model's own shape, or from `--hardware`. The
 executor and the planner take the same CPU GEMM path, the one that profile chooses
-(hrm.cpu_gemm). The router sits in the planner's dense part (0.02% of the FLOPs). Prints a
+(hrm.rules.cpu_gemm). The router sits in the planner's dense part (0.02% of the FLOPs). Prints a
 table; the last line is JSON; the same JSON goes to reports/.
 
     python bench/bench_prediction_by_op.py [--quick] [--dtype bfloat16|float32] [--hardware PATH]
@@ -37,7 +37,7 @@ from bench_cpu_vs_transformers import (
     save_checkpoint,
 )
 
-from hrm.cpu_gemm import CpuGemmChoice
+from hrm.rules.cpu_gemm import CpuGemmChoice
 from planner import MODEL_VERSION
 
 PARTS = ("dense", "attention", "expert ffn", "lm head", "other")

@@ -1,7 +1,7 @@
 """Small-row padding on the CPU: decode with and without `small_pads`, same model, same prompts.
 
 The host is profiled first (`hrm profile --quick` at the bench model's shape) unless `--hardware`
-names one; the executor's CPU GEMM choice comes from it (hrm.cpu_gemm) and is run twice: as
+names one; the executor's CPU GEMM choice comes from it (hrm.rules.cpu_gemm) and is run twice: as
 chosen, and with its small pads removed (every GEMM of 1-8 rows at its own rows). Small decode
 batches give each expert 1-3 rows, where fp32 sgemm on some CPUs runs GEMVs slower than 4 rows.
 Runs alternate between the two choices, `--repeats` times after a warm-up of each, and the

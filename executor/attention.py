@@ -81,7 +81,7 @@ def store_and_attend_prompts(
     Grouped-query attention without repeating K/V: the G query heads that share a K/V head are
     stacked along the query axis ([B, nkv, G*L, D]) with the causal mask repeated per group, so
     one SDPA call reads each K/V head once. With an explicit mask SDPA computes every (query,
-    key) pair of the padded L x L square (hrm.ops.prefill_attention_flops counts that).
+    key) pair of the padded L x L square (hrm.roofline.ops.prefill_attention_flops counts that).
     """
     cache.write_prompts(layer, k, v, batch_idx, slot_idx)
     B, L = cache.key_valid.shape[0], cache.length
@@ -128,7 +128,7 @@ def measure_attention_curve(
     padded to half the context: what the planner charges CPU decode attention at
     (planner/cost.py). Each call is append_and_attend on a KVCache, the append and the strided
     views included: timing contiguous K/V alone was 8-18% fast on an AMX Xeon VM (2026-12-03)."""
-    from hrm.hardware_parts import Curve
+    from hrm.hardware.parts import Curve
 
     torch_dtype = getattr(torch, dtype)
     nq, nkv, d = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
@@ -185,12 +185,12 @@ QUICK_PREFILL_POINTS = PREFILL_CURVE_POINTS[:-1]
 
 def measure_prefill_attention_curve(arch, dtype: str = "bfloat16", *, quick: bool = False):
     """The achieved FLOP/s of the executor's prefill attention stage on this CPU against the
-    FLOPs it computes per call (hrm.ops.prefill_attention_flops), at the model's heads, a
+    FLOPs it computes per call (hrm.roofline.ops.prefill_attention_flops), at the model's heads, a
     quarter of each batch's prompts half as long: what the planner charges CPU prefill attention
     at (planner/cost.py). Each call is store_and_attend_prompts on a KVCache, the K/V store, the
     query scatter and the mask included. quick: fewer points, 3 samples a point, not 5."""
-    from hrm.hardware_parts import Curve
-    from hrm.ops import prefill_attention_flops
+    from hrm.hardware.parts import Curve
+    from hrm.roofline.ops import prefill_attention_flops
 
     torch_dtype = getattr(torch, dtype)
     nq, nkv, d = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim

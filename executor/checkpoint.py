@@ -24,7 +24,7 @@ from hrm.arch import ModelArch
 from hrm.errors import HrmError
 from hrm.hf_config import eos_token_ids
 from hrm.io import load_json
-from hrm.placement import dense_shapes
+from hrm.rules.placement import dense_shapes
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
@@ -47,7 +47,7 @@ class LayerWeights:
     ffn_norm: torch.Tensor  # [H]
     experts: tuple[ExpertWeights, ...]  # a dense layer's MLP is its one expert
     router: torch.Tensor | None = None  # [E, H]; None in a dense layer (all tokens, weight 1)
-    # what some families add (hrm.placement.dense_shapes lists a family's): q/k/v biases
+    # what some families add (hrm.rules.placement.dense_shapes lists a family's): q/k/v biases
     # (Qwen2-MoE), q/k RMSNorm weights [D] per head (Qwen3-MoE) or [nq*D], [nkv*D] (OLMoE), and a
     # shared expert with its sigmoid gate [1, H] (Qwen2-MoE)
     bq: torch.Tensor | None = None
@@ -347,7 +347,7 @@ def random_checkpoint(
     32-layer Mixtral in seconds)."""
     if dtype not in TORCH_DTYPES:
         raise HrmError(f"unknown dtype {dtype!r}: use one of {', '.join(TORCH_DTYPES)}")
-    from hrm.placement import expert_shapes
+    from hrm.rules.placement import expert_shapes
 
     torch_dtype = TORCH_DTYPES[dtype]
     g = torch.Generator().manual_seed(seed)

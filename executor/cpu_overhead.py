@@ -12,7 +12,7 @@ So it is timed here on the executor's own decode at the model's hidden size, wid
 experts and vocabulary, at 1 and 4 layers and at 1 and 64 sequences, and what the planner prices
 elsewhere is taken out:
   rest(L, b) = decode time - its GEMM calls - its decode-attention stages
-               - the elementwise passes hrm.ops counts, at the profile's elementwise rate
+               - the elementwise passes hrm.roofline.ops counts, at the profile's elementwise rate
              = per_step + L * (per_layer + touched(b) * per_expert)
 each GEMM and the attention stage being priced by its own measured curve. The configurations
 are timed in rounds, one sample of each per round, and each takes the median of its rounds, as
@@ -32,9 +32,9 @@ from executor.generate import generate
 from executor.model import MoEModel
 from executor.overhead import assemble_weights
 from hrm.arch import ModelArch
-from hrm.cpu_gemm import CpuGemmChoice
-from hrm.hardware_parts import LaunchOverhead
-from hrm.ops import expected_distinct_experts, layer_ops
+from hrm.hardware.parts import LaunchOverhead
+from hrm.roofline.ops import expected_distinct_experts, layer_ops
+from hrm.rules.cpu_gemm import CpuGemmChoice
 
 LAYERS = (1, 4)  # the layer counts timed: their difference is three layers' worth
 PROMPT_LEN = 1  # prefill is not what is timed: keep it short

@@ -23,10 +23,10 @@ import torch.nn.functional as F
 from executor.attention import append_and_attend, store_and_attend_prompts
 from executor.checkpoint import Checkpoint, LayerWeights
 from executor.kv_cache import KVCache
-from hrm.cpu_gemm import CpuGemmChoice
 from hrm.errors import HrmError
-from hrm.gemm_paths import WIDEN_SLICE_ELEMENTS, native_linear, widened_linear
-from hrm.host_memory import keep_freed_host_memory
+from hrm.rules.cpu_gemm import CpuGemmChoice
+from hrm.rules.gemm_paths import WIDEN_SLICE_ELEMENTS, native_linear, widened_linear
+from hrm.rules.host_memory import keep_freed_host_memory
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -68,7 +68,7 @@ class MoEModel:
     ):
         """device: where the layers run (default: where the checkpoint's weights are; a placed
         run loads them on the host and runs them on the GPU). cpu_gemm: the GEMM path per token
-        count when that is a CPU (hrm.cpu_gemm); without one a CPU model probes this host for
+        count when that is a CPU (hrm.rules.cpu_gemm); without one a CPU model probes this host for
         it (about a second). A GPU runs every GEMM native."""
         keep_freed_host_memory()  # large temporaries reuse freed memory, not fresh pages
         self.arch = checkpoint.arch

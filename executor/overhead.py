@@ -39,8 +39,8 @@ from executor.checkpoint import (
 from executor.generate import generate
 from executor.model import MoEModel
 from hrm.arch import ModelArch
-from hrm.cpu_gemm import CpuGemmChoice
-from hrm.hardware_parts import LaunchOverhead
+from hrm.hardware.parts import LaunchOverhead
+from hrm.rules.cpu_gemm import CpuGemmChoice
 
 MINI_HIDDEN = 64
 MANY_TOKENS = 64  # a batch that touches every expert (8 of 8 with 2 per token, all but surely)
@@ -92,9 +92,9 @@ def assemble_weights(
 ) -> ModelWeights:
     """A model's weights at `arch`'s shapes: each dense matrix dense(rows, cols), each router
     router(experts, hidden), norms of ones, biases of zeros (the family's dense tensors,
-    hrm.placement.dense_shapes), and the layers' experts taking `experts` in turn (cycling when
-    there are fewer sets than layers x experts)."""
-    from hrm.placement import dense_shapes
+    hrm.rules.placement.dense_shapes), and the layers' experts taking `experts` in turn
+    (cycling when there are fewer sets than layers x experts)."""
+    from hrm.rules.placement import dense_shapes
 
     def tensor(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         kind = init_kind(name, len(shape))
@@ -209,13 +209,13 @@ def measure_elementwise_rate(
     """Element passes per second of the executor's grouped expert FFN beyond its GEMMs, on the
     CPU: `_one_layer_model`'s FFN on as many tokens as give each expert about GATE_ROWS rows (a
     prefill chunk), its GEMMs timed apart and taken out, the rest divided into the element passes
-    hrm.ops.expert_ffn_op counts. The median of `repeats`. The GEMMs take `cpu_gemm`'s paths
-    (the profile's choice): native float16 on a CPU without avx512_fp16 ran at a few GFLOP/s,
-    and these calls then took most of an hour."""
+    hrm.roofline.ops.expert_ffn_op counts. The median of `repeats`. The GEMMs take `cpu_gemm`'s
+    paths (the profile's choice): native float16 on a CPU without avx512_fp16 ran at a few
+    GFLOP/s, and these calls then took most of an hour."""
     import statistics
     import time
 
-    from hrm.ops import expert_ffn_op
+    from hrm.roofline.ops import expert_ffn_op
 
     model, layer, layer_arch = _one_layer_model(arch, dtype, cpu_gemm=cpu_gemm)
     tokens = GATE_ROWS * arch.num_experts // arch.experts_per_token
@@ -245,13 +245,14 @@ def measure_expert_ffn_curve(
     """[(rows per expert, FLOP/s)] of the executor's whole grouped expert FFN (`MoEModel.experts`:
     router, sort, gather, every expert's GEMM chain, scale, scatter, the host read of the routing
     counts) on `device` at each token count: the GPU's per-expert cost as the planner charges it.
-    Rows: T*k over the expected experts touched (hrm.ops.expected_distinct_experts), FLOP/s:
-    expert_ffn_op's FLOPs over the median time, so the planner's lookup at those rows returns
-    the measured time. Timed by the profile's one loop (hrm.profiling.timing): a warm-up call,
-    then `repeats` samples of calls back to back for at least `min_sample_s` each, the median."""
-    from hrm.ops import expected_distinct_experts, expert_ffn_op
+    Rows: T*k over the expected experts touched (hrm.roofline.ops.expected_distinct_experts),
+    FLOP/s: expert_ffn_op's FLOPs over the median time, so the planner's lookup at those rows
+    returns the measured time. Timed by the profile's one loop (hrm.profiling.timing): a warm-up
+    call, then `repeats` samples of calls back to back for at least `min_sample_s` each, the
+    median."""
     from hrm.profiling.gpu import cuda_event_clock
     from hrm.profiling.timing import perf_counter_clock, time_calls
+    from hrm.roofline.ops import expected_distinct_experts, expert_ffn_op
 
     model, layer, layer_arch = _one_layer_model(arch, dtype, device)
     clock = cuda_event_clock if torch.device(device).type == "cuda" else perf_counter_clock

@@ -22,9 +22,9 @@ def page_aligned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     on a page boundary) and unmapped when the tensor dies.
 
     Not from the heap: a run's weight arenas, page slots and KV cache are its largest buffers,
-    and the heap keeps what it frees (hrm.host_memory), so the buffers of one run left holes that
-    the next run's, of other sizes, fitted only in part. At Mixtral 8x7B's shape (2 layers)
-    `hrm validate --quick` peaked at 21.5 GB where its largest run holds 12
+    and the heap keeps what it frees (hrm.rules.host_memory), so the buffers of one run left
+    holes that the next run's, of other sizes, fitted only in part. At Mixtral 8x7B's shape (2
+    layers) `hrm validate --quick` peaked at 21.5 GB where its largest run holds 12
     (docs/decisions.md, 2026-12-05)."""
     buffer = mmap.mmap(-1, max(numel * dtype.itemsize, 1))
     return torch.frombuffer(buffer, dtype=dtype, count=numel)

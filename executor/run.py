@@ -23,7 +23,6 @@ from executor.checkpoint import TORCH_DTYPES, Checkpoint
 from executor.generate import Limits, Sampling, generate
 from executor.runtime import placed_runtime
 from hrm.arch import ModelArch
-from hrm.cpu_gemm import CpuGemmChoice
 from hrm.errors import HrmError
 from hrm.plan import Plan
 from hrm.policy import Policy
@@ -32,6 +31,7 @@ from hrm.profiling.cpu import cpu_times, measured_others_share
 from hrm.progress import progress_bar
 from hrm.record import Measurement
 from hrm.requests import answer_line
+from hrm.rules.cpu_gemm import CpuGemmChoice
 from hrm.units import format_bytes
 
 

@@ -27,9 +27,9 @@ from executor.pinning import HostPins
 from executor.schedules import SCHEDULE_ORDERS, StepShape
 from executor.tasks import BatchState, MicroBatch, StepState, TaskBuilder
 from executor.weight_store import WeightStore
-from hrm.cpu_gemm import CpuGemmChoice
-from hrm.placement import place_model
 from hrm.policy import Policy
+from hrm.rules.cpu_gemm import CpuGemmChoice
+from hrm.rules.placement import place_model
 
 HOST = torch.device("cpu")
 
@@ -294,7 +294,7 @@ def placed_runtime(
     take_over: bool = False,
 ) -> Runtime:
     """A host-loaded checkpoint placed as `policy` says, on `device` (CUDA, or the CPU standing
-    in for a GPU): the weights hrm.placement makes resident copied there, the rest packed into
+    in for a GPU): the weights hrm.rules.placement makes resident copied there, the rest packed into
     host arenas and paged in, m pages per layer under cgopipe and gpu-attention, one whole-layer
     copy under serial and overlap; staged: through a pinned staging ring (the plan's "weight
     staging"); take_over: the store releases the checkpoint's layers as it copies them (a

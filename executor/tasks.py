@@ -24,7 +24,7 @@ from executor.kv_cache import KVCache
 from executor.model import MoEModel
 from executor.schedules import WHOLE_LAYER
 from executor.weight_store import WeightStore
-from hrm.placement import PREFILL_CHUNK_TOKENS
+from hrm.rules.placement import PREFILL_CHUNK_TOKENS
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Where every weight lives during an offloaded run: resident on the device, or streamed in pages.
 
-hrm.placement decides which tensors are resident (the same function the planner counts). The
+hrm.rules.placement decides which tensors are resident (the same function the planner counts). The
 rest of each layer is packed, in placement order, into one host arena per layer of exactly its
 size: PyTorch's pinned caching allocator rounds a request up to a power of two, so on CUDA the
 arena is ordinary page-aligned memory registered with the CUDA runtime (executor/pinning.py),
@@ -25,7 +25,7 @@ from executor.buffers import TURNS
 from executor.checkpoint import ExpertWeights, LayerWeights, ModelWeights
 from executor.pinning import HostPins, page_aligned_empty, release_host_tensor
 from hrm.arch import ModelArch
-from hrm.placement import (
+from hrm.rules.placement import (
     EXPERT_TENSORS,
     ModelPlacement,
     WeightPlacement,

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hrm.ops import layer_ops
-from hrm.placement import place_model
 from hrm.plan import Plan
 from hrm.policy import Policy, dtype_bytes
+from hrm.roofline.ops import layer_ops
+from hrm.rules.placement import place_model
 from planner.evaluate import batch_model, build_plan, policy_vector
 from planner.memory import usable_bytes
 from planner.search import fill_gpu
@@ -168,7 +168,8 @@ def _policy(setting: Setting, n: int, mu: int, *, weights: float, kv: float) -> 
 
 
 def _fits(setting: Setting, policy: Policy) -> bool:
-    """The policy fits with its weights placed as whole tensors (rounded down, hrm.placement)."""
+    """The policy fits with its weights placed as whole tensors (rounded down:
+    hrm.rules.placement)."""
     hw = setting.hardware
     mem = setting.memory(policy.batch_size, policy.micro_batch_size)
     placed = place_model(setting.arch, policy.weights_gpu_fraction, policy.weight_dtype)

@@ -197,7 +197,7 @@ def schedule_terms(
 ) -> ScheduleTerms:
     """The schedule's lower bounds on T_layer; with a link that measured both directions at once
     (`link.bidirectional`), the overlapping copies also share that rate; on a CPU standing in for
-    the GPU (hrm/stand_in.py) the four queues share the host and add up (see below)."""
+    the GPU (hrm/hardware/stand_in.py) the four queues share the host and add up (see below)."""
     gpu, cpu, h2d, d2h = (q.queue(name) for name in QUEUES)
     link = hardware.link if hardware is not None else None
     shared = hardware is not None and hardware.stand_in

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from hrm.arch import ModelArch
-from hrm.cpu_gemm import CpuGemmChoice
 from hrm.errors import HrmError
 from hrm.hardware import HardwareProfile
-from hrm.placement import place_model
 from hrm.plan import QUEUES, MemoryFootprint, Plan, Prediction, check_schedule
 from hrm.policy import Policy
+from hrm.rules.cpu_gemm import CpuGemmChoice
+from hrm.rules.placement import place_model
 from hrm.workload import Workload
 from planner.cost import (
     QueueTerms,
@@ -118,7 +118,7 @@ def policy_vector(policy: Policy) -> np.ndarray:
 def build_plan(model: BatchModel, policy: Policy, *, whole_tensors: bool = True) -> Plan:
     """The Plan of `policy` at this (N, mu): prediction, busy time per queue, memory, bottleneck.
 
-    whole_tensors: r_w becomes the fraction the executor places (hrm.placement), so the plan
+    whole_tensors: r_w becomes the fraction the executor places (hrm.rules.placement), so the plan
     predicts and counts exactly what a run holds; False keeps the continuous r_w (the search's
     relaxation, whose brackets the tests check)."""
     setting = model.setting
@@ -157,8 +157,8 @@ def build_plan(model: BatchModel, policy: Policy, *, whole_tensors: bool = True)
 
 
 def placed_policy(model: BatchModel, policy: Policy) -> Policy:
-    """`policy` with r_w at whole tensors as hrm.placement places them: rounded down, or up by one
-    expert when rounding down overflows the CPU memory and rounding up still fits the GPU."""
+    """`policy` with r_w at whole tensors as hrm.rules.placement places them: rounded down, or up
+    by one item when rounding down overflows the CPU memory and rounding up still fits the GPU."""
     if not policy.ffn_on_gpu:
         return policy
     arch, dtype = model.setting.arch, policy.weight_dtype

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hrm.cpu_gemm import CpuGemmChoice
-from hrm.hardware_parts import DeviceSpec
-from hrm.ops import ACTIVATION_DTYPE, layer_ops, lm_head_op, prefill_attention_flops
+from hrm.hardware.parts import DeviceSpec
 from hrm.policy import dtype_bytes
+from hrm.roofline.ops import ACTIVATION_DTYPE, layer_ops, lm_head_op, prefill_attention_flops
+from hrm.rules.cpu_gemm import CpuGemmChoice
 from planner.memory import PREFILL_CHUNK_TOKENS
 from planner.op_time import expert_ffn_seconds, op_seconds
 from planner.overheads import launch_seconds, step_seconds, unhidden_gpu_launch
@@ -157,7 +157,7 @@ def _kind_seconds(setting: Setting, b: float) -> MicroBatchSeconds:
     arch, hw, steps = setting.arch, setting.hardware, setting.steps
     dtype, s_pre = setting.compute_dtype, setting.workload.prefill_len
     adt, kdt = dtype_bytes(ACTIVATION_DTYPE), dtype_bytes(setting.kv_dtype)
-    # a CPU standing in for the GPU runs the CPU's GEMM paths and kernels (hrm/stand_in.py)
+    # a CPU standing in for the GPU runs the CPU's GEMM paths and kernels (hrm/hardware/stand_in.py)
     cpu = _on_device(setting, b, "cpu", hw.cpu, setting.cpu_gemm_choice)
     gpu = _on_device(setting, b, "gpu", hw.gpu, setting.cpu_gemm_choice if hw.stand_in else None)
     cpu_overhead = hw.cpu.launch_overhead_for(dtype)

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from hrm.arch import ModelArch
-from hrm.ops import ACTIVATION_DTYPE
-from hrm.placement import PREFILL_CHUNK_TOKENS, slot_bytes
 from hrm.policy import dtype_bytes
+from hrm.roofline.ops import ACTIVATION_DTYPE
+from hrm.rules.placement import PREFILL_CHUNK_TOKENS, slot_bytes
 from hrm.workload import Workload
 
 # The one headroom: plans use at most this fraction of each device's memory; the rest is left for
@@ -41,7 +41,7 @@ class WeightBytes:
     """Bytes of the model's weights by where they can live."""
 
     layer: float  # W_l: everything one layer holds, streamed page by page when not resident
-    slot: float  # S: a page slot holds at most (1 - r_w) * S (hrm.placement.slot_bytes)
+    slot: float  # S: a page slot holds at most (1 - r_w) * S (hrm.rules.placement.slot_bytes)
     head: float  # final norm + LM head: on the device that runs the layers
     embedding: float  # the token embedding: always in CPU memory (a gather, then h2d)
     num_layers: int

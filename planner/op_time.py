@@ -8,15 +8,15 @@ import math
 import numpy as np
 
 from hrm.arch import ModelArch
-from hrm.cpu_gemm import CpuGemmChoice, gemm_flops_per_s
-from hrm.hardware_parts import DeviceSpec
-from hrm.ops import (
+from hrm.hardware.parts import DeviceSpec
+from hrm.roofline.ops import (
     Op,
     expected_distinct_experts,
     expert_ffn_op,
     ffn_output_elements,
     routed_expert_op,
 )
+from hrm.rules.cpu_gemm import CpuGemmChoice, gemm_flops_per_s
 
 
 def op_seconds(
@@ -25,7 +25,7 @@ def op_seconds(
     """T_op = max(FLOPs / P(rows), bytes / B) + N_elementwise / R_elementwise  (paper Eq 13-14,
     plus the op's elementwise passes, which run after its GEMMs), P from the profile's GEMM curve
     at `rows` rows when it has one, else the peak; on the CPU (cpu_gemm given) P is the rate of
-    the path the executor takes at those rows, padded as it pads (hrm.cpu_gemm), and an op of
+    the path the executor takes at those rows, padded as it pads (hrm.rules.cpu_gemm), and an op of
     several GEMMs takes sum_j FLOPs_j / P_j(rows), each at its own shape's curve. `rows` and the
     op's sizes may be arrays (one entry per row count). R: the measured
     elementwise rate in `dtype`, else the memory bandwidth over the element size."""

@@ -15,8 +15,8 @@ from __future__ import annotations
 import numpy as np
 
 from hrm.arch import ModelArch
-from hrm.hardware_parts import LaunchOverhead
-from hrm.ops import expected_distinct_experts
+from hrm.hardware.parts import LaunchOverhead
+from hrm.roofline.ops import expected_distinct_experts
 
 
 def launch_seconds(

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hrm.arch import ModelArch
-from hrm.cpu_gemm import CpuGemmChoice, choose_cpu_gemm
 from hrm.hardware import HardwareProfile
-from hrm.placement import largest_page_bytes
+from hrm.rules.cpu_gemm import CpuGemmChoice, choose_cpu_gemm
+from hrm.rules.placement import largest_page_bytes
 from hrm.workload import Workload
 from planner.memory import MemoryTerms, WeightBytes, memory_terms
 from planner.memory import placement_vector as vec
@@ -29,7 +29,7 @@ class Setting:
     schedule: str = "cgopipe"
     weight_dtype: str = "bfloat16"
     kv_dtype: str = "bfloat16"
-    # the CPU's GEMM path by token count (hrm.cpu_gemm); None: chosen from the profile's CPU
+    # the CPU's GEMM path by token count (hrm.rules.cpu_gemm); None: chosen from the profile's CPU
     cpu_gemm: CpuGemmChoice | None = None
     # the KV cache is left-padded to the longest prompt (the resident executor's), so decode
     # attends over the padded slots even when prefill packs the prompts
@@ -64,7 +64,7 @@ class Setting:
     @property
     def cpu_gemm_choice(self) -> CpuGemmChoice:
         """The path the executor takes for each CPU GEMM: given (what a run took), else the one
-        hrm.cpu_gemm picks from the profile's curves."""
+        hrm.rules.cpu_gemm picks from the profile's curves."""
         if self.cpu_gemm is not None:
             return self.cpu_gemm
         return choose_cpu_gemm(
@@ -99,7 +99,7 @@ class Setting:
     def memory(self, batch_size, micro_batch_size: int) -> MemoryTerms:
         """Every buffer at N = batch_size (scalar or array) and mu = micro_batch_size; with staged
         weights also the ring: F_g * 2 * the largest page of a layer streamed whole (pages cut
-        at tensor boundaries by hrm.placement, as the executor cuts them)."""
+        at tensor boundaries by hrm.rules.placement, as the executor cuts them)."""
         terms = memory_terms(
             self.arch,
             self.workload,

@@ -7,8 +7,8 @@ faster everywhere) and one where the winner changes with the token count.
 
 from __future__ import annotations
 
-from hrm.cpu_gemm import MeasuredRates
-from hrm.hardware_parts import Curve
+from hrm.hardware.parts import Curve
+from hrm.rules.cpu_gemm import MeasuredRates
 
 GRID = (1, 4, 12, 16, 64, 256, 1024)
 

@@ -1,4 +1,4 @@
-"""hrm.cpu_gemm: one choice of CPU GEMM path per dtype and token count, priced as it runs.
+"""hrm.rules.cpu_gemm: one choice of CPU GEMM path per dtype and token count, priced as it runs.
 
 Synthetic curves stand for the two kinds of host: an AVX2 CPU (widened float32 faster at every
 token count, sgemm's dip at 12 rows), an AMX CPU (native bf16 faster everywhere), and one where
@@ -11,7 +11,10 @@ import dataclasses
 
 import pytest
 
-from hrm.cpu_gemm import (
+from hrm.errors import HrmError
+from hrm.hardware import resolve_hardware
+from hrm.hardware.parts import Curve
+from hrm.rules.cpu_gemm import (
     CpuGemmChoice,
     MeasuredRates,
     choose_cpu_gemm,
@@ -20,9 +23,6 @@ from hrm.cpu_gemm import (
     has_choice_curves,
     pays_to_pad,
 )
-from hrm.errors import HrmError
-from hrm.hardware import resolve_hardware
-from hrm.hardware_parts import Curve
 from tests.gemm_curves import AMX, AVX2, MIXED, rates, scaled
 
 
@@ -139,7 +139,7 @@ def test_a_small_row_count_pads_to_a_measured_one_that_runs_clearly_faster():
     """3 rows (2.69 ms) -> 4 (1.93) and 8 (1.79) both save over 10%; 8 is fastest, and 4 is
     within 10% of it (1.93 <= 1.969), so the smaller, 4. 2 rows (1.91): 8 saves 6%, noise. 4
     rows: 8 saves 7%. Unmeasured counts (5-7) never pad."""
-    from hrm.cpu_gemm import small_row_pads
+    from hrm.rules.cpu_gemm import small_row_pads
 
     assert small_row_pads(timed(EPYC_FP32_MS)) == {3: 4}
     assert small_row_pads(scaled(AMX["bfloat16"], 1e9)) == {}  # rate grows faster than rows

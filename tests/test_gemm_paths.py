@@ -1,11 +1,11 @@
-"""hrm.gemm_paths: the executor's two CPU GEMM paths (also what hrm profile times)."""
+"""hrm.rules.gemm_paths: the executor's two CPU GEMM paths (also what hrm profile times)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hrm.gemm_paths import WIDEN_SLICE_ELEMENTS, native_linear, padded_tokens, widened_linear
+from hrm.rules.gemm_paths import WIDEN_SLICE_ELEMENTS, native_linear, padded_tokens, widened_linear
 
 
 def test_tokens_are_padded_to_a_multiple_of_16_above_8():

@@ -6,7 +6,7 @@ import yaml
 from hrm import units
 from hrm.errors import HrmError
 from hrm.hardware import HardwareProfile, bundled_profile_names, resolve_hardware
-from hrm.hardware_parts import Curve
+from hrm.hardware.parts import Curve
 
 EXPECTED_BUNDLED = {"t4", "l4", "2xt4", "4xt4", "a100-80g", "h100-sxm", "h200-sxm"}
 

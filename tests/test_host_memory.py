@@ -7,7 +7,7 @@ import platform
 import pytest
 import torch
 
-from hrm.host_memory import keep_freed_host_memory
+from hrm.rules.host_memory import keep_freed_host_memory
 
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 

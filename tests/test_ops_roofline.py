@@ -5,9 +5,7 @@ import dataclasses
 import pytest
 
 from hrm.arch import resolve_model
-from hrm.cpu_gemm import choose_cpu_gemm
 from hrm.hardware import HardwareProfile, resolve_hardware
-from hrm.ops import attention_op, expected_distinct_experts, expert_ffn_op, layer_ops, lm_head_op
 from hrm.roofline import (
     attainable_flops_per_s,
     cpu_peak_flops_per_s,
@@ -17,6 +15,14 @@ from hrm.roofline import (
     run_time_bound,
     turning_points,
 )
+from hrm.roofline.ops import (
+    attention_op,
+    expected_distinct_experts,
+    expert_ffn_op,
+    layer_ops,
+    lm_head_op,
+)
+from hrm.rules.cpu_gemm import choose_cpu_gemm
 
 MIXTRAL = resolve_model("mixtral-8x7b")
 L4 = resolve_hardware("l4")

@@ -1,11 +1,11 @@
-"""hrm.placement: whole tensors, dense weights first, never more than the policy allows."""
+"""hrm.rules.placement: whole tensors, dense weights first, never more than the policy allows."""
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hrm.arch import resolve_model
-from hrm.placement import place_model, place_weights, slot_bytes
+from hrm.rules.placement import place_model, place_weights, slot_bytes
 
 
 @pytest.fixture(scope="module")

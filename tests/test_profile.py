@@ -12,12 +12,12 @@ import pytest
 from hrm import units
 from hrm.arch import resolve_model
 from hrm.hardware import HardwareProfile
-from hrm.hardware_parts import gemm_shape_key
-from hrm.ops import gemm_shapes
+from hrm.hardware.parts import gemm_shape_key
 from hrm.profiling import SweepPlan, measure_profile
 from hrm.profiling.cpu import CpuTimes, measured_others_share, others_cpu_share
 from hrm.profiling.matmul import GemmShape, fit_shape, sweep_matmul
 from hrm.profiling.timing import Timing, time_calls
+from hrm.roofline.ops import gemm_shapes
 
 TINY_PLAN = SweepPlan(
     name="tiny",
@@ -239,7 +239,7 @@ def test_both_paths_rotate_weight_copies_and_compute_the_executors_gemm(monkeypa
     import torch
 
     import hrm.profiling.matmul as matmul
-    from hrm.gemm_paths import WIDEN_SLICE_ELEMENTS
+    from hrm.rules.gemm_paths import WIDEN_SLICE_ELEMENTS
 
     weights_seen = []
     for name in ("native_linear", "widened_linear"):

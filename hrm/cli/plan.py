@@ -210,7 +210,7 @@ def _shortfall_text(short: dict[str, float]) -> str:
 
 def format_named(plan, best, requested_weights: float | None = None) -> str:
     """The named policy with the same breakdown as the best, marked when it does not fit, and
-    saying when its weights fraction was rounded to whole tensors (hrm.placement)."""
+    saying when its weights fraction was rounded to whole tensors (hrm.rules.placement)."""
     ratio = plan.predicted.throughput_tok_s / best.predicted.throughput_tok_s
     short = shortfall(plan)
     fits = "fits" if not short else f"DOES NOT FIT: {_shortfall_text(short)}"

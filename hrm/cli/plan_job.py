@@ -133,7 +133,7 @@ def hardware_of(args, name: str | None = None):
 
     hardware = resolve_hardware(name or args.hardware)
     if not hardware.has_gpu and args.gpu_mem and not args.pcie:
-        from hrm.stand_in import stand_in_profile
+        from hrm.hardware.stand_in import stand_in_profile
 
         cpu = parse_bytes(args.cpu_mem, "--cpu-mem") if args.cpu_mem else None
         gpu = parse_bytes(args.gpu_mem, "--gpu-mem")

@@ -103,9 +103,9 @@ def with_launch_overhead(
         measure_expert_ffn_curve,
         measure_launch_overhead,
     )
-    from hrm.cpu_gemm import choose_cpu_gemm
-    from hrm.hardware_parts import Curve
+    from hrm.hardware.parts import Curve
     from hrm.profiling import PRESETS, SWEPT_DTYPES
+    from hrm.rules.cpu_gemm import choose_cpu_gemm
 
     # the dtypes the profile's CPU sweep ran (hrm validate's own profile sweeps those it runs)
     dtypes = [d for d in CPU_RUN_DTYPES if d in profile.cpu.matmul_curves]

@@ -69,8 +69,8 @@ def run(args: argparse.Namespace) -> int:
     from hrm.arch import resolve_model
     from hrm.hardware import resolve_hardware
     from hrm.io import check_image_path
-    from hrm.plots import plot_roofline
-    from hrm.roofline_report import build_roofline_report
+    from hrm.roofline.plots import plot_roofline
+    from hrm.roofline.report import build_roofline_report
 
     batches = _positive_ints(args.batch, "--batch")
     if args.context <= 0 or args.micro_batch <= 0:

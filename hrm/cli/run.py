@@ -219,8 +219,8 @@ def _execute(args, job, hardware, partial, warn):
 def _check_flags(args) -> list[str]:
     """Flags that contradict each other or lack their partner, refused one line at a time;
     returns the planning flags given (gpu_mem, cpu_mem, schedule)."""
-    from hrm.cpu_gemm import MODES
     from hrm.errors import HrmError
+    from hrm.rules.cpu_gemm import MODES
 
     if args.prompt_len is not None and args.batch is None:
         raise HrmError("--prompt-len needs --batch (the number of random prompts)")

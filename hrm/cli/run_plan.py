@@ -122,7 +122,7 @@ def plan_machine(plan):
     its GPUs, NAME-stand-in for its CPU standing in for a GPU); None when it cannot be found."""
     from hrm.errors import HrmError
     from hrm.hardware import resolve_hardware
-    from hrm.stand_in import STAND_IN_SUFFIX
+    from hrm.hardware.stand_in import STAND_IN_SUFFIX
 
     name, _, count = plan.hardware.removesuffix(STAND_IN_SUFFIX).partition("@")
     try:
@@ -174,7 +174,7 @@ def _plan_for(args, spec, hardware):
     if hardware.has_gpu:
         hardware = hardware.with_resources(cpu_memory_bytes=cpu, gpu_memory_bytes=gpu)
     else:
-        from hrm.stand_in import stand_in_profile
+        from hrm.hardware.stand_in import stand_in_profile
 
         hardware = stand_in_profile(hardware.with_resources(cpu_memory_bytes=cpu), gpu)
     workload = spec.workload()
@@ -196,8 +196,8 @@ def prediction_profile(plan, hardware, device: str, warn):
     this host can be predicted: a GPU machine's plan is predicted with this host's stand-in
     model (--hardware naming a CPU-only profile, else a bundled measurement of this host);
     comparing an L4 with this CPU would give a meaningless error."""
+    from hrm.hardware.stand_in import stand_in_profile
     from hrm.profiling.host_gemm import bundled_profile_of_this_host
-    from hrm.stand_in import stand_in_profile
     from planner.memory import USABLE_MEMORY_FRACTION
 
     profile = hardware if hardware is not None else plan_machine(plan)

@@ -16,7 +16,7 @@ shape, 0.5-3 ms each in bf16 on AMX; first touch of the run's memory). How much 
 ran is reported beside the spread.
 Resident runs (the model on one device) are joined, on a CPU-only host, by every offloading
 schedule at a forced-paging policy (nothing resident, two micro-batches), run with the CPU
-standing in for the GPU and predicted with the stand-in profile (hrm/stand_in.py).
+standing in for the GPU and predicted with the stand-in profile (hrm/hardware/stand_in.py).
 """
 
 from __future__ import annotations
@@ -282,9 +282,9 @@ def _offloaded_run(checkpoint: Path, hardware, dtype: str, schedule: str, shape)
     from executor.api import prepare_run
     from executor.run import execute
     from hrm.cli.records import run_record
+    from hrm.hardware.stand_in import stand_in_profile
     from hrm.policy import Policy
     from hrm.profiling.host_gemm import cpu_gemm_chooser
-    from hrm.stand_in import stand_in_profile
     from hrm.workload import Workload
     from planner import predict
 

@@ -21,13 +21,13 @@ from hrm import units
 from hrm.arch import ModelArch
 from hrm.errors import HrmError
 from hrm.hardware import HardwareProfile
-from hrm.hardware_parts import HALF_DTYPES, Curve, DeviceSpec, LinkSpec, gemm_shape_key
-from hrm.host_memory import keep_freed_host_memory
-from hrm.ops import gemm_shapes
+from hrm.hardware.parts import HALF_DTYPES, Curve, DeviceSpec, LinkSpec, gemm_shape_key
 from hrm.profiling import cpu, gpu
 from hrm.profiling.matmul import SWEPT_DTYPES, GemmShape, MatmulSweep, fit_shape, sweep_matmul
 from hrm.profiling.timing import Timing, perf_counter_clock
 from hrm.progress import progress_bar
+from hrm.roofline.ops import gemm_shapes
+from hrm.rules.host_memory import keep_freed_host_memory
 
 STORED_CPU_BANDWIDTH = "read"  # decode streams weights and KV cache: a read, not a copy
 BUSY_WARNING_SHARE = 0.1  # other processes' share of CPU time above which figures are suspect

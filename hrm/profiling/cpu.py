@@ -17,8 +17,8 @@ from pathlib import Path
 from hrm.profiling.timing import Timing, perf_counter_clock, time_calls
 
 BANDWIDTH_KINDS = ("read", "copy", "triad")
-# CPU flags that decide which GEMM path is fast (hrm.cpu_gemm): recorded in every profile, and a
-# run warns when its host's differ from its profile's
+# CPU flags that decide which GEMM path is fast (hrm.rules.cpu_gemm): recorded in every profile,
+# and a run warns when its host's differ from its profile's
 MATRIX_FEATURES = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_fp16")
 _READ_ROW = 4096  # elements per row of the matrix the read kernel multiplies by a vector
 

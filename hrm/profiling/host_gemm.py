@@ -14,13 +14,13 @@ import time
 from collections.abc import Callable, Sequence
 
 from hrm.arch import ModelArch
-from hrm.cpu_gemm import CpuGemmChoice, MeasuredRates, choose_cpu_gemm, has_choice_curves
 from hrm.hardware import HardwareProfile
-from hrm.hardware_parts import HALF_DTYPES
+from hrm.hardware.parts import HALF_DTYPES
 from hrm.policy import dtype_bytes
 from hrm.profiling import cpu
 from hrm.profiling.matmul import GemmShape, sweep_matmul
 from hrm.profiling.timing import perf_counter_clock
+from hrm.rules.cpu_gemm import CpuGemmChoice, MeasuredRates, choose_cpu_gemm, has_choice_curves
 from hrm.units import format_bytes
 
 PROBE_TOKENS = (1, 12, 16, 64, 256)

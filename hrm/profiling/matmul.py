@@ -5,7 +5,7 @@ executor runs it; T = tokens, H = hidden size, I = expert width). The weight kee
 size unless memory forbids: a scaled-down weight fits in the last-level cache and overstates the
 small-token (decode) rates, which are bound by reading the weight from memory.
 
-Both of the executor's CPU paths are timed (hrm.gemm_paths): native, and for 16-bit dtypes the
+Both of the executor's CPU paths are timed (hrm.rules.gemm_paths): native, and for 16-bit dtypes the
 weight widened to float32 slice by slice (`widen=True`). Enough weight copies are rotated, on
 both paths alike, that they stream from memory as a model's many experts do, even when one
 matrix would fit in the cache.
@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from functools import partial
 
 from hrm.arch import ModelArch
-from hrm.gemm_paths import WIDEN_SLICE_ELEMENTS, native_linear, widened_linear
-from hrm.hardware_parts import WIDENED_KEYS, Curve
+from hrm.hardware.parts import WIDENED_KEYS, Curve
 from hrm.profiling.timing import Clock, Timing, estimated_duration_s, time_calls
+from hrm.rules.gemm_paths import WIDEN_SLICE_ELEMENTS, native_linear, widened_linear
 
 SWEPT_DTYPES = ("float32", "bfloat16", "float16")
 _ALIGN = 64  # scaled sizes stay multiples of 64, as real layer sizes are
@@ -113,7 +113,7 @@ def sweep_matmul(
     overestimates it (efficiency grows with tokens), and the later rounds' samples of the points
     already taken are counted in, so the budget holds. `tick` is called once
     per grid point, measured or not, to drive the progress bar. Both paths run the executor's
-    own functions (hrm.gemm_paths), unpadded: native (reported as `dtype`) or, with widen, the
+    own functions (hrm.rules.gemm_paths), unpadded: native (reported as `dtype`) or, with widen, the
     widened path of a 16-bit dtype (reported as `<dtype>_widened`). Each call takes the next of
     enough weight copies to stream at least `streamed_bytes` (twice the last-level cache, say)
     from memory, as a model's many experts do; or rotates the given `weights` (each [I, H] in
@@ -180,7 +180,7 @@ def rotating_weights(shape: GemmShape, on: dict, streamed_bytes: float) -> list:
 
 
 def _rotating_gemm(x, weights: list, scratch, turn: list[int]):
-    """The executor's GEMM (hrm.gemm_paths) on the next of `weights`: widened when given a
+    """The executor's GEMM (hrm.rules.gemm_paths) on the next of `weights`: widened when given a
     scratch buffer, else native."""
     w = weights[turn[0] % len(weights)]
     turn[0] += 1

@@ -1,5 +1,5 @@
-"""The executor runs the CPU GEMM path hrm.cpu_gemm chose, the planner prices that same path, and
-`hrm run` records it, takes --cpu-gemm and --threads, and keeps stdout valid JSONL."""
+"""The executor runs the CPU GEMM path hrm.rules.cpu_gemm chose, the planner prices that same path,
+and `hrm run` records it, takes --cpu-gemm and --threads, and keeps stdout valid JSONL."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import executor.model
 from executor.checkpoint import open_checkpoint
 from executor.generate import generate
 from executor.model import MoEModel
-from hrm.cpu_gemm import CpuGemmChoice, choose_cpu_gemm
 from hrm.hardware import HardwareProfile, resolve_hardware
 from hrm.profiling import cpu
+from hrm.rules.cpu_gemm import CpuGemmChoice, choose_cpu_gemm
 from hrm.workload import Workload
 from planner.layer_seconds import micro_batch_seconds
 from planner.setting import Setting

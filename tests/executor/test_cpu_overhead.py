@@ -10,7 +10,7 @@ import torch
 
 import executor.model
 from executor import cpu_overhead
-from hrm.cpu_gemm import CpuGemmChoice
+from hrm.rules.cpu_gemm import CpuGemmChoice
 from tests.planner.tiny_setup import tiny_arch
 
 NATIVE = CpuGemmChoice(dtype="float32", buckets=((0.0, "native"),), source="test")

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from executor.overhead import measure_expert_ffn_curve, measure_launch_overhead
-from hrm.hardware_parts import Curve
-from hrm.ops import expected_distinct_experts, expert_ffn_op
+from hrm.hardware.parts import Curve
+from hrm.roofline.ops import expected_distinct_experts, expert_ffn_op
 from planner.op_time import expert_ffn_seconds
 from tests.test_profile import TINY_ARCH
 

@@ -13,7 +13,7 @@ import torch
 from executor.checkpoint import open_checkpoint
 from executor.generate import generate
 from executor.model import MoEModel
-from hrm.cpu_gemm import CpuGemmChoice
+from hrm.rules.cpu_gemm import CpuGemmChoice
 from tests.executor.conftest import ragged_prompts, reference_model
 
 LENGTHS = (5, 12, 1, 9, 12, 3)

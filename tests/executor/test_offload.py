@@ -17,8 +17,8 @@ from executor.run import execute
 from executor.runtime import placed_runtime
 from hrm.arch import ModelArch
 from hrm.hardware import resolve_hardware
-from hrm.placement import place_model, place_weights
 from hrm.policy import Policy
+from hrm.rules.placement import place_model, place_weights
 from hrm.workload import Workload
 from planner import predict
 from tests.executor.conftest import ragged_prompts, reference_model
@@ -262,7 +262,7 @@ def test_the_prefill_attention_curve_times_the_executors_stage(monkeypatch):
     from executor import attention
     from executor.attention import PREFILL_CURVE_POINTS, measure_prefill_attention_curve
     from hrm.arch import resolve_model
-    from hrm.ops import prefill_attention_flops
+    from hrm.roofline.ops import prefill_attention_flops
 
     seen = []
 

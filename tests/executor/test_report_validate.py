@@ -303,7 +303,7 @@ def test_host_speed_check_times_the_profiles_point():
     check keeps a positive ratio under the run's name, and a dtype without a curve is skipped."""
     from hrm.arch import resolve_model
     from hrm.hardware import resolve_hardware
-    from hrm.hardware_parts import Curve
+    from hrm.hardware.parts import Curve
     from hrm.profiling.host_speed import CHECK_TOKENS, HostSpeedCheck
     from hrm.profiling.matmul import GemmShape
 

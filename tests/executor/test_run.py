@@ -12,7 +12,7 @@ from executor.api import prepare_run
 from executor.checkpoint import open_checkpoint
 from executor.generate import Sampling, generate, sample
 from executor.model import MoEModel
-from hrm.cpu_gemm import CpuGemmChoice
+from hrm.rules.cpu_gemm import CpuGemmChoice
 from planner import MODEL_VERSION
 from tests.executor.conftest import ragged_prompts
 

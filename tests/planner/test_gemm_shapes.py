@@ -8,10 +8,10 @@ import dataclasses
 import pytest
 
 from hrm.arch import resolve_model
-from hrm.cpu_gemm import choose_cpu_gemm
-from hrm.hardware_parts import Curve, gemm_shape_key
-from hrm.ops import expert_ffn_op, gemm_shapes, layer_ops, lm_head_op
-from hrm.stand_in import stand_in_profile
+from hrm.hardware.parts import Curve, gemm_shape_key
+from hrm.hardware.stand_in import stand_in_profile
+from hrm.roofline.ops import expert_ffn_op, gemm_shapes, layer_ops, lm_head_op
+from hrm.rules.cpu_gemm import choose_cpu_gemm
 from planner.layer_seconds import micro_batch_seconds
 from planner.op_time import op_seconds
 from planner.setting import Setting

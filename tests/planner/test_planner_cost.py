@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from hrm.errors import HrmError
-from hrm.hardware_parts import Curve
-from hrm.placement import place_weights
+from hrm.hardware.parts import Curve
 from hrm.policy import Policy
+from hrm.rules.placement import place_weights
 from hrm.workload import Workload
 from planner import predict
 from planner.evaluate import batch_model, policy_vector
@@ -287,8 +287,8 @@ def test_the_measured_launch_overhead_is_charged_per_layer_expert_and_step(arch,
     (4 experts, top-2)."""
     from tiny_setup import cpu_only_profile
 
-    from hrm.hardware_parts import LaunchOverhead
-    from hrm.ops import expected_distinct_experts
+    from hrm.hardware.parts import LaunchOverhead
+    from hrm.roofline.ops import expected_distinct_experts
     from planner.layer_seconds import micro_batch_seconds
     from planner.setting import Setting
 
@@ -375,8 +375,8 @@ def test_cpu_decode_attention_is_charged_at_the_measured_kv_read_rate(arch, work
     """With attention curves of 1 GB/s in bfloat16 and 3 GB/s in float32, CPU decode attention
     costs bytes / 1e9 with a bfloat16 KV cache and bytes / 3e9 with a float32 one; a KV dtype
     without its curve keeps the FLOPs-and-bandwidth model."""
-    from hrm.hardware_parts import Curve
-    from hrm.ops import layer_ops
+    from hrm.hardware.parts import Curve
+    from hrm.roofline.ops import layer_ops
     from planner.layer_seconds import micro_batch_seconds
     from tests.planner.tiny_setup import cpu_only_profile
 
@@ -409,8 +409,8 @@ def test_cpu_prefill_attention_is_charged_at_its_measured_rate_over_the_padded_s
     executor computes, every pair of the square padded to the longest prompt, over 1e12; decode
     keeps its own model. By hand for b = 2 at prompt_len_max 32: 2 * 32^2 = 2048 pairs per head,
     4 * 2048 * nq * d + 5 * 2048 * nq FLOPs."""
-    from hrm.hardware_parts import Curve
-    from hrm.ops import prefill_attention_flops
+    from hrm.hardware.parts import Curve
+    from hrm.roofline.ops import prefill_attention_flops
     from planner.layer_seconds import micro_batch_seconds
     from tests.planner.tiny_setup import cpu_only_profile
 
@@ -446,7 +446,7 @@ def test_the_cost_models_array_lookup_is_curve_at():
 def test_elementwise_passes_are_charged_after_the_roofline_time(arch, make_cpu_profile):
     """T_op = max(FLOPs / P, bytes / B) + elements / R: the expert FFN's and the norms' element
     passes (counted by hand here) at a measured 1e9 elements/s."""
-    from hrm.ops import expert_ffn_op, layer_ops
+    from hrm.roofline.ops import expert_ffn_op, layer_ops
     from planner.op_time import op_seconds
 
     hw = make_cpu_profile()
@@ -494,7 +494,7 @@ def test_the_gpu_is_charged_the_launch_time_its_dense_kernels_do_not_hide(arch, 
     """gpu_launch = max(0, per_layer - T_dense): all of a per-layer cost far above the kernels'
     time, less the kernels; nothing when the kernels outlast it; nothing unmeasured."""
     from hrm.hardware import resolve_hardware
-    from hrm.hardware_parts import LaunchOverhead
+    from hrm.hardware.parts import LaunchOverhead
     from planner.cost import queue_terms
     from planner.layer_seconds import micro_batch_seconds
     from planner.setting import Setting

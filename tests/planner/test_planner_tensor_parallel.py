@@ -13,7 +13,7 @@ from tiny_setup import gpu_profile, tiny_arch
 
 from hrm.errors import HrmError
 from hrm.hardware import HardwareProfile, resolve_hardware
-from hrm.hardware_parts import Interconnect
+from hrm.hardware.parts import Interconnect
 from hrm.workload import Workload
 from planner.compare import Option, cost_per_million_tokens, parse_prices
 from planner.layer_seconds import micro_batch_seconds

@@ -8,9 +8,9 @@ import math
 
 import pytest
 
-from hrm.cpu_gemm import CpuGemmChoice
-from hrm.hardware_parts import Curve
-from hrm.ops import expected_distinct_experts, expert_ffn_op
+from hrm.hardware.parts import Curve
+from hrm.roofline.ops import expected_distinct_experts, expert_ffn_op
+from hrm.rules.cpu_gemm import CpuGemmChoice
 from planner.op_time import expert_ffn_seconds, op_seconds
 
 PADDED_NATIVE = CpuGemmChoice(
@@ -60,7 +60,7 @@ def test_a_rate_flat_in_rows_gives_the_mean_counts_price(arch, make_cpu_profile)
 
 
 def test_padded_gemms_are_charged_at_each_experts_padded_rows(arch, make_cpu_profile):
-    """The executor pads each expert's rows to a multiple of 16 above 8 (hrm.gemm_paths). At a
+    """The executor pads each expert's rows to a multiple of 16 above 8 (hrm.rules.gemm_paths). At a
     flat rate r the compute is E * sum_n P(n) * 6*pad(n)*h*i / r, n ~ Binomial(64, 1/2) here,
     P from math.comb: 0.45 of the experts land above 32 and pay for 48 rows. The mean count
     (32 rows) would charge 32."""

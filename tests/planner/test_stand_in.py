@@ -1,4 +1,4 @@
-"""The CPU standing in for a GPU (hrm/stand_in.py): the profile, and its queues adding up."""
+"""The CPU standing in for a GPU (hrm/hardware/stand_in.py): the profile, its queues adding up."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from tests.planner.tiny_setup import cpu_only_profile
 
 def test_the_stand_in_profile_is_the_host_with_a_memcpy_link(tmp_path):
     host = cpu_only_profile(bandwidth=8e9)
-    from hrm.stand_in import stand_in_profile
+    from hrm.hardware.stand_in import stand_in_profile
 
     s = stand_in_profile(host, gpu_memory_bytes=1e6)
     assert s.stand_in and s.gpu.memory_bytes == 1e6
@@ -36,7 +36,7 @@ def test_the_stand_in_profile_is_the_host_with_a_memcpy_link(tmp_path):
 @pytest.mark.parametrize("schedule", ["cgopipe", "overlap", "gpu-attention", "serial"])
 def test_stand_in_queues_add_up(arch, workload, schedule):
     """T_layer >= Q_gpu + Q_cpu + Q_h2d + Q_d2h: one set of cores and one memory bus."""
-    from hrm.stand_in import stand_in_profile
+    from hrm.hardware.stand_in import stand_in_profile
 
     hw = stand_in_profile(cpu_only_profile(memory_bytes=4e6), gpu_memory_bytes=2e6)
     policy = Policy(

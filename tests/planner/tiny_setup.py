@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hrm.arch import ModelArch
 from hrm.hardware import HardwareProfile
-from hrm.hardware_parts import DeviceSpec, LinkSpec
+from hrm.hardware.parts import DeviceSpec, LinkSpec
 
 
 def tiny_arch(num_layers: int = 2) -> ModelArch:

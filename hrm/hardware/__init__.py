@@ -18,7 +18,7 @@ from typing import Any
 
 from hrm import units
 from hrm.errors import HrmError
-from hrm.hardware_parts import (
+from hrm.hardware.parts import (
     DeviceSpec,
     Interconnect,
     LinkSpec,
@@ -31,7 +31,7 @@ from hrm.hardware_parts import (
 from hrm.io import atomic_write_yaml, load_yaml
 from hrm.schema import check_keys
 
-BUNDLED_DIR = Path(__file__).resolve().parent.parent / "hardware_profiles"
+BUNDLED_DIR = Path(__file__).resolve().parents[2] / "hardware_profiles"
 SOURCES = ("datasheet", "measured")
 
 
@@ -47,8 +47,8 @@ class HardwareProfile:
     # GPU-to-GPU links; None: PCIe peer-to-peer at the link's h2d rate (through the host)
     interconnect: Interconnect | None = None
     price_per_hour: float | None = None  # USD per machine-hour, for cost per token (optional)
-    # The "GPU" is this host's CPU (hrm/stand_in.py): its queues share one set of cores and one
-    # memory bus, so they do not overlap in the cost model.
+    # The "GPU" is this host's CPU (hrm/hardware/stand_in.py): its queues share one set of cores
+    # and one memory bus, so they do not overlap in the cost model.
     stand_in: bool = False
 
     def __post_init__(self) -> None:

@@ -1,6 +1,6 @@
 """The parts of a hardware profile: devices, the CPU-GPU link, GPU interconnects and measured
 curves, with their YAML form (decimal units in files, SI base units in the dataclasses).
-hrm/hardware.py assembles them into a HardwareProfile.
+hrm/hardware/__init__.py assembles them into a HardwareProfile.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class Curve:
         return max(y for _, y in self.points)
 
 
-# 16-bit float dtypes a CPU may compute in float32 after widening (hrm.cpu_gemm).
+# 16-bit float dtypes a CPU may compute in float32 after widening (hrm.rules.cpu_gemm).
 HALF_DTYPES = ("bfloat16", "float16")
 # hrm profile times that path on a CPU and stores its rates beside the dtypes under these keys.
 WIDENED_KEYS = {dtype: f"{dtype}_widened" for dtype in HALF_DTYPES}
@@ -108,13 +108,13 @@ class DeviceSpec:
     # bandwidth. Per dtype because the rate is: float32 read K/V 1.5x as fast as bfloat16
     # (bench_prediction_by_op, 2026-12-03)
     attention_curves: Mapping[str, Curve] = field(default_factory=dict)
-    # CPU only: the executor's prefill attention stage, FLOPs per call (hrm.ops.
+    # CPU only: the executor's prefill attention stage, FLOPs per call (hrm.roofline.ops.
     # prefill_attention_flops) -> FLOP/s, per dtype (measured by hrm profile); a dtype absent
     # here is priced at the GEMM curve with the causal FLOP count
     prefill_attention_curves: Mapping[str, Curve] = field(default_factory=dict)
     # CPU only: bytes a host memcpy copies per second, each byte read once and written once
     # (STREAM's copy figure counts twice this), measured by hrm profile; what the CPU standing in
-    # for a GPU moves its pages at (hrm/stand_in.py). None: not measured
+    # for a GPU moves its pages at (hrm/hardware/stand_in.py). None: not measured
     copy_bandwidth_bytes_per_s: float | None = None
     # CPU only: elements read or written per second by the executor's elementwise kernels, per
     # dtype (measured by hrm profile); absent: memory bandwidth / element size
@@ -129,7 +129,7 @@ class DeviceSpec:
 
     def flops_per_s(self, dtype: str) -> float:
         """Peak FLOP/s of all `count` devices for `dtype`; falls back to float32 when absent.
-        (A CPU's 16-bit GEMMs take the path hrm.cpu_gemm chooses; price those with it.)"""
+        (A CPU's 16-bit GEMMs take the path hrm.rules.cpu_gemm chooses; price those with it.)"""
         rate = self.peak_flops_per_s.get(dtype, self.peak_flops_per_s.get("float32"))
         if rate is None:
             raise HrmError(f"{self.name}: no FLOP rate for {dtype} or float32 in the profile")

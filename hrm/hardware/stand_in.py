@@ -18,7 +18,7 @@ import dataclasses
 
 from hrm.errors import HrmError
 from hrm.hardware import HardwareProfile
-from hrm.hardware_parts import LinkSpec
+from hrm.hardware.parts import LinkSpec
 
 STAND_IN_SUFFIX = "-stand-in"
 

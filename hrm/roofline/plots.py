@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from hrm.io import save_figure
-from hrm.roofline_report import RooflineReport
+from hrm.roofline.report import RooflineReport
 from hrm.units import format_bandwidth, format_flops
 
 _KV_MARKERS = {

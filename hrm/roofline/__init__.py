@@ -9,17 +9,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hrm.arch import ModelArch
-from hrm.cpu_gemm import CpuGemmChoice, choose_cpu_gemm, gemm_peak_flops_per_s
 from hrm.hardware import HardwareProfile
-from hrm.hardware_parts import DeviceSpec
-from hrm.ops import Op, expert_ffn_op, layer_ops, lm_head_op
+from hrm.hardware.parts import DeviceSpec
+from hrm.roofline.ops import Op, expert_ffn_op, layer_ops, lm_head_op
+from hrm.rules.cpu_gemm import CpuGemmChoice, choose_cpu_gemm, gemm_peak_flops_per_s
 
 
 def attainable_flops_per_s(
     device: DeviceSpec, dtype: str, intensity: float, *, peak_flops_per_s: float | None = None
 ) -> float:
     """P = min(P_peak, B_peak * I)  (paper Eq 4-5); peak_flops_per_s replaces the device's peak
-    for `dtype` (the CPU's, along the GEMM path hrm.cpu_gemm chooses: cpu_peak_flops_per_s)."""
+    for `dtype` (the CPU's, along the GEMM path hrm.rules.cpu_gemm chooses:
+    cpu_peak_flops_per_s)."""
     peak = device.flops_per_s(dtype) if peak_flops_per_s is None else peak_flops_per_s
     return min(peak, device.total_memory_bandwidth_bytes_per_s * intensity)
 

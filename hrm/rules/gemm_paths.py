@@ -3,9 +3,9 @@
 `native` is torch's own GEMM in the weight's dtype: fast on CPUs with 16-bit matrix units (AMX,
 AVX-512 BF16/FP16), 4-8x slower than float32 on CPUs without them (AVX2). `widened` converts a
 16-bit weight to float32 one cache-sized slice at a time and multiplies each slice at once.
-Which one a run takes is chosen in hrm.cpu_gemm from measured curves; the executor runs these
+Which one a run takes is chosen in hrm.rules.cpu_gemm from measured curves; the executor runs these
 functions and `hrm profile` times these very functions, so the profile's rates are the
-executor's. Either may run at more rows than it has, zero-padded (`rows`), where hrm.cpu_gemm
+executor's. Either may run at more rows than it has, zero-padded (`rows`), where hrm.rules.cpu_gemm
 measured that to pay. torch is imported inside: `import hrm` stays light.
 """
 

@@ -1,15 +1,15 @@
 """Which GEMM path the CPU takes, per dtype and token count: chosen once, used by both sides.
 
 A 16-bit GEMM on a CPU runs `native` (torch in bf16/fp16) or `widened` (float32 after converting
-the weight slice by slice; hrm.gemm_paths). On an AVX2 EPYC widened was 4-8x faster; on a
+the weight slice by slice; hrm.rules.gemm_paths). On an AVX2 EPYC widened was 4-8x faster; on a
 Sapphire Rapids with AMX-BF16 native was 2-10x faster. Which wins also moves with the token
 count, so the choice is made per token bucket from measured curves: the profile's `<dtype>` and
 `<dtype>_widened` matmul curves, or the executor's short probe at the model's shapes. The
 executor runs `path_at(tokens)`; the planner prices exactly that path with `gemm_flops_per_s`.
-A path pads its rows (hrm.gemm_paths.padded_tokens) where its measured time at 16 rows is clearly
-below its time at 12: the dip of sgemm at 9-15 rows on AVX2. Below SMALL_PAD_LIMIT rows it pads a
-token count to a larger measured one where that shape's curve says the larger runs in clearly
-less time: sgemm ran 2 and 3 rows as GEMVs on an AVX-512 EPYC, slower than 4 or 8.
+A path pads its rows (hrm.rules.gemm_paths.padded_tokens) where its measured time at 16 rows is
+clearly below its time at 12: the dip of sgemm at 9-15 rows on AVX2. Below SMALL_PAD_LIMIT rows
+it pads a token count to a larger measured one where that shape's curve says the larger runs in
+clearly less time: sgemm ran 2 and 3 rows as GEMVs on an AVX-512 EPYC, slower than 4 or 8.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from hrm.errors import HrmError
-from hrm.gemm_paths import padded_tokens
-from hrm.hardware_parts import HALF_DTYPES, WIDENED_KEYS, Curve, gemm_shape_key
+from hrm.hardware.parts import HALF_DTYPES, WIDENED_KEYS, Curve, gemm_shape_key
+from hrm.rules.gemm_paths import padded_tokens
 from hrm.schema import check_keys
 
 PATHS = ("native", "widened")

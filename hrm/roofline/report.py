@@ -1,7 +1,7 @@
 """The data behind `hrm roofline`: roofs, turning points and where each op sits.
 
-Kept apart from drawing (hrm/plots.py) and printing (hrm/cli/roofline.py) so that tests and other
-tools can use the numbers.
+Kept apart from drawing (hrm/roofline/plots.py) and printing (hrm/cli/roofline.py) so that tests
+and other tools can use the numbers.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 from hrm.arch import ModelArch
 from hrm.hardware import HardwareProfile
-from hrm.ops import attention_op, expert_ffn_op
 from hrm.roofline import (
     TurningPoints,
     attainable_flops_per_s,
@@ -19,6 +18,7 @@ from hrm.roofline import (
     ffn_balance_batch,
     turning_points,
 )
+from hrm.roofline.ops import attention_op, expert_ffn_op
 
 
 @dataclass(frozen=True, kw_only=True)
