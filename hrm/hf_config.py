@@ -14,23 +14,30 @@ from hrm.errors import HrmError
 MODEL_TYPES = ("mixtral", "dbrx", "qwen2_moe", "qwen3_moe", "olmoe")
 
 
-def _mixtral(c: Mapping[str, Any]) -> dict[str, Any]:
+def _llama_like(c: Mapping[str, Any], width: str, experts: int) -> dict[str, Any]:
+    """What Mixtral, Qwen and OLMoE configs name alike: layers, hidden size, heads (a head_dim of
+    their own where given), top-k, vocabulary, positions; the expert width under `width`."""
     heads = c["num_attention_heads"]
     return dict(
         num_layers=c["num_hidden_layers"],
         hidden_size=c["hidden_size"],
-        intermediate_size=c["intermediate_size"],
+        intermediate_size=c[width],
         num_attention_heads=heads,
         num_key_value_heads=c.get("num_key_value_heads") or heads,
         head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-        num_experts=c["num_local_experts"],
+        num_experts=experts,
         experts_per_token=c["num_experts_per_tok"],
         vocab_size=c["vocab_size"],
         tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+        max_position_embeddings=c.get("max_position_embeddings"),
+    )
+
+
+def _mixtral(c: Mapping[str, Any]) -> dict[str, Any]:
+    return _llama_like(c, "intermediate_size", c["num_local_experts"]) | dict(
         norm="rmsnorm",
         norm_eps=float(c.get("rms_norm_eps", 1e-5)),
         rope_theta=float(_rope_theta(c, 1e6)),
-        max_position_embeddings=c.get("max_position_embeddings"),
     )
 
 
@@ -83,23 +90,11 @@ def _qwen_moe(c: Mapping[str, Any]) -> dict[str, Any]:
     full attention."""
     if c.get("use_sliding_window"):
         raise HrmError("use_sliding_window true: sliding-window attention is not supported")
-    heads = c["num_attention_heads"]
-    return dict(
-        num_layers=c["num_hidden_layers"],
-        hidden_size=c["hidden_size"],
-        intermediate_size=c["moe_intermediate_size"],
-        num_attention_heads=heads,
-        num_key_value_heads=c.get("num_key_value_heads") or heads,
-        head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-        num_experts=_num_experts(c),
-        experts_per_token=c["num_experts_per_tok"],
-        vocab_size=c["vocab_size"],
-        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+    return _llama_like(c, "moe_intermediate_size", _num_experts(c)) | dict(
         norm_eps=float(c.get("rms_norm_eps", 1e-6)),
         rope_theta=float(_rope_theta(c, 1e6)),
         renormalize_top_k=bool(c.get("norm_topk_prob", False)),
         round_router_weights=True,
-        max_position_embeddings=c.get("max_position_embeddings"),
         **_dense_layers(c),
     )
 
