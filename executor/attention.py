@@ -41,7 +41,7 @@ DECODE_KERNELS = {"sdpa": sdpa_decode, "matmul": matmul_decode}
 DECODE_KERNEL = "sdpa"
 
 
-def decode_attention(
+def attend_one_step(
     q: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
@@ -63,7 +63,7 @@ def append_and_attend(
     cache.write_step(layer, k, v)
     end = cache.length + 1
     keys, values = cache.view(layer, end)  # [B, nkv, end, D]
-    return decode_attention(q, keys, values, cache.mask(end, keys.device))
+    return attend_one_step(q, keys, values, cache.mask(end, keys.device))
 
 
 def store_and_attend_prompts(

@@ -24,9 +24,10 @@ from hrm.arch import ModelArch
 from hrm.errors import HrmError
 from hrm.hf_config import eos_token_ids
 from hrm.io import load_json
+from hrm.policy import FLOAT_DTYPES
 from hrm.rules.placement import dense_shapes
 
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TORCH_DTYPES = {name: getattr(torch, name) for name in FLOAT_DTYPES}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 

@@ -165,7 +165,6 @@ def measure_launch_overhead(
 GATE_ROWS = 1024  # rows per expert, as a prefill chunk of 8192 tokens gives Mixtral (top-2 of 8)
 # the dtypes the executor runs on a CPU: hrm profile measures each one's elementwise rate and
 # decode-attention curve
-CPU_RUN_DTYPES = ("float32", "bfloat16", "float16")
 # tokens per grouped FFN call timed on a GPU: decode batches up to a prefill chunk (8192 tokens)
 FFN_TOKENS = (1, 4, 16, 64, 256, 1024, 4096, 8192)
 

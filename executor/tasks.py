@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import torch
 
 from executor import buffers as buf
-from executor.attention import decode_attention
+from executor.attention import attend_one_step
 from executor.buffers import TURNS
 from executor.engine import Action, Op, Task
 from executor.kv_cache import KVCache
@@ -211,7 +211,7 @@ class TaskBuilder:
                 keys = fetched_k[: end + 1].permute(1, 2, 0, 3)  # [b, nkv, end + 1, D]
                 values = fetched_v[: end + 1].permute(1, 2, 0, 3)
                 mask = mb.cache.mask(end + 1, self.device)
-                mb.buffers["attn"] = decode_attention(q, keys, values, mask)
+                mb.buffers["attn"] = attend_one_step(q, keys, values, mask)
 
             return Task(
                 run_prefetched, reads=(buf.qkv(j),), writes=(buf.attn(j), buf.prefetch(turn))

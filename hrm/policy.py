@@ -13,6 +13,9 @@ from typing import Any
 from hrm.errors import HrmError
 from hrm.schema import check_keys, dataclass_keys, fraction, positive_int
 
+# the floating dtypes weights are computed in: what the executor runs, the profile sweeps and the
+# planner prices GEMMs in (integer weights are dequantised into one of them)
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_BYTES = {
     "float32": 4.0,
     "bfloat16": 2.0,

@@ -9,14 +9,13 @@ import numpy as np
 
 from hrm.arch import ModelArch
 from hrm.hardware import HardwareProfile
+from hrm.policy import FLOAT_DTYPES
 from hrm.rules.cpu_gemm import CpuGemmChoice, choose_cpu_gemm
 from hrm.rules.placement import largest_page_bytes
 from hrm.workload import Workload
 from planner.memory import MemoryTerms, WeightBytes, memory_terms
 from planner.memory import placement_vector as vec
 from planner.transfers import check_tensor_parallel
-
-FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True, kw_only=True)

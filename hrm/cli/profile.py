@@ -98,17 +98,17 @@ def with_launch_overhead(
     from executor import cpu_overhead
     from executor.attention import measure_attention_curve, measure_prefill_attention_curve
     from executor.overhead import (
-        CPU_RUN_DTYPES,
         measure_elementwise_rate,
         measure_expert_ffn_curve,
         measure_launch_overhead,
     )
     from hrm.hardware.parts import Curve
+    from hrm.policy import FLOAT_DTYPES
     from hrm.profiling import PRESETS, SWEPT_DTYPES
     from hrm.rules.cpu_gemm import choose_cpu_gemm
 
     # the dtypes the profile's CPU sweep ran (hrm validate's own profile sweeps those it runs)
-    dtypes = [d for d in CPU_RUN_DTYPES if d in profile.cpu.matmul_curves]
+    dtypes = [d for d in FLOAT_DTYPES if d in profile.cpu.matmul_curves]
     paths = {d: choose_cpu_gemm(profile.cpu, d) for d in dtypes}
     preset = "quick" if quick else "full"
     timed = timed or cpu_overhead.PRESETS[preset]  # --quick: bfloat16 alone (others take its)

@@ -112,12 +112,12 @@ def run(args: argparse.Namespace) -> int:
                 f"--hardware: {differs}; a sweep here needs a profile of this host "
                 "(leave out --hardware to profile it first)"
             )
-    from hrm.cli.validate_inputs import check_memory, random_checkpoint
+    from hrm.cli.validate_inputs import check_memory, save_random_checkpoint
 
     check_memory(args)
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = (
-            Path(args.checkpoint) if args.checkpoint else random_checkpoint(args, Path(tmp))
+            Path(args.checkpoint) if args.checkpoint else save_random_checkpoint(args, Path(tmp))
         )
         return _validate(args, checkpoint, hardware)
 

@@ -45,7 +45,7 @@ def check_memory(args) -> None:
     check_runs(arch, runs, what=f"hrm validate of {arch.name}", layers_flag=args.random_weights)
 
 
-def random_checkpoint(args, tmp: Path) -> Path:
+def save_random_checkpoint(args, tmp: Path) -> Path:
     """The model's real architecture with random weights (_fill_random), saved by transformers
     into `tmp`."""
     import torch

@@ -21,10 +21,11 @@ from functools import partial
 
 from hrm.arch import ModelArch
 from hrm.hardware.parts import WIDENED_KEYS, Curve
+from hrm.policy import FLOAT_DTYPES
 from hrm.profiling.timing import Clock, Timing, estimated_duration_s, time_calls
 from hrm.rules.gemm_paths import WIDEN_SLICE_ELEMENTS, native_linear, widened_linear
 
-SWEPT_DTYPES = ("float32", "bfloat16", "float16")
+SWEPT_DTYPES = FLOAT_DTYPES  # the GEMM sweep times every dtype weights are computed in
 _ALIGN = 64  # scaled sizes stay multiples of 64, as real layer sizes are
 
 

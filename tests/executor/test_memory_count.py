@@ -158,7 +158,7 @@ def test_validate_says_where_its_random_checkpoint_goes_and_how_large(tmp_path, 
     import argparse
     import dataclasses
 
-    from hrm.cli.validate_inputs import random_checkpoint
+    from hrm.cli.validate_inputs import save_random_checkpoint
 
     args = argparse.Namespace(model=str(BUNDLED_DIR / "mixtral-8x7b.json"), layers=1, quiet=True)
     monkeypatch.setattr("shutil.disk_usage", lambda p: type("U", (), {"free": 1e9})())
@@ -168,5 +168,5 @@ def test_validate_says_where_its_random_checkpoint_goes_and_how_large(tmp_path, 
     with pytest.raises(
         HrmError, match=f"random checkpoint of {arch.total_params * 2 / 1e9:.3g} GB"
     ):
-        random_checkpoint(args, tmp_path)
+        save_random_checkpoint(args, tmp_path)
     assert not list(tmp_path.iterdir())

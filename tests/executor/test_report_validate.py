@@ -344,10 +344,10 @@ def test_validates_random_checkpoint_is_a_real_checkpoint_of_the_model(checkpoin
     import torch
 
     from executor.checkpoint import open_checkpoint
-    from hrm.cli.validate_inputs import random_checkpoint
+    from hrm.cli.validate_inputs import save_random_checkpoint
 
     args = argparse.Namespace(model=str(checkpoints[name] / "config.json"), layers=2, quiet=True)
-    weights = open_checkpoint(random_checkpoint(args, tmp_path), "float32").weights
+    weights = open_checkpoint(save_random_checkpoint(args, tmp_path), "float32").weights
     assert len(weights.layers) == 2
     layer = weights.layers[1]
     assert torch.equal(layer.attn_norm, torch.ones_like(layer.attn_norm))
