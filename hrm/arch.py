@@ -20,6 +20,11 @@ from hrm.policy import dtype_bytes
 from hrm.schema import positive_int
 
 BUNDLED_DIR = Path(__file__).resolve().parent / "model_configs"
+# the sizes that define a model's shape, each a positive integer, and (with the model type and
+# whether the embedding is tied) what a plan is made for: ModelArch.geometry
+COUNTS = ("num_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+          "num_key_value_heads", "head_dim", "num_experts", "experts_per_token",
+          "vocab_size")  # fmt: skip
 QK_NORMS = ("head", "projection")  # RMSNorm per head over d (Qwen3-MoE), or over nq*d (OLMoE)
 
 
@@ -57,17 +62,7 @@ class ModelArch:
     max_position_embeddings: int | None = None  # longest context the model was made for
 
     def __post_init__(self) -> None:
-        for name in (
-            "num_layers",
-            "hidden_size",
-            "intermediate_size",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-            "num_experts",
-            "experts_per_token",
-            "vocab_size",
-        ):
+        for name in COUNTS:
             positive_int(getattr(self, name), where=f"{self.name}: {name}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise HrmError(
@@ -262,19 +257,7 @@ class ModelArch:
             for kind, n in self.layer_kinds()
         )
 
-    GEOMETRY = (
-        "model_type",
-        "num_layers",
-        "hidden_size",
-        "intermediate_size",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "num_experts",
-        "experts_per_token",
-        "vocab_size",
-        "tie_word_embeddings",
-    )
+    GEOMETRY = ("model_type", *COUNTS, "tie_word_embeddings")
 
     def geometry(self) -> dict[str, Any]:
         """What a plan depends on: two models with the same geometry take the same plans."""
