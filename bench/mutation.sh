@@ -5,8 +5,9 @@
 # reports/mutation.txt.
 #   bench/mutation.sh                      the engine and the schedules (about 15-25 minutes
 #                                          on 2 cores)
-#   bench/mutation.sh 'executor.batching.*'   batching and resume (about 10 minutes); other
-#                                          modules: add them to only_mutate first
+#   bench/mutation.sh 'executor.batching.*'   batching and resume (about 10 minutes)
+#   bench/mutation.sh 'planner.memory.*'   the memory model (reports/mutation.md says how)
+#                                          other modules: add them to only_mutate first
 # Needs `pip install mutmut` (not in the dev extra: CI does not run it).
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -533,3 +533,64 @@ def test_a_decode_step_computes_the_sequences_still_going(arch, make_cpu_profile
     assert two.predicted.prefill_s == pytest.approx(every.predicted.prefill_s, rel=1e-12)
     assert two.predicted.decode_s < every.predicted.decode_s
     assert two.predicted.generated_tokens == 4 and every.predicted.generated_tokens == 6
+
+
+def test_transient_memory_by_hand(arch):
+    """workspace_bytes and prefill_tensors_bytes, each of their terms winning in turn (tiny model
+    of the module docstring, bfloat16 activations, mu = 2 micro-batch of 8-token prompts: a
+    16-token chunk, fp32 logits of 2 x 100)."""
+    from planner.memory import prefill_tensors_bytes, workspace_bytes
+
+    wl = Workload(prompt_len_mean=8, prompt_len_max=8, gen_len=3)
+
+    def shaped(**kw):
+        return dataclasses.replace(arch, **kw)
+
+    # per token: max(QKV + attention out (2q + 2kv) * 2, the experts' rows (2kh + 3i) * 2,
+    # the norm's fp32 copies 2h * 4)
+    assert workspace_bytes(arch, wl, 2) == 16 * max(384, 1280, 512) + 800  # experts
+    heads = shaped(num_attention_heads=16, num_key_value_heads=8, head_dim=32)  # q 512, kv 256
+    assert workspace_bytes(heads, wl, 2) == 16 * 3072 + 800
+    small = shaped(intermediate_size=8, experts_per_token=1)
+    assert workspace_bytes(small, wl, 2) == 16 * 512 + 800  # the norm's copies
+    # held h + q + 2kv, peak max(q + 2kv, 3q, q + 2h), 16 tokens of 2 bytes; over g GPUs each
+    # holds 1/g of q and kv
+    assert prefill_tensors_bytes(arch, wl, 2) == (192 + 192) * 32
+    assert prefill_tensors_bytes(arch, wl, 2, gpu_count=2) == (128 + 160) * 32
+    assert prefill_tensors_bytes(heads, wl, 2) == (1088 + 1536) * 32  # 3q
+    mha = shaped(num_key_value_heads=4)  # q = kv = 64: q + 2kv ties the others
+    assert prefill_tensors_bytes(mha, wl, 2) == (256 + 192) * 32
+
+
+def test_each_buffer_of_the_memory_model_by_hand(arch):
+    """memory_terms' buffers at N = 2 (prefill's tensors bind the activations) and N = 1000
+    (the residual stream binds), fp32 KV at a longest context of 11."""
+    from planner.memory import ATT, FFN, ONE, RC, memory_terms
+
+    wl = Workload(prompt_len_mean=8, prompt_len_max=8, gen_len=3)
+
+    def terms(n, gpus=None):  # None: the default, one GPU (what a resident run counts)
+        more = {} if gpus is None else {"gpu_count": gpus}
+        return memory_terms(arch, wl, batch_size=n, micro_batch_size=2, weight_dtype="float32",
+                            kv_dtype="float32", **more)  # fmt: skip
+
+    few, many, two_gpus = terms(2), terms(1000), terms(2, gpus=2)
+    assert few.gpu["activations"][..., FFN] == pytest.approx(12288)  # prefill, mu 2 x 8 tokens
+    assert many.gpu["activations"][..., FFN] == pytest.approx(1000 * 64 * 2)  # N h, bf16
+    assert two_gpus.gpu["activations"][..., FFN] == pytest.approx(2 * 9216)  # each GPU its own
+    # K and V of one token: 2 layers x 2 x 32 x 4 B = 512; N C of them
+    assert few.gpu["kv cache"][..., RC] == pytest.approx(2 * 11 * 512)
+    assert few.cpu["kv cache"][..., ONE] == pytest.approx(2 * 11 * 512)
+    # two (layer, micro-batch) slices of the host cache: 2 mu C (one layer's 256 B a token)
+    assert few.gpu["kv prefetch"][..., ATT] == pytest.approx(2 * 2 * 11 * 256)
+    # D1 and D2 double-buffered per micro-batch: 2 mu (2q + 2kv) 2 B
+    # (with CPU attention: GPU attention stages nothing)
+    staging = few.cpu["pinned staging"]
+    assert (staging[..., FFN], staging[..., ATT]) == pytest.approx((1536, -1536))
+    # the CPU running the layers holds the activations (12288), the workspace (21280) and its
+    # attention scores (mu nq C fp32 = 352)
+    held = few.cpu["activations and workspace"]
+    assert held[..., ONE] == pytest.approx(12288 + 21280 + 352)
+    assert held[..., ATT] == pytest.approx(-352)  # GPU attention scores on the GPU
+    assert few.gpu_total().shape[-1] == few.cpu_total().shape[-1] == 5
+    assert few.gpu_total()[..., FFN] == pytest.approx(sum(t[..., FFN] for t in few.gpu.values()))
