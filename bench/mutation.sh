@@ -6,7 +6,8 @@
 #   bench/mutation.sh                      the engine and the schedules (about 15-25 minutes
 #                                          on 2 cores)
 #   bench/mutation.sh 'executor.batching.*'   batching and resume (about 10 minutes)
-#   bench/mutation.sh 'planner.memory.*'   the memory model (reports/mutation.md says how)
+#   bench/mutation.sh 'planner.memory.*'   the memory model, 'planner.milp.*' the MILP
+#                                          (reports/mutation.md says how each was run)
 #                                          other modules: add them to only_mutate first
 # Needs `pip install mutmut` (not in the dev extra: CI does not run it).
 set -uo pipefail

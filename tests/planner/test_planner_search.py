@@ -180,3 +180,23 @@ def test_the_milp_is_at_least_as_good_as_any_policy_on_a_grid(
         milp = plan.predicted.throughput_tok_s
         assert grid_best > 0 and milp >= grid_best * (1 - REL), (n, mu)
         assert milp <= grid_best * 1.5, (n, mu)
+
+
+def test_the_milp_keeps_the_placement_within_the_cpu_memory(arch):
+    """1.2 MB of host memory cannot hold what the tiny model leaves there at any placement the
+    MILP may choose at N=8 under cgopipe: it says Infeasible, where without the CPU row it
+    would offer a placement; 3 MB holds it."""
+    from planner.evaluate import batch_model
+    from planner.milp import solve_placement
+    from tests.planner.tiny_setup import gpu_profile
+
+    wl = Workload(prompt_len_mean=64, prompt_len_max=64, gen_len=32)
+
+    def solve(cpu_memory_bytes):
+        hw = gpu_profile(gpu_memory_bytes=0.5e6, cpu_memory_bytes=cpu_memory_bytes)
+        setting = Setting(arch=arch, hardware=hw, workload=wl, schedule="cgopipe",
+                          weight_dtype="float32", kv_dtype="float32")  # fmt: skip
+        return solve_placement(batch_model(setting, 8, 4), fixed_binaries(hw, "cgopipe"))
+
+    assert solve(1.2e6).status == "Infeasible"
+    assert solve(3e6).optimal
