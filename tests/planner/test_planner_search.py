@@ -200,3 +200,23 @@ def test_the_milp_keeps_the_placement_within_the_cpu_memory(arch):
 
     assert solve(1.2e6).status == "Infeasible"
     assert solve(3e6).optimal
+
+
+def test_the_milp_keeps_what_the_schedule_fixes(arch):
+    """A GPU that holds the whole tiny model: free, the MILP puts everything there; told A_g = 0
+    or F_g = 0 as well (what a schedule or machine fixes), it keeps them so."""
+    from planner.evaluate import batch_model
+    from planner.milp import solve_placement
+    from tests.planner.tiny_setup import gpu_profile
+
+    wl = Workload(prompt_len_mean=64, prompt_len_max=64, gen_len=32)
+    hw = gpu_profile(gpu_memory_bytes=3e6, cpu_memory_bytes=3e6)
+    setting = Setting(arch=arch, hardware=hw, workload=wl, schedule="cgopipe",
+                      weight_dtype="float32", kv_dtype="float32")  # fmt: skip
+    model = batch_model(setting, 8, 4)
+    free = solve_placement(model, {"attention_on_gpu": None, "ffn_on_gpu": None})
+    assert free.optimal and free.ffn_on_gpu and free.attention_on_gpu
+    cpu_attention = solve_placement(model, {"attention_on_gpu": False, "ffn_on_gpu": None})
+    assert cpu_attention.optimal and cpu_attention.ffn_on_gpu and not cpu_attention.attention_on_gpu
+    on_cpu = solve_placement(model, {"attention_on_gpu": False, "ffn_on_gpu": False})
+    assert on_cpu.optimal and not on_cpu.ffn_on_gpu and not on_cpu.attention_on_gpu
