@@ -30,7 +30,15 @@ from executor.checkpoint import (
 from executor.engine import engine_mode, jitter_seed
 from hrm.arch import ModelArch
 from hrm.errors import HrmError
-from hrm.requests import API, Request, answer_lengths, locate, prompt_ids, read_requests
+from hrm.requests import (
+    API,
+    Request,
+    answer_length,
+    answer_lengths,
+    locate,
+    prompt_ids,
+    read_requests,
+)
 from hrm.workload import Workload
 
 
@@ -63,8 +71,7 @@ class RunSpec:
 
     def max_new(self, i: int) -> int:
         """Prompt i's most new tokens: its max_tokens, capped at gen_len, else gen_len."""
-        given = self.requests[i].max_tokens if self.requests else None
-        return self.gen_len if given is None else min(given, self.gen_len)
+        return answer_length(self.requests[i] if self.requests else None, self.gen_len)
 
     @property
     def prompt_lens(self) -> list[int]:

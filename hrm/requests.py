@@ -132,9 +132,7 @@ def _openai(record: dict, n: int, where: str) -> Request:
                        messages=_messages(body["messages"], where), **limits)  # fmt: skip
     if "prompt" not in body:
         raise HrmError(f"{where}: a completion needs body.prompt")
-    prompt = body["prompt"]
-    prompt = _ids(prompt, "body.prompt", where) if isinstance(prompt, list) else prompt
-    prompt = _text(prompt, "body.prompt", where) if not isinstance(prompt, list) else prompt
+    prompt = _ids_or_text(body["prompt"], "body.prompt", where)
     return Request(line=n, custom_id=custom_id, endpoint=endpoint, prompt=prompt, **limits)
 
 
@@ -211,6 +209,13 @@ def _ids(value: Any, what: str, where: str) -> list[int]:
     return value
 
 
+def _ids_or_text(value: Any, what: str, where: str, *, ids_only: bool = False):
+    """A prompt given as token ids (a list) or as text."""
+    if ids_only or isinstance(value, list):
+        return _ids(value, what, where)
+    return _text(value, what, where)
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -257,9 +262,7 @@ def _api_request(item: dict, n: int, at: str) -> Request:
     key = given[0]
     if key == "messages":
         return Request(line=n, messages=_messages(item[key], at, at=""), **limits)
-    prompt = item[key]
-    prompt = _ids(prompt, key, at) if isinstance(prompt, list) or key != "prompt" else prompt
-    prompt = _text(prompt, key, at) if not isinstance(prompt, list) else prompt
+    prompt = _ids_or_text(item[key], key, at, ids_only=key == "prompt_token_ids")
     return Request(line=n, prompt=prompt, **limits)
 
 
@@ -274,7 +277,14 @@ def answer_lengths(requests: list[Request], gen_len: int | None, path) -> list[i
                 "or the other"
             )
         return [r.max_tokens for r in requests]
-    return [gen_len if r.max_tokens is None else min(r.max_tokens, gen_len) for r in requests]
+    return [answer_length(r, gen_len) for r in requests]
+
+
+def answer_length(request: Request | None, gen_len: int) -> int:
+    """A request's most new tokens: its max_tokens capped at gen_len, else gen_len (a random
+    prompt, request None, takes gen_len)."""
+    given = request.max_tokens if request is not None else None
+    return gen_len if given is None else min(given, gen_len)
 
 
 def prompt_ids(request: Request, tokenizer, where, path) -> list[int]:

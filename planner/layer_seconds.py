@@ -103,15 +103,17 @@ def _phase_ops(setting: Setting, b: float) -> tuple[dict, dict]:
 def _on_device(
     setting: Setting,
     b: float,
+    phases: tuple[dict, dict],
     role: str,
     device: DeviceSpec | None,
     cpu_gemm: CpuGemmChoice | None = None,
 ) -> dict[str, np.ndarray]:
-    """A micro-batch's dense ops, routed FFN, attention and LM head on one device, per step."""
+    """A micro-batch's dense ops, routed FFN, attention and LM head on one device, per step;
+    `phases`: the layer's ops in prefill and decode (_phase_ops)."""
     steps, dtype, wl = setting.steps, setting.compute_dtype, setting.workload
     if device is None:  # no GPU: these entries are multiplied by F_g = 0
         return {key: np.zeros(steps) for key in ("dense", "ffn", "attention", "head")}
-    arch, (prefill, decode) = setting.arch, _phase_ops(setting, b)
+    arch, (prefill, decode) = setting.arch, phases
     s_pre = wl.prefill_len
     chunk = min(b * s_pre, PREFILL_CHUNK_TOKENS)
 
@@ -158,8 +160,10 @@ def _kind_seconds(setting: Setting, b: float) -> MicroBatchSeconds:
     dtype, s_pre = setting.compute_dtype, setting.workload.prefill_len
     adt, kdt = dtype_bytes(ACTIVATION_DTYPE), dtype_bytes(setting.kv_dtype)
     # a CPU standing in for the GPU runs the CPU's GEMM paths and kernels (hrm/hardware/stand_in.py)
-    cpu = _on_device(setting, b, "cpu", hw.cpu, setting.cpu_gemm_choice)
-    gpu = _on_device(setting, b, "gpu", hw.gpu, setting.cpu_gemm_choice if hw.stand_in else None)
+    phases = _phase_ops(setting, b)  # the same ops, priced on each device
+    cpu = _on_device(setting, b, phases, "cpu", hw.cpu, setting.cpu_gemm_choice)
+    gpu_gemm = setting.cpu_gemm_choice if hw.stand_in else None
+    gpu = _on_device(setting, b, phases, "gpu", hw.gpu, gpu_gemm)
     cpu_overhead = hw.cpu.launch_overhead_for(dtype)
     hidden_page = b * s_pre * arch.hidden_size * adt
     kv_token = 2 * arch.kv_size * kdt  # K and V of one token in one layer

@@ -30,11 +30,10 @@ def host_budget(given: float | None) -> tuple[float, str]:
 def check_resident_run(spec, *, random_weights: bool) -> None:
     """`hrm run` without a plan holds the whole model on its device: refuse before loading when
     the planner's count of that run exceeds the memory present."""
-    from hrm.workload import Workload
     from planner import resident_run_memory
 
     on_gpu = spec.device.startswith("cuda")
-    workload = Workload.from_prompt_lens(spec.prompt_lens, spec.gen_len)
+    workload = spec.workload()
 
     def need(arch) -> tuple[float, float]:
         return resident_run_memory(

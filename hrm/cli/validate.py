@@ -285,7 +285,6 @@ def _offloaded_run(checkpoint: Path, hardware, dtype: str, schedule: str, shape)
     from hrm.hardware.stand_in import stand_in_profile
     from hrm.policy import Policy
     from hrm.profiling.host_gemm import cpu_gemm_chooser
-    from hrm.workload import Workload
     from planner import predict
 
     batch, mu, length, gen = shape
@@ -304,7 +303,7 @@ def _offloaded_run(checkpoint: Path, hardware, dtype: str, schedule: str, shape)
         kv_dtype=dtype,
     )
     stand_in = stand_in_profile(hardware, gpu_memory_bytes=hardware.cpu.memory_bytes / 2)
-    workload = Workload.from_prompt_lens(spec.prompt_lens, gen)
+    workload = spec.workload()
     choose = cpu_gemm_chooser(spec.arch, dtype, mode="auto", hardware=hardware)
     result = execute(spec, policy, schedule, cpu_gemm=choose, quiet=True)
     plan = predict(spec.arch, stand_in, workload, policy, schedule, cpu_gemm=result.cpu_gemm)

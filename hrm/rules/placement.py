@@ -242,8 +242,7 @@ def largest_page_bytes(arch: ModelArch, weight_dtype: str, pages: int) -> float:
     """The largest page of a layer streamed whole in `pages` pages, over the kinds of layer:
     the ring's page size."""
     largest = 0
-    for kind, _ in arch.layer_kinds():
-        placement = place_weights(kind, 0.0, weight_dtype)
+    for kind, _, placement in place_model(arch, 0.0, weight_dtype).kinds:
         sizes = [math.prod(shape) for _, shape in streamed_tensors(kind, placement)]
         largest = max(largest, max(end - start for start, end in cut_pages(sizes, pages)))
     return largest * dtype_bytes(weight_dtype)
