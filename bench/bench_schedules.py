@@ -38,13 +38,14 @@ def plan_all(arch, hardware, workload, budgets, max_batch, dtype, policy_text=No
     from planner.search import NoPolicyFits, search
 
     plans = {}
+    kv = hardware.compute_dtype(dtype)  # a compact weight format keeps KV in 16 bits
     for budget in budgets:
         hw = hardware.with_resources(gpu_memory_bytes=budget)
         for schedule in SCHEDULES:
             if policy_text is not None:
                 attn = "gpu" if schedule == "gpu-attention" else "cpu"
                 text = f"{policy_text},attn={attn},ffn=gpu"
-                policy = parse_policy_text(text, weight_dtype=dtype, kv_dtype=dtype)
+                policy = parse_policy_text(text, weight_dtype=dtype, kv_dtype=kv)
                 plans[(budget, schedule)] = predict(arch, hw, workload, policy, schedule)
                 continue
             try:
@@ -54,7 +55,7 @@ def plan_all(arch, hardware, workload, budgets, max_batch, dtype, policy_text=No
                     workload,
                     schedule=schedule,
                     weight_dtype=dtype,
-                    kv_dtype=dtype,
+                    kv_dtype=kv,
                     top_k=1,
                     max_batch_size=max_batch,
                 ).best
@@ -107,7 +108,7 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--gen-len", type=int, default=8)
     p.add_argument("--max-batch", type=int, default=64)
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="bfloat16", help="weights: a float dtype, int8 or int4")
     p.add_argument("--dry-run", action="store_true", help="plan and check, load nothing")
     p.add_argument(
         "--policy",
@@ -139,7 +140,8 @@ def run(args) -> int:
     plans = plan_all(arch, hardware, workload, budgets, args.max_batch, args.dtype, args.policy)
     device = torch.device(args.device)
     g = torch.Generator().manual_seed(0)
-    checkpoint = None if args.dry_run else random_checkpoint(arch, args.dtype)
+    computed = hardware.compute_dtype(args.dtype)  # what a compact format's layers compute in
+    checkpoint = None if args.dry_run else random_checkpoint(arch, computed)
     rows = []
     header = (
         f"{'GPU mem':>8} {'schedule':14} {'N':>4} {'mu':>4} {'r_w':>5} {'pred tok/s':>10} "
@@ -167,6 +169,7 @@ def run(args) -> int:
             gpu_bytes=budget,
             host_bytes=available_host_bytes(),
             stand_in=device.type == "cpu",
+            device=str(device),
         )
         row.update(fits=True, plan=plan.to_dict())
         if args.dry_run:

@@ -19,7 +19,6 @@ from typing import Any
 import torch
 
 from executor.checkpoint import (
-    TORCH_DTYPES,
     Checkpoint,
     load_tokenizer,
     open_checkpoint,
@@ -28,6 +27,7 @@ from executor.checkpoint import (
     stored_dtype,
 )
 from executor.engine import engine_mode, jitter_seed
+from executor.quant import RUN_DTYPES, compute_dtype
 from hrm.arch import ModelArch
 from hrm.errors import HrmError
 from hrm.requests import (
@@ -50,7 +50,7 @@ class RunSpec:
     arch: ModelArch
     prompts: tuple[tuple[int, ...], ...]
     gen_len: int  # the longest answer: each request's default and cap
-    dtype: str
+    dtype: str  # the weights' format: a float dtype, or a compact format (hrm/formats.py)
     device: str
     tokenizer: Any = None  # the checkpoint's tokenizer, or None (token ids only)
     requests: tuple[Request, ...] = ()  # a request file's lines; () for random prompts
@@ -58,6 +58,11 @@ class RunSpec:
     @property
     def batch_size(self) -> int:
         return len(self.prompts)
+
+    @property
+    def compute_dtype(self) -> str:
+        """What the layers compute in, and the KV cache is kept in (executor.quant)."""
+        return compute_dtype(self.dtype, self.device)
 
     def workload(self, indices: Sequence[int] | None = None) -> Workload:
         """The prompts at `indices` (default all) with each one's most new tokens, unpadded
@@ -98,8 +103,8 @@ def prepare_run(
     largest max_tokens of the requests, each of which then needs one."""
     directory = Path(checkpoint) if checkpoint is not None else None
     arch = read_arch(directory) if directory is not None else random_arch
-    if dtype is not None and dtype not in TORCH_DTYPES:
-        raise HrmError(f"--dtype: unknown dtype {dtype!r}; use one of {', '.join(TORCH_DTYPES)}")
+    if dtype is not None and dtype not in RUN_DTYPES:
+        raise HrmError(f"--dtype: unknown dtype {dtype!r}; use one of {', '.join(RUN_DTYPES)}")
     dtype = dtype or (stored_dtype(directory, arch) if directory is not None else "bfloat16")
     if gen_len is not None and gen_len < 1:
         raise HrmError(f"--gen-len must be a positive integer, got {gen_len}")
@@ -186,10 +191,11 @@ def torch_threads(threads: int | None):
 
 
 def load_weights(spec: RunSpec, device: str = "cpu") -> Checkpoint:
-    """The run's weights: its checkpoint mapped (in its dtype, on `device`), or random ones."""
+    """The run's weights: its checkpoint mapped (in its compute dtype, on `device`), or random
+    ones (a compact format quantizes them as they are placed: executor/runtime.py)."""
     if spec.checkpoint is None:
-        return random_checkpoint(spec.arch, spec.dtype, device=device)
-    return open_checkpoint(spec.checkpoint, spec.dtype, device=device)
+        return random_checkpoint(spec.arch, spec.compute_dtype, device=device)
+    return open_checkpoint(spec.checkpoint, spec.compute_dtype, device=device)
 
 
 def peak_rss_bytes() -> float:

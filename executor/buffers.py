@@ -68,6 +68,11 @@ def prefetch(turn: int) -> Buffer:
     return Buffer("prefetch", (turn % TURNS,))
 
 
+def dequantized() -> Buffer:
+    """The one device slot a compact format's streamed layer is dequantized into."""
+    return Buffer("dequantized", ())
+
+
 def weight_page(slot: int, page: int) -> Buffer:
     """One page of a device weight slot."""
     return Buffer("weight_page", (slot % TURNS, page))

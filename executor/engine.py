@@ -56,6 +56,7 @@ JITTER_MAX_S = 0.002  # the longest delay HRM_ENGINE_JITTER puts before a task
 
 class Op(enum.Enum):
     LOAD = "load"  # a page (or a whole layer) of weights into a device slot
+    DEQUANTIZE = "dequantize"  # a compact format's layer from its slot into the 16-bit one
     EMBED = "embed"
     PRE = "pre"  # norm, QKV, rotary
     QKV_OUT = "qkv_out"  # q, k, v to host staging (D1)

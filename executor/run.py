@@ -19,8 +19,9 @@ import torch
 
 from executor.api import RunSpec, load_weights, peak_memory_bytes
 from executor.batching import PartialOutput, plan_batches
-from executor.checkpoint import TORCH_DTYPES, Checkpoint
+from executor.checkpoint import Checkpoint
 from executor.generate import Limits, Sampling, generate
+from executor.quant import RUN_DTYPES, compute_dtype
 from executor.runtime import placed_runtime
 from hrm.arch import ModelArch
 from hrm.errors import HrmError
@@ -45,11 +46,13 @@ def check_plan(
     gpu_bytes: float | None,
     host_bytes: float,
     stand_in: bool,
+    device: str = "cpu",
 ) -> None:
     """Every reason the plan cannot run these prompts, as one HrmError, before any loading.
 
     gpu_bytes: the device memory given (--gpu-mem) or present; host_bytes: the host's. Where the
-    CPU stands in for the GPU, the host holds both sides of the plan."""
+    CPU stands in for the GPU, the host holds both sides of the plan. device: the run's (the
+    dtype a compact format computes in depends on it)."""
     if not plan.geometry:
         raise HrmError(f"{where}: the plan records no model geometry; make it again with hrm plan")
     theirs, ours = dict(plan.geometry), arch.geometry()
@@ -60,10 +63,16 @@ def check_plan(
             f"{where}: the plan is for another model ({k} {theirs.get(k)} in the plan, "
             f"{ours.get(k)} in {arch.name}); plan for this model with hrm plan --model"
         )
-    if plan.policy.weight_dtype not in TORCH_DTYPES:
+    if plan.policy.weight_dtype not in RUN_DTYPES:
         raise HrmError(
             f"{where}: weights in {plan.policy.weight_dtype} cannot be run by the executor; "
-            f"plan with --dtype {' or '.join(TORCH_DTYPES)}"
+            f"plan with --dtype {' or '.join(RUN_DTYPES)}"
+        )
+    kv = compute_dtype(plan.policy.weight_dtype, device)
+    if plan.policy.kv_dtype != kv:
+        raise HrmError(
+            f"{where}: a KV cache in {plan.policy.kv_dtype} cannot be run by the executor, "
+            f"which keeps it in the layers' {kv} here; plan with --kv-dtype {kv}"
         )
     longest, limit = max(prompt_lens), plan.workload.prompt_len_max
     if longest > limit:
@@ -126,7 +135,7 @@ def execute(
     "weight staging"). on_batch(indices, rows) hears each finished batch; `warn` hears when other
     processes took enough of the CPU that the measurement is not comparable."""
     device = torch.device(spec.device)
-    runtime = _placed(spec, policy, schedule, checkpoint, cpu_gemm, staged)
+    runtime = _placed(spec, policy, schedule, checkpoint, cpu_gemm, staged, quiet)
     weights = _weights_held(runtime.store)  # read now: closing unpins them
     batches = plan_batches(spec.prompt_lens, policy.batch_size, policy.micro_batch_size)
     pending = partial.pending(batches) if partial is not None else batches
@@ -193,7 +202,7 @@ def _generate_batch(spec: RunSpec, runtime, batch, sampling, stop_token_ids, bar
     )
 
 
-def _placed(spec: RunSpec, policy: Policy, schedule: str, checkpoint, cpu_gemm, staged: bool):
+def _placed(spec: RunSpec, policy: Policy, schedule: str, checkpoint, cpu_gemm, staged, quiet):
     """The run's runtime: its weights loaded for it unless given (onto a GPU that holds
     everything, else into host memory, the store taking them over as it places them), the CPU
     GEMM path chosen once they have opened."""
@@ -205,8 +214,9 @@ def _placed(spec: RunSpec, policy: Policy, schedule: str, checkpoint, cpu_gemm, 
     if callable(cpu_gemm):
         cpu_gemm = cpu_gemm(checkpoint) if device.type == "cpu" else None
     return placed_runtime(
-        checkpoint, policy, schedule, device, cpu_gemm, staged=staged, take_over=take_over
-    )
+        checkpoint, policy, schedule, device, cpu_gemm, staged=staged, take_over=take_over,
+        quiet=quiet,
+    )  # fmt: skip
 
 
 def _limits(spec: RunSpec, i: int, run: Sampling) -> Limits:
@@ -292,6 +302,7 @@ def _environment(spec: RunSpec, policy: Policy, schedule, runtime, wall, busy) -
         "batch_size": policy.batch_size,
         "prompts": spec.batch_size,
         "dtype": spec.dtype,
+        "compute_dtype": spec.compute_dtype,
         "schedule": schedule,
         "device": str(device),
         "stand_in": device.type == "cpu" and policy.ffn_on_gpu,

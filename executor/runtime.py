@@ -14,6 +14,7 @@ to its own longest prompt, so each sequence's numerics equal the same prompt run
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -24,9 +25,11 @@ from executor.engine import Engine, Op
 from executor.kv_cache import packed_layout
 from executor.model import MoEModel
 from executor.pinning import HostPins
-from executor.schedules import SCHEDULE_ORDERS, StepShape
+from executor.quant import dequantized_weights
+from executor.schedules import SCHEDULE_ORDERS, StepShape, dequantize_before_use
 from executor.tasks import BatchState, MicroBatch, StepState, TaskBuilder
 from executor.weight_store import WeightStore
+from hrm.formats import is_compact
 from hrm.policy import Policy
 from hrm.rules.cpu_gemm import CpuGemmChoice
 from hrm.rules.placement import place_model
@@ -125,6 +128,7 @@ class Runtime:
         ops = [(Op.EMBED, self._embed_queue()), (Op.HEAD, self.home)]
         if self.offloaded and self.store.streams:
             ops.append((Op.LOAD, "h2d"))
+            ops += [(Op.DEQUANTIZE, self.home)] if self.store.compact else []
         for phase in ("prefill", "decode"):
             for layer in range(self.arch.num_layers):
                 ops += self.chain(phase, layer)
@@ -229,7 +233,10 @@ class Runtime:
     def step(self, step: int, tokens: torch.Tensor | None, *, last: bool) -> torch.Tensor:
         """Prefill (step 0) or one decode step (tokens [B] of the previous step) -> [B, V]."""
         state = StepState(step=step, tokens=tokens, batch=self.batch)
-        actions = self.order(self.step_shape(step, last=last))
+        shape = self.step_shape(step, last=last)
+        actions = self.order(shape)
+        if shape.pages and self.store.compact:
+            actions = dequantize_before_use(actions)
         self.engine.run((a, self.tasks.task(a, state)) for a in actions)
         self.engine.synchronize()
         for mb in self.micro_batches:
@@ -292,6 +299,7 @@ def placed_runtime(
     *,
     staged: bool = False,
     take_over: bool = False,
+    quiet: bool = True,
 ) -> Runtime:
     """A host-loaded checkpoint placed as `policy` says, on `device` (CUDA, or the CPU standing
     in for a GPU): the weights hrm.rules.placement makes resident copied there, the rest packed into
@@ -299,11 +307,18 @@ def placed_runtime(
     copy under serial and overlap; staged: through a pinned staging ring (the plan's "weight
     staging"); take_over: the store releases the checkpoint's layers as it copies them (a
     checkpoint loaded for this run only). A policy that holds everything on a GPU the weights
-    were loaded onto runs them there, with no store: a resident run (Policy.resident)."""
-    model = MoEModel(checkpoint, cpu_gemm, device=device if policy.ffn_on_gpu else None)
+    were loaded onto runs them there, with no store: a resident run (Policy.resident). A compact
+    weight format (hrm/formats.py) streams its pages compact, and weights that never stream
+    are computed with the format's values; quiet: no progress bar while quantizing."""
     on_gpu_already = device.type == "cuda" == checkpoint.weights.embed.device.type
+    streams = policy.ffn_on_gpu and not (policy.all_on_gpu and on_gpu_already)
+    fmt = policy.weight_dtype if is_compact(policy.weight_dtype) else None
+    if fmt is not None and not streams:  # computed where they lie: the format's values
+        weights = dequantized_weights(checkpoint.weights, fmt)
+        checkpoint = dataclasses.replace(checkpoint, weights=weights)
+    model = MoEModel(checkpoint, cpu_gemm, device=device if policy.ffn_on_gpu else None)
     store = None
-    if policy.ffn_on_gpu and not (policy.all_on_gpu and on_gpu_already):
+    if streams:
         placement = place_model(model.arch, policy.weights_gpu_fraction, policy.weight_dtype)
         pages = policy.num_micro_batches if schedule in ("cgopipe", "gpu-attention") else 1
         store = WeightStore(
@@ -311,8 +326,10 @@ def placed_runtime(
             placement,
             device,
             pages=pages,
+            weight_format=fmt,
             staged=staged,
             take_over=take_over,
+            quiet=quiet,
         )
     try:
         return Runtime(

@@ -106,6 +106,19 @@ def cgopipe(shape: StepShape) -> Iterator[Action]:
     yield from _around(shape, shape.epilogue, shape.num_layers)
 
 
+def dequantize_before_use(actions: Iterator[Action]) -> Iterator[Action]:
+    """A compact format's weights (hrm/formats.py): each streamed layer is dequantized on the
+    GPU's queue just before the first action that reads its weights, so that its cost overlaps
+    the copies of the next layer's pages; every schedule runs a layer's actions after the last
+    layer's, so one 16-bit slot serves them all."""
+    seen: set[tuple[int, int]] = set()
+    for a in actions:
+        if a.op in (Op.PRE, Op.POST) and (a.step, a.layer) not in seen:
+            seen.add((a.step, a.layer))
+            yield Action(a.step, a.layer, None, Op.DEQUANTIZE, a.queue)
+        yield a
+
+
 SCHEDULE_ORDERS: dict[str, Callable[[StepShape], Iterator[Action]]] = {
     "serial": serial,
     "overlap": overlap,

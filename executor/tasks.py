@@ -111,6 +111,8 @@ class TaskBuilder:
             return self.model.weights.layers[layer], ()
         slot = (step * self.arch.num_layers + layer) % TURNS
         keys = tuple(buf.weight_page(slot, p) for p in range(self.store.page_count))
+        if self.store.compact:
+            keys = (buf.dequantized(),)
         return (lambda: self.store.layer(layer, slot)), keys
 
     @staticmethod
@@ -127,6 +129,14 @@ class TaskBuilder:
             lambda: self.store.copy_page(a.layer, a.page, slot),
             writes=tuple(buf.weight_page(slot, p) for p in pages),
             nbytes=nbytes,
+        )
+
+    def _dequantize(self, a: Action, _: StepState) -> Task:
+        slot = (a.step * self.arch.num_layers + a.layer) % TURNS
+        return Task(
+            lambda: self.store.dequantize(a.layer, slot),
+            reads=tuple(buf.weight_page(slot, p) for p in range(self.store.page_count)),
+            writes=(buf.dequantized(),),
         )
 
     def _embed(self, a: Action, st: StepState) -> Task:
@@ -372,6 +382,7 @@ class TaskBuilder:
 
     BUILDERS: ClassVar[dict[Op, Callable[[TaskBuilder, Action, StepState], Task]]] = {
         Op.LOAD: _load,
+        Op.DEQUANTIZE: _dequantize,
         Op.EMBED: _embed,
         Op.PRE: _pre,
         Op.QKV_OUT: _qkv_out,

@@ -24,7 +24,10 @@ import torch
 from executor.buffers import TURNS
 from executor.checkpoint import ExpertWeights, LayerWeights, ModelWeights
 from executor.pinning import HostPins, page_aligned_empty, release_host_tensor
+from executor.quant import dequantize_into, dequantized, quantize
 from hrm.arch import ModelArch
+from hrm.formats import is_compact, is_quantized, stored_bytes
+from hrm.progress import progress
 from hrm.rules.placement import (
     EXPERT_TENSORS,
     ModelPlacement,
@@ -36,25 +39,44 @@ from hrm.rules.placement import (
 
 
 @dataclass(frozen=True, kw_only=True)
+class _Entry:
+    """One streamed tensor: where its stored bytes sit in the arena (and a slot), and where its
+    elements sit in the slot the layers compute from."""
+
+    key: tuple  # (name,) or (expert, name)
+    shape: tuple[int, ...]
+    offset: int  # stored bytes
+    nbytes: int
+    element: int  # offset in elements of the compute dtype
+    quantized: bool  # stored in the compact format (hrm/formats.py)
+
+
+@dataclass(frozen=True, kw_only=True)
 class _Layout:
-    """One kind of layer's streamed tensors in arena order, (key, shape, offset), and its pages."""
+    """One kind of layer's streamed tensors in arena order, and its pages (stored byte ranges)."""
 
     arch: ModelArch  # the kind's geometry (ModelArch.layer_kinds)
     placement: WeightPlacement
-    tensors: tuple[tuple[tuple, tuple[int, ...], int], ...]
+    tensors: tuple[_Entry, ...]
+    nbytes: int
     elements: int
     pages: tuple[tuple[int, int], ...]
 
     @classmethod
-    def of(cls, arch: ModelArch, placement: WeightPlacement, pages: int) -> _Layout:
-        tensors, offset = [], 0
+    def of(
+        cls, arch: ModelArch, placement: WeightPlacement, pages: int, fmt: str, itemsize: int
+    ) -> _Layout:
+        tensors, offset, element = [], 0, 0
         for key, shape in streamed_tensors(arch, placement):
-            tensors.append((key, shape, offset))
-            offset += math.prod(shape)
-        cut = cut_pages([math.prod(shape) for _, shape, _ in tensors], pages)
+            nbytes = stored_bytes(key[-1], shape, fmt, itemsize)
+            quantized = is_quantized(key[-1], shape, fmt)
+            tensors.append(_Entry(key=key, shape=shape, offset=offset, nbytes=nbytes,
+                                  element=element, quantized=quantized))  # fmt: skip
+            offset, element = offset + nbytes, element + math.prod(shape)
+        cut = cut_pages([t.nbytes for t in tensors], pages)
         return cls(
-            arch=arch, placement=placement, tensors=tuple(tensors), elements=offset,
-            pages=tuple(cut),
+            arch=arch, placement=placement, tensors=tuple(tensors), nbytes=offset,
+            elements=element, pages=tuple(cut),
         )  # fmt: skip
 
     @property
@@ -72,27 +94,39 @@ class WeightStore:
         device: torch.device,
         *,
         pages: int,
+        weight_format: str | None = None,
         staged: bool = False,
         take_over: bool = False,
+        quiet: bool = True,
     ):
         """pages: per layer, cut at tensor boundaries (a layer of a smaller kind may have fewer);
+        weight_format: a compact format (hrm/formats.py) the streamed weights are quantized to
+        here, moved in, and dequantized from on the device into one slot of the weights' dtype;
         staged: keep the arenas pageable and copy each page through a ring of two pinned
         staging pages (the plan's "weight staging"); also taken when the host refuses to pin.
         take_over: the checkpoint's layers and LM head are released as soon as they are copied
         here, so the host never holds the model twice (the plan counts one copy); the caller
         must not read them again."""
         self.arch, self.placement, self.device = placement.arch, placement, device
-        self.layouts = {k.ffn_is_dense: _Layout.of(k, p, pages) for k, _, p in placement.kinds}
         dtype = weights.embed.dtype
-        self.streamed_elements = max(lay.elements for lay in self.layouts.values())
+        self.format = weight_format or str(dtype).removeprefix("torch.")
+        self.compact = is_compact(self.format)
+        self.layouts = {
+            k.ffn_is_dense: _Layout.of(k, p, pages, self.format, dtype.itemsize)
+            for k, _, p in placement.kinds
+        }
+        self.streamed_bytes = max(lay.nbytes for lay in self.layouts.values())
         self.page_count = max(len(lay.pages) for lay in self.layouts.values())
         self.staged = staged
         self.arenas: dict[int, torch.Tensor] = {}  # layer -> its streamed tensors, packed
         self.resident = []
-        for i, w in enumerate(weights.layers):
+        layers = weights.layers
+        if self.compact and self.streamed_bytes:
+            layers = progress(layers, desc=f"quantizing to {self.format}", quiet=quiet)
+        for i, w in enumerate(layers):
             layout = self._layout(i)
-            if layout.elements:
-                self.arenas[i] = _fill_arena(layout, w, dtype)
+            if layout.nbytes:
+                self.arenas[i] = _fill_arena(layout, w, dtype, self.format)
             self.resident.append(self._resident(layout, w))
             if take_over:
                 for t in (getattr(w, n) for n in layout.dense_names):
@@ -106,15 +140,21 @@ class WeightStore:
             self.staged = not self.pinned  # the host refused: stage every page
         page = max((e - s for lay in self.layouts.values() for s, e in lay.pages), default=0)
         self.ring = [
-            torch.empty(page, dtype=dtype, pin_memory=device.type == "cuda")
+            torch.empty(page, dtype=torch.uint8, pin_memory=device.type == "cuda")
             for _ in range(TURNS if self.staged else 0)
         ]
         self._ring_turn = 0
         self._ring_done: list = [None] * len(self.ring)  # CUDA events: DMA out of each ring page
-        count = self.streamed_elements
-        self.slots = [_slot(count, dtype, device) for _ in range(TURNS if count else 0)]
+        count = self.streamed_bytes
+        self.slots = [_slot(count, torch.uint8, device) for _ in range(TURNS if count else 0)]
+        # a compact format: the one slot of the weights' dtype the layer computing is
+        # dequantized into (the largest kind's streamed elements)
+        elements = max(lay.elements for lay in self.layouts.values())
+        self.dequantized = [_slot(elements, dtype, device)] if self.compact and count else []
+        computed = self.dequantized * TURNS if self.compact else self.slots
         self.slot_views = [
-            {dense: _views(lay, slot) for dense, lay in self.layouts.items()} for slot in self.slots
+            {dense: _views(lay, flat, dtype) for dense, lay in self.layouts.items()}
+            for flat in computed
         ]
         self.page_table: dict[tuple[int, int], int] = {}  # (layer, expert) -> slot
         self.mapped: Counter[tuple[int, int]] = Counter()  # (layer, expert) -> passes mapped
@@ -131,17 +171,20 @@ class WeightStore:
 
     def _resident(self, layout: _Layout, w: LayerWeights) -> dict[tuple, torch.Tensor]:
         """The layer's resident tensors, copied to the device (a copy even when the device is the
-        CPU standing in for a GPU, so that the host and the "device" hold their own bytes)."""
+        CPU standing in for a GPU, so that the host and the "device" hold their own bytes); in a
+        compact format with its values, dequantized there, as a streamed copy would be."""
         p = layout.placement
         keys = [(n,) for n in layout.dense_names] if p.dense_resident else []
         keys += [(e, n) for e in range(p.resident_experts) for n in EXPERT_TENSORS]
-        return {k: _copy_to(_tensor(w, k), self.device) for k in keys}
+        return {
+            k: dequantized(_copy_to(_tensor(w, k), self.device), k[-1], self.format) for k in keys
+        }
 
     # -- running -------------------------------------------------------------------------------
 
     @property
     def streams(self) -> bool:
-        return self.streamed_elements > 0
+        return self.streamed_bytes > 0
 
     def page_bytes(self, layer: int, page: int) -> int:
         """Bytes of page `page` of `layer`: 0 past the pages of its kind."""
@@ -149,7 +192,7 @@ class WeightStore:
         if page >= len(pages):
             return 0
         start, end = pages[page]
-        return (end - start) * self.slots[0].element_size()
+        return end - start
 
     def copy_page(self, layer: int, page: int, slot: int) -> None:
         """Page `page` of `layer` (all pages when page < 0) into `slot`; maps its experts. A page
@@ -163,12 +206,25 @@ class WeightStore:
                 self._copy_staged(src, dst)
             else:
                 dst.copy_(src, non_blocking=self.pinned)
-            self.h2d_bytes += (last - first) * src.element_size()
-        start, end = (0, layout.elements) if page < 0 else layout.pages[page]
-        for key, _, offset in layout.tensors:
-            if len(key) == 2 and key[1] == EXPERT_TENSORS[0] and start <= offset < end:
-                self.page_table[(layer, key[0])] = slot
-                self.mapped[(layer, key[0])] += 1
+            self.h2d_bytes += last - first
+        start, end = (0, layout.nbytes) if page < 0 else layout.pages[page]
+        for t in layout.tensors:
+            if len(t.key) == 2 and t.key[1] == EXPERT_TENSORS[0] and start <= t.offset < end:
+                self.page_table[(layer, t.key[0])] = slot
+                self.mapped[(layer, t.key[0])] += 1
+
+    def dequantize(self, layer: int, slot: int) -> None:
+        """A compact format: `layer`'s streamed tensors from `slot` (all its pages in) into the
+        slot the layers compute from, on the device (the schedule's DEQUANTIZE action)."""
+        layout = self._layout(layer)
+        flat = self.slots[slot]
+        views = self.slot_views[0][layout.arch.ffn_is_dense]
+        for t in layout.tensors:
+            stored = flat[t.offset : t.offset + t.nbytes]
+            if t.quantized:
+                dequantize_into(views[t.key], stored, self.format)
+            else:
+                views[t.key].view(-1).copy_(stored.view(views[t.key].dtype))
 
     def _copy_staged(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Pageable arena -> pinned ring page (a host memcpy) -> device (asynchronous): the next
@@ -221,23 +277,35 @@ class WeightStore:
                 "resident weights": size(t for r in self.resident for t in r.values()),
                 "paged buffer": size(self.slots),
                 "lm head": size([self.lm_head, self.final_norm]),
-            },
+            }
+            | ({"dequantized layer": size(self.dequantized)} if self.dequantized else {}),
             "cpu": {"layer weights": size(self.arenas.values())}
             | ({"weight staging": size(self.ring)} if self.staged else {}),
         }
 
 
-def _fill_arena(layout: _Layout, w: LayerWeights, dtype: torch.dtype) -> torch.Tensor:
-    arena = page_aligned_empty(layout.elements, dtype)
-    for key, shape, offset in layout.tensors:
-        arena[offset : offset + math.prod(shape)].view(shape).copy_(_tensor(w, key))
+def _fill_arena(layout: _Layout, w: LayerWeights, dtype: torch.dtype, fmt: str) -> torch.Tensor:
+    arena = page_aligned_empty(layout.nbytes, torch.uint8)
+    for t in layout.tensors:
+        stored = arena[t.offset : t.offset + t.nbytes]
+        if t.quantized:
+            stored.copy_(quantize(_tensor(w, t.key), fmt))
+        else:
+            stored.view(dtype).view(t.shape).copy_(_tensor(w, t.key))
     return arena
 
 
-def _views(layout: _Layout, flat: torch.Tensor) -> dict[tuple, torch.Tensor]:
+def _views(layout: _Layout, flat: torch.Tensor, dtype: torch.dtype) -> dict[tuple, torch.Tensor]:
+    """Each tensor of `layout` in `flat`, as `dtype`: at its byte offset in a slot of stored
+    bytes (uint8), else at its element offset in a compact format's slot of the weights' dtype."""
+    if flat.dtype == torch.uint8:
+        return {
+            t.key: flat[t.offset : t.offset + t.nbytes].view(dtype).view(t.shape)
+            for t in layout.tensors
+        }
     return {
-        key: flat[offset : offset + math.prod(shape)].view(shape)
-        for key, shape, offset in layout.tensors
+        t.key: flat[t.element : t.element + math.prod(t.shape)].view(t.shape)
+        for t in layout.tensors
     }
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hrm.errors import HrmError
+from hrm.formats import is_compact
 from hrm.schema import check_keys, dataclass_keys, fraction, positive_int
 
 # the floating dtypes weights are computed in: what the executor runs, the profile sweeps and the
@@ -24,6 +25,12 @@ DTYPE_BYTES = {
     "float8": 1.0,
     "int4": 0.5,
 }
+
+
+def compute_bytes(weight_dtype: str) -> float:
+    """Bytes of one weight as the layers compute it: a compact format (hrm/formats.py) is
+    dequantized into a 16-bit float."""
+    return 2.0 if is_compact(weight_dtype) else dtype_bytes(weight_dtype)
 
 
 def dtype_bytes(dtype: str) -> float:
@@ -58,9 +65,11 @@ class Policy:
         dtype_bytes(self.kv_dtype)
 
     @classmethod
-    def resident(cls, batch_size: int, dtype: str, on_gpu: bool) -> Policy:
+    def resident(
+        cls, batch_size: int, dtype: str, on_gpu: bool, kv_dtype: str | None = None
+    ) -> Policy:
         """A run held wholly by one device (`hrm run` without a plan): everything there, the
-        whole batch one micro-batch."""
+        whole batch one micro-batch; the KV cache in `kv_dtype` (default: `dtype`)."""
         return cls(
             batch_size=batch_size,
             micro_batch_size=batch_size,
@@ -69,7 +78,7 @@ class Policy:
             weights_gpu_fraction=float(on_gpu),
             kv_gpu_fraction=float(on_gpu),
             weight_dtype=dtype,
-            kv_dtype=dtype,
+            kv_dtype=kv_dtype or dtype,
         )
 
     @property

@@ -147,7 +147,7 @@ def _flexgen_seconds_per_token(setting: Setting, policy: Policy) -> float:
         local_bytes / hw.gpu.total_memory_bandwidth_bytes_per_s,
     )
     kv_token_layer = 2 * arch.kv_size * dtype_bytes(setting.kv_dtype)
-    streamed = (1 - policy.weights_gpu_fraction) * w_layer
+    streamed = (1 - policy.weights_gpu_fraction) * setting.weights.stored
     streamed += (1 - policy.kv_gpu_fraction) * n * ctx * kv_token_layer
     load = float(link_seconds(hw, streamed, "h2d"))
     store = float(link_seconds(hw, n * kv_token_layer, "d2h"))

@@ -153,7 +153,8 @@ def plan_options(
     out = []
     for key, count, sized in jobs:
         weights = dtype or sized.half_dtype
-        options = {"schedule": schedule, "weight_dtype": weights, "kv_dtype": kv_dtype or weights}
+        kv = kv_dtype or sized.compute_dtype(weights)
+        options = {"schedule": schedule, "weight_dtype": weights, "kv_dtype": kv}
         own = machines[key]
         price = price_of.get(key, own.price_per_hour)
         what_if = count > own.gpu_count

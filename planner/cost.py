@@ -31,8 +31,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hrm.formats import DEQUANTIZE_TRAFFIC, is_compact
 from hrm.hardware import HardwareProfile
 from hrm.plan import QUEUES
+from hrm.policy import compute_bytes
 from planner.layer_seconds import MicroBatchSeconds
 from planner.memory import placement_vector as vec
 from planner.setting import Setting
@@ -127,6 +129,12 @@ def queue_terms(setting: Setting, mb: MicroBatchSeconds) -> QueueTerms:
             # the host's issue time its dense kernels do not cover (planner/overheads.py)
             "launch overhead": _per_mb(
                 on_gpu, mb.cpu_launch if setting.hardware.stand_in else mb.gpu_launch
+            ),
+            # a compact format: once per pass of a layer, (F_g - r_w) * W_l into 16 bits
+            "dequantize": Expr(
+                _zero(steps),
+                _coef(steps, ffn - rw, ffn - rw) * dequantize_seconds(setting),
+                np.zeros(5),
             ),
         },
         "cpu": {
@@ -226,6 +234,21 @@ def schedule_terms(
     return ScheduleTerms(layer=layer, fill=q.fill, head=head)
 
 
+def dequantize_seconds(setting: Setting) -> float:
+    """Seconds the GPU takes to dequantize a whole layer of a compact format into 16 bits, at
+    the rate hrm profile measured for the format (weights per second), else at the bytes the
+    executor's kernels move per weight (hrm.formats.DEQUANTIZE_TRAFFIC) over its memory
+    bandwidth; 0 in a float dtype."""
+    fmt, gpu = setting.weight_dtype, setting.hardware.gpu
+    if not is_compact(fmt) or gpu is None:
+        return 0.0
+    weights = setting.weights.layer / compute_bytes(fmt)
+    rate = gpu.dequantize_rates.get(fmt)
+    if rate is None:
+        rate = gpu.memory_bandwidth_bytes_per_s / DEQUANTIZE_TRAFFIC[fmt]
+    return weights / rate
+
+
 def weight_stream_seconds(setting: Setting, m: np.ndarray) -> np.ndarray:
     """Seconds to stream all of W_l at the link rate of its pages: m pages (one per micro-batch)
     under cgopipe and gpu-attention, one whole-layer copy under serial and overlap. The page size
@@ -235,7 +258,7 @@ def weight_stream_seconds(setting: Setting, m: np.ndarray) -> np.ndarray:
         if setting.schedule in ("serial", "overlap")
         else m.astype(float)
     )
-    w = setting.weights.layer
+    w = setting.weights.stored
     hw = setting.hardware
     if hw.link is None:
         return np.zeros_like(pages)

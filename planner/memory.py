@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from hrm.arch import ModelArch
-from hrm.policy import dtype_bytes
+from hrm.policy import compute_bytes, dtype_bytes
 from hrm.roofline.ops import ACTIVATION_DTYPE
-from hrm.rules.placement import PREFILL_CHUNK_TOKENS, slot_bytes
+from hrm.rules.placement import PREFILL_CHUNK_TOKENS, place_model, slot_bytes
 from hrm.workload import Workload
 
 # The one headroom: plans use at most this fraction of each device's memory; the rest is left for
@@ -40,18 +40,26 @@ def placement_vector(*, one=0.0, att=0.0, ffn=0.0, rw=0.0, rc=0.0) -> np.ndarray
 class WeightBytes:
     """Bytes of the model's weights by where they can live."""
 
-    layer: float  # W_l: everything one layer holds, streamed page by page when not resident
+    layer: float  # W_l: everything one layer holds as computed (what is resident on the GPU)
+    stored: float  # W_l as stored in host memory and streamed page by page (compact formats)
     slot: float  # S: a page slot holds at most (1 - r_w) * S (hrm.rules.placement.slot_bytes)
+    # a compact format's one 16-bit slot, which the GPU dequantizes a streamed layer into
+    # (at most (1 - r_w) * this); 0 when the layers compute the stored weights as they are
+    dequantized_slot: float
     head: float  # final norm + LM head: on the device that runs the layers
     embedding: float  # the token embedding: always in CPU memory (a gather, then h2d)
     num_layers: int
 
     @classmethod
     def of(cls, arch: ModelArch, weight_dtype: str) -> WeightBytes:
-        wdt = dtype_bytes(weight_dtype)
+        wdt = compute_bytes(weight_dtype)
+        layer = arch.layers_params * wdt / arch.num_layers
+        ratio = place_model(arch, 0.0, weight_dtype).stored_ratio
         return cls(
-            layer=arch.layers_params * wdt / arch.num_layers,
+            layer=layer,
+            stored=layer * ratio,
             slot=slot_bytes(arch, weight_dtype),
+            dequantized_slot=slot_bytes(arch, weight_dtype, stored=False) if ratio < 1 else 0.0,
             head=(arch.lm_head_params + arch.hidden_size) * wdt,
             embedding=arch.embedding_params * wdt,
             num_layers=arch.num_layers,
@@ -134,7 +142,7 @@ def memory_terms(
     mu = float(micro_batch_size)
     adt = dtype_bytes(ACTIVATION_DTYPE)
     w = WeightBytes.of(arch, weight_dtype)
-    layers = w.num_layers * w.layer
+    layers, stored = w.num_layers * w.layer, w.num_layers * w.stored
     kv = kv_cache_bytes(arch, workload, n, kv_dtype)
     h, s_max = arch.hidden_size, workload.prompt_len_max
 
@@ -167,9 +175,13 @@ def memory_terms(
         "activations": v(ffn=gpu_count) * activations_of(gpu_count),
         "workspace": v(ffn=workspace) * np.ones_like(n),
     }
+    if w.dequantized_slot:  # a compact format: (1 - r_w) * S16, the 16-bit slot computed from
+        gpu["dequantized layer"] = v(ffn=w.dequantized_slot, rw=-w.dequantized_slot) * np.ones_like(
+            n
+        )
     cpu = {
-        # (1 - r_w) * L * W_l, pinned so that pages go straight to the GPU
-        "layer weights": v(one=layers, rw=-layers) * np.ones_like(n),
+        # (1 - r_w) * L * W_l as stored, pinned so that pages go straight to the GPU
+        "layer weights": v(one=stored, rw=-stored) * np.ones_like(n),
         # embedding always; the LM head too when the CPU runs the layers
         "embedding and head": v(one=w.embedding + w.head, ffn=-w.head) * np.ones_like(n),
         # (1 - r_c) * KV

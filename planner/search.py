@@ -297,7 +297,7 @@ def largest_batch(setting: Setting) -> int:
         usable_bytes(hw.gpu.total_memory_bytes) if hw.gpu else 0.0
     )
     w = setting.weights
-    free = total - arch.num_layers * w.layer - w.embedding
+    free = total - arch.num_layers * w.stored - w.embedding
     per_sequence = kv_cache_bytes(arch, wl, 1, setting.kv_dtype)
     return int(min(MAX_BATCH_SIZE, max(free // per_sequence, 0)))
 

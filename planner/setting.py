@@ -9,7 +9,6 @@ import numpy as np
 
 from hrm.arch import ModelArch
 from hrm.hardware import HardwareProfile
-from hrm.policy import FLOAT_DTYPES
 from hrm.rules.cpu_gemm import CpuGemmChoice, choose_cpu_gemm
 from hrm.rules.placement import largest_page_bytes
 from hrm.workload import Workload
@@ -57,8 +56,9 @@ class Setting:
 
     @property
     def compute_dtype(self) -> str:
-        """GEMMs run in the weight dtype, or bfloat16 after dequantising integer weights."""
-        return self.weight_dtype if self.weight_dtype in FLOAT_DTYPES else "bfloat16"
+        """GEMMs run in the weight dtype, or a compact format's 16-bit float
+        (HardwareProfile.compute_dtype)."""
+        return self.hardware.compute_dtype(self.weight_dtype)
 
     @property
     def cpu_gemm_choice(self) -> CpuGemmChoice:
@@ -93,7 +93,7 @@ class Setting:
         link = self.hardware.link
         if link is None or link.pinnable_bytes is None:
             return False
-        return self.arch.num_layers * self.weights.layer > link.pinnable_bytes
+        return self.arch.num_layers * self.weights.stored > link.pinnable_bytes
 
     def memory(self, batch_size, micro_batch_size: int) -> MemoryTerms:
         """Every buffer at N = batch_size (scalar or array) and mu = micro_batch_size; with staged

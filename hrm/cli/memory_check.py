@@ -37,7 +37,7 @@ def check_resident_run(spec, *, random_weights: bool) -> None:
 
     def need(arch) -> tuple[float, float]:
         return resident_run_memory(
-            arch, workload, batch_size=spec.batch_size, dtype=spec.dtype, on_gpu=on_gpu
+            arch, workload, batch_size=spec.batch_size, dtype=spec.compute_dtype, on_gpu=on_gpu
         )
 
     host, device = need(spec.arch)

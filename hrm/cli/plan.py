@@ -120,7 +120,9 @@ def run(args: argparse.Namespace) -> int:
     if counts:
         hardware = hardware.with_gpu_count(counts[0])
     dtype = args.dtype or hardware.half_dtype
-    options = {"schedule": args.schedule, "weight_dtype": dtype, "kv_dtype": args.kv_dtype or dtype}
+    # a compact weight format keeps the KV cache in the dtype the layers compute in
+    kv = args.kv_dtype or hardware.compute_dtype(dtype)
+    options = {"schedule": args.schedule, "weight_dtype": dtype, "kv_dtype": kv}
     if args.sweep:
         return _run_sweep(args, arch, hardware, workload, options)
     from planner.baselines import baselines

@@ -102,6 +102,8 @@ def with_launch_overhead(
         measure_expert_ffn_curve,
         measure_launch_overhead,
     )
+    from executor.quant import measure_dequantize_rate
+    from hrm.formats import WEIGHT_FORMATS
     from hrm.hardware.parts import Curve
     from hrm.policy import FLOAT_DTYPES
     from hrm.profiling import PRESETS, SWEPT_DTYPES
@@ -133,6 +135,7 @@ def with_launch_overhead(
             d: measure_prefill_attention_curve(arch, d, quick=quick) for d in dtypes
         },
         elementwise_rate=elementwise,
+        dequantize_rates={f: measure_dequantize_rate(arch, f) for f in WEIGHT_FORMATS},
     )
     gpu = profile.gpu
     if gpu is not None:
@@ -147,6 +150,7 @@ def with_launch_overhead(
             gpu,
             launch_overhead={"float32": measure_launch_overhead(arch, device="cuda")},
             expert_ffn_curves=curves,
+            dequantize_rates={f: measure_dequantize_rate(arch, f, "cuda") for f in WEIGHT_FORMATS},
         )
     return dataclasses.replace(profile, cpu=cpu, gpu=gpu)
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import json
 
+from hrm.formats import WEIGHT_FORMATS
 from hrm.plan import SCHEDULES
+from hrm.policy import FLOAT_DTYPES
 
 
 def add_parser(subparsers) -> None:
@@ -78,8 +80,9 @@ def _add_run_arguments(p) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda (cpu)")
     p.add_argument(
         "--dtype",
-        choices=("float32", "bfloat16", "float16"),
-        help="weight and compute dtype (default: the checkpoint's)",
+        choices=(*FLOAT_DTYPES, *WEIGHT_FORMATS),
+        help="weight dtype, or int8 or int4: the weights quantized at load (docs/running.md) "
+        "and computed in 16 bits (default: the checkpoint's)",
     )
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (0)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0)")
@@ -194,7 +197,7 @@ def _execute(args, job, hardware, partial, warn):
     stream = InOrder(sys.stdout) if to_stdout else None
     choose = cpu_gemm_chooser(
         spec.arch,
-        spec.dtype,
+        spec.compute_dtype,
         mode=args.cpu_gemm,
         hardware=hardware if hardware is not None and not hardware.has_gpu else None,
         warn=warn,

@@ -51,7 +51,7 @@ def _resident_job(args, hardware, random_arch, warn) -> Job:
         differs = host_differs(hardware)
         if differs:
             warn(f"warning: {differs}: the prediction is for that host")
-    policy = Policy.resident(spec.batch_size, spec.dtype, on_gpu)
+    policy = Policy.resident(spec.batch_size, spec.dtype, on_gpu, spec.compute_dtype)
     return Job(spec, policy, "serial", None, hardware, staged=False)
 
 
@@ -94,6 +94,7 @@ def _planned_job(args, hardware, random_arch, warn) -> Job:
         gpu_bytes=gpu_bytes,
         host_bytes=host,
         stand_in=device.type == "cpu",
+        device=spec.device,
     )
     profile = prediction_profile(plan, hardware, spec.device, warn)
     return Job(spec, plan.policy, plan.schedule, plan, profile, plan.stages_weights)
@@ -184,7 +185,7 @@ def _plan_for(args, spec, hardware):
         workload,
         schedule=args.schedule or "cgopipe",
         weight_dtype=spec.dtype,
-        kv_dtype=spec.dtype,
+        kv_dtype=spec.compute_dtype,
         top_k=1,
         max_batch_size=len(spec.prompts),
     )

@@ -18,16 +18,15 @@ from typing import Any
 
 from hrm import units
 from hrm.errors import HrmError
-from hrm.hardware.parts import (
-    DeviceSpec,
-    Interconnect,
-    LinkSpec,
+from hrm.formats import is_compact
+from hrm.hardware.files import (
     _device_from_dict,
     _device_to_dict,
     _interconnect_from_dict,
     _link_from_dict,
     _link_to_dict,
 )
+from hrm.hardware.parts import DeviceSpec, Interconnect, LinkSpec
 from hrm.io import atomic_write_yaml, load_yaml
 from hrm.schema import check_keys
 
@@ -68,6 +67,14 @@ class HardwareProfile:
         device = self.gpu or self.cpu
         rates = device.peak_flops_per_s
         return "float16" if rates.get("float16", 0) > rates.get("bfloat16", 0) else "bfloat16"
+
+    def compute_dtype(self, weight_dtype: str) -> str:
+        """What the layers compute `weight_dtype` weights in: a float dtype itself; a compact
+        format (hrm/formats.py) in the GPU's faster 16-bit float (half_dtype), or in bfloat16
+        where a CPU runs the layers, as the executor there does (executor.quant)."""
+        if not is_compact(weight_dtype):
+            return weight_dtype
+        return self.half_dtype if self.gpu is not None and not self.stand_in else "bfloat16"
 
     @property
     def has_gpu(self) -> bool:

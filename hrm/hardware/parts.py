@@ -6,16 +6,13 @@ hrm/hardware/__init__.py assembles them into a HardwareProfile.
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from hrm import units
 from hrm.errors import HrmError
 from hrm.policy import DTYPE_BYTES
-from hrm.schema import check_keys, positive_float, positive_int
 
 RATE_DTYPES = ("float32", "bfloat16", "float16", "int8", "float8")
 
@@ -98,7 +95,7 @@ class DeviceSpec:
     # Free memory when a measured profile was taken (MemAvailable, cudaMemGetInfo); None if unknown.
     available_memory_bytes: float | None = None
     # per dtype the executor ran in, measured by hrm profile (an older profile's one figure was
-    # measured in float32: `upgrade`); see launch_overhead_for
+    # measured in float32: hrm.hardware.files.upgrade); see launch_overhead_for
     launch_overhead: Mapping[str, LaunchOverhead] = field(default_factory=dict)
     # What long GEMMs sustain (a published measurement, cited in the file): the planner's rate
     # where no curve was measured; the peak stays the roofline's top roof.
@@ -126,6 +123,10 @@ class DeviceSpec:
     # gemm_shape_key ("d_in x d_out") then by rate key (measured by hrm profile); a shape absent
     # here is priced at matmul_curves, timed at the expert's w1 shape
     gemm_shape_curves: Mapping[str, Mapping[str, Curve]] = field(default_factory=dict)
+
+    # weights per second the executor dequantizes a compact format at, into 16 bits, per format
+    # (hrm/formats.py; measured by hrm profile); absent: priced by memory traffic
+    dequantize_rates: Mapping[str, float] = field(default_factory=dict)
 
     def flops_per_s(self, dtype: str) -> float:
         """Peak FLOP/s of all `count` devices for `dtype`; falls back to float32 when absent.
@@ -209,288 +210,3 @@ class Interconnect:
 
     kind: str  # pcie (peer-to-peer through the host bridge) or nvlink
     bytes_per_s: float
-
-
-_DEVICE_KEYS = {"name", "memory", "memory_bandwidth", "flops"}
-_DEVICE_OPTIONAL = {
-    "count",
-    "cores",
-    "matmul_curves",
-    "available_memory",
-    "launch_overhead",
-    "sustained_flops",
-    "attention_curves",
-    "prefill_attention_curves",
-    "elementwise_rate",
-    "expert_ffn_curves",
-    "gemm_shape_curves",
-    "copy_bandwidth",
-}
-# what hrm profile measures with the executor's own code on one kind of device only
-_CPU_ONLY = (
-    "attention_curves",
-    "prefill_attention_curves",
-    "elementwise_rate",
-    "gemm_shape_curves",
-    "copy_bandwidth",
-)
-_GPU_ONLY = ("expert_ffn_curves",)
-
-
-def _by_dtype(data, key: str, where: str, keys: set[str]) -> dict:
-    """The optional mapping `key` of a device, keyed by the dtypes (or rate keys) in `keys`."""
-    return check_keys(data.get(key) or {}, where=f"{where}: {key}", required=set(), optional=keys)
-
-
-def upgrade(data: Any, where: str) -> Any:
-    """A device section written by an older hrm profile, in today's keys (the one place that
-    reads old formats): one `attention_curve`, measured in bfloat16, becomes attention_curves
-    {bfloat16: ...}; an unkeyed `launch_overhead`, measured in float32, becomes {float32: ...}."""
-    if not isinstance(data, dict):
-        return data
-    data = dict(data)
-    if data.get("attention_curve") is not None:
-        if data.get("attention_curves"):
-            raise HrmError(f"{where}: give attention_curves only (attention_curve is its old name)")
-        data["attention_curves"] = {"bfloat16": data["attention_curve"]}
-    data.pop("attention_curve", None)
-    overhead = data.get("launch_overhead")
-    if isinstance(overhead, dict) and "per_layer_s" in overhead:
-        data["launch_overhead"] = {"float32": overhead}
-    return data
-
-
-def _device_from_dict(data: Any, where: str, is_cpu: bool = False) -> DeviceSpec:
-    data = upgrade(data, where)
-    data = check_keys(data, where=where, required=_DEVICE_KEYS, optional=_DEVICE_OPTIONAL)
-    # only a CPU widens 16-bit weights (the executor's CPU path), so only a CPU has those rates
-    rate_keys = set(RATE_DTYPES) | (set(WIDENED_KEYS.values()) if is_cpu else set())
-    flops = check_keys(data["flops"], where=f"{where}: flops", required=set(), optional=rate_keys)
-    if not flops:
-        raise HrmError(f"{where}: flops must name at least one dtype ({', '.join(RATE_DTYPES)})")
-    curves_in = _by_dtype(data, "matmul_curves", where, rate_keys)
-    count = positive_int(data.get("count", 1), where=f"{where}: count")
-    if is_cpu and count != 1:
-        raise HrmError(f"{where}: count must be 1 for the cpu (give the total cores and memory)")
-    cores = data.get("cores")
-    available = data.get("available_memory")
-    for keys, only_for in ((_CPU_ONLY, "cpu"), (_GPU_ONLY, "gpu")):
-        for key in keys:
-            if data.get(key) is not None and is_cpu != (only_for == "cpu"):
-                raise HrmError(f"{where}: {key} is measured for the {only_for} only")
-    overhead = _overheads_from_dict(data.get("launch_overhead"), f"{where}: launch_overhead")
-    attention = data.get("attention_curves") or {}
-    elementwise = _by_dtype(data, "elementwise_rate", where, set(RATE_DTYPES))
-    copy = data.get("copy_bandwidth")
-    sustained = _by_dtype(data, "sustained_flops", where, set(RATE_DTYPES))
-    return DeviceSpec(
-        gemm_shape_curves=_shape_curves_from_dict(
-            data.get("gemm_shape_curves") or {}, f"{where}: gemm_shape_curves", rate_keys
-        ),
-        launch_overhead=overhead,
-        expert_ffn_curves=_dtype_curves(
-            data.get("expert_ffn_curves"), f"{where}: expert_ffn_curves", units.parse_flops
-        ),
-        elementwise_rate={
-            dtype: positive_float(rate, where=f"{where}: elementwise_rate: {dtype}")
-            for dtype, rate in elementwise.items()
-        },
-        attention_curves=_dtype_curves(
-            attention, f"{where}: attention_curves", units.parse_bandwidth
-        ),
-        prefill_attention_curves=_dtype_curves(
-            data.get("prefill_attention_curves"),
-            f"{where}: prefill_attention_curves",
-            units.parse_flops,
-        ),
-        sustained_flops_per_s={
-            dtype: units.parse_flops(rate, f"{where}: sustained_flops: {dtype}")
-            for dtype, rate in sustained.items()
-        },
-        name=str(data["name"]),
-        count=count,
-        cores=positive_int(cores, where=f"{where}: cores") if cores is not None else None,
-        memory_bytes=units.parse_bytes(data["memory"], f"{where}: memory"),
-        memory_bandwidth_bytes_per_s=units.parse_bandwidth(
-            data["memory_bandwidth"], f"{where}: memory_bandwidth"
-        ),
-        copy_bandwidth_bytes_per_s=units.parse_bandwidth(copy, f"{where}: copy_bandwidth")
-        if copy is not None
-        else None,
-        peak_flops_per_s={
-            dtype: units.parse_flops(rate, f"{where}: flops: {dtype}")
-            for dtype, rate in flops.items()
-        },
-        matmul_curves={
-            dtype: _curve_from_list(points, f"{where}: matmul_curves: {dtype}", units.parse_flops)
-            for dtype, points in curves_in.items()
-        },
-        available_memory_bytes=units.parse_bytes(available, f"{where}: available_memory")
-        if available is not None
-        else None,
-    )
-
-
-def _dtype_curves(data: Any, where: str, parse_rate) -> dict[str, Curve]:
-    """A mapping of dtype -> [size, rate] pairs (absent: empty), checked and parsed."""
-    curves = check_keys(data or {}, where=where, required=set(), optional=set(RATE_DTYPES))
-    return {
-        dtype: _curve_from_list(points, f"{where}: {dtype}", parse_rate)
-        for dtype, points in curves.items()
-    }
-
-
-def _shape_curves_from_dict(data: Any, where: str, rate_keys: set[str]) -> dict:
-    if not isinstance(data, dict):
-        raise HrmError(f"{where}: must be a mapping of shapes (like 4096x1024) to curves")
-    out = {}
-    for shape, curves in data.items():
-        d_in, _, d_out = str(shape).partition("x")
-        if not (d_in.isdigit() and d_out.isdigit() and int(d_in) > 0 and int(d_out) > 0):
-            raise HrmError(f"{where}: {shape!r} is not a shape; write d_in x d_out, like 4096x1024")
-        curves = check_keys(curves, where=f"{where}: {shape}", required=set(), optional=rate_keys)
-        out[str(shape)] = {
-            key: _curve_from_list(points, f"{where}: {shape}: {key}", units.parse_flops)
-            for key, points in curves.items()
-        }
-    return out
-
-
-def _device_to_dict(device: DeviceSpec) -> dict[str, Any]:
-    out: dict[str, Any] = {"name": device.name}
-    if device.count != 1:
-        out["count"] = device.count
-    if device.cores is not None:
-        out["cores"] = device.cores
-    out["memory"] = units.format_bytes(device.memory_bytes, None)
-    if device.available_memory_bytes is not None:
-        out["available_memory"] = units.format_bytes(device.available_memory_bytes, None)
-    out["memory_bandwidth"] = units.format_bandwidth(device.memory_bandwidth_bytes_per_s, None)
-    if device.copy_bandwidth_bytes_per_s is not None:
-        out["copy_bandwidth"] = units.format_bandwidth(device.copy_bandwidth_bytes_per_s, None)
-    out["flops"] = {d: units.format_flops(r, None) for d, r in device.peak_flops_per_s.items()}
-    if device.sustained_flops_per_s:
-        out["sustained_flops"] = {
-            d: units.format_flops(r, None) for d, r in device.sustained_flops_per_s.items()
-        }
-    if device.matmul_curves:
-        out["matmul_curves"] = {d: _curve_to_list(c) for d, c in device.matmul_curves.items()}
-    if device.gemm_shape_curves:
-        out["gemm_shape_curves"] = {
-            shape: {key: _curve_to_list(c) for key, c in curves.items()}
-            for shape, curves in device.gemm_shape_curves.items()
-        }
-    if device.launch_overhead:
-        out["launch_overhead"] = {
-            d: dataclasses.asdict(o) for d, o in device.launch_overhead.items()
-        }
-    if device.attention_curves:
-        out["attention_curves"] = {d: _curve_to_list(c) for d, c in device.attention_curves.items()}
-    if device.prefill_attention_curves:
-        out["prefill_attention_curves"] = {
-            d: _curve_to_list(c) for d, c in device.prefill_attention_curves.items()
-        }
-    if device.elementwise_rate:
-        out["elementwise_rate"] = dict(device.elementwise_rate)
-    if device.expert_ffn_curves:
-        out["expert_ffn_curves"] = {
-            d: _curve_to_list(c) for d, c in device.expert_ffn_curves.items()
-        }
-    return out
-
-
-def _overheads_from_dict(data: Any, where: str) -> dict[str, LaunchOverhead]:
-    """dtype -> LaunchOverhead."""
-    if data is None:
-        return {}
-    data = check_keys(data, where=where, required=set(), optional=set(RATE_DTYPES))
-    return {d: _overhead_from_dict(o, f"{where}: {d}") for d, o in data.items()}
-
-
-def _overhead_from_dict(data: Any, where: str) -> LaunchOverhead:
-    fields = {f.name for f in dataclasses.fields(LaunchOverhead)}
-    data = check_keys(data, where=where, required=fields)
-    for name in fields:
-        value = data[name]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-            raise HrmError(f"{where}: {name} must be a non-negative number of seconds")
-    return LaunchOverhead(**{name: float(data[name]) for name in fields})
-
-
-def _link_from_dict(data: Any, where: str) -> LinkSpec:
-    data = check_keys(
-        data,
-        where=where,
-        required={"h2d", "d2h"},
-        optional={"h2d_curve", "d2h_curve", "bidirectional", "shared", "pinnable"},
-    )
-    shared = data.get("shared", False)
-    if not isinstance(shared, bool):
-        raise HrmError(f"{where}: shared must be true or false, got {shared!r}")
-    return LinkSpec(
-        shared=shared,
-        h2d_bytes_per_s=units.parse_bandwidth(data["h2d"], f"{where}: h2d"),
-        d2h_bytes_per_s=units.parse_bandwidth(data["d2h"], f"{where}: d2h"),
-        h2d_curve=_curve_from_list(data["h2d_curve"], f"{where}: h2d_curve", units.parse_bandwidth)
-        if data.get("h2d_curve")
-        else None,
-        d2h_curve=_curve_from_list(data["d2h_curve"], f"{where}: d2h_curve", units.parse_bandwidth)
-        if data.get("d2h_curve")
-        else None,
-        bidirectional_bytes_per_s=units.parse_bandwidth(
-            data["bidirectional"], f"{where}: bidirectional"
-        )
-        if data.get("bidirectional") is not None
-        else None,
-        pinnable_bytes=units.parse_bytes(data["pinnable"], f"{where}: pinnable")
-        if data.get("pinnable") is not None
-        else None,
-    )
-
-
-def _link_to_dict(link: LinkSpec) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "h2d": units.format_bandwidth(link.h2d_bytes_per_s, None),
-        "d2h": units.format_bandwidth(link.d2h_bytes_per_s, None),
-    }
-    if link.h2d_curve:
-        out["h2d_curve"] = _curve_to_list(link.h2d_curve)
-    if link.d2h_curve:
-        out["d2h_curve"] = _curve_to_list(link.d2h_curve)
-    if link.bidirectional_bytes_per_s is not None:
-        out["bidirectional"] = units.format_bandwidth(link.bidirectional_bytes_per_s, None)
-    if link.shared:
-        out["shared"] = True
-    if link.pinnable_bytes is not None:
-        out["pinnable"] = units.format_bytes(link.pinnable_bytes, None)
-    return out
-
-
-def _interconnect_from_dict(data: Any, where: str) -> Interconnect:
-    data = check_keys(data, where=where, required={"kind", "bandwidth"})
-    if data["kind"] not in INTERCONNECTS:
-        raise HrmError(
-            f"{where}: kind must be one of {', '.join(INTERCONNECTS)}, got {data['kind']!r}"
-        )
-    return Interconnect(
-        kind=data["kind"],
-        bytes_per_s=units.parse_bandwidth(data["bandwidth"], f"{where}: bandwidth"),
-    )
-
-
-def _curve_from_list(points: Any, where: str, parse_rate) -> Curve:
-    if not isinstance(points, list) or not all(
-        isinstance(p, (list, tuple)) and len(p) == 2 for p in points
-    ):
-        raise HrmError(f"{where}: expected a list of [size, rate] pairs")
-    parsed = tuple(
-        (units.parse_bytes(x, f"{where}: size"), parse_rate(y, f"{where}: rate")) for x, y in points
-    )
-    try:
-        return Curve(points=parsed)
-    except HrmError as exc:
-        raise HrmError(f"{where}: {exc}") from None
-
-
-def _curve_to_list(curve: Curve) -> list[list[float]]:
-    return [[float(x), float(y)] for x, y in curve.points]

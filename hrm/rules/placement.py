@@ -23,7 +23,8 @@ import math
 from dataclasses import dataclass
 
 from hrm.arch import ModelArch
-from hrm.policy import dtype_bytes
+from hrm.formats import stored_bytes
+from hrm.policy import compute_bytes
 
 # Prefill runs each micro-batch's token-wise work (projections, router, experts) in chunks of at
 # most this many tokens, so the workspace of one chunk, not of a whole micro-batch, must fit
@@ -66,6 +67,11 @@ def _elements(shapes: dict[str, tuple[int, ...]]) -> int:
     return sum(math.prod(s) for s in shapes.values())
 
 
+def _stored(shapes: dict[str, tuple[int, ...]], weight_dtype: str) -> int:
+    half = int(compute_bytes(weight_dtype))
+    return sum(stored_bytes(n, s, weight_dtype, half) for n, s in shapes.items())
+
+
 @dataclass(frozen=True, kw_only=True)
 class WeightPlacement:
     """Per layer: whether the dense weights are resident, and how many leading experts are."""
@@ -73,8 +79,11 @@ class WeightPlacement:
     dense_resident: bool
     resident_experts: int
     num_experts: int
-    dense_bytes: float  # one layer's dense tensors
+    dense_bytes: float  # one layer's dense tensors, as the layers compute them
     expert_bytes: float  # one expert
+    # a layer's bytes as stored and streamed over its bytes as computed: below 1 in a compact
+    # format (hrm/formats.py), where the dense part (placed first) holds the 16-bit tensors
+    stored_ratio: float = 1.0
 
     @property
     def layer_bytes(self) -> float:
@@ -130,6 +139,11 @@ class ModelPlacement:
         return sum(n * p.resident_bytes for _, n, p in self.kinds)
 
     @property
+    def stored_ratio(self) -> float:
+        """All layers' bytes as stored over their bytes as computed (1 in a float dtype)."""
+        return sum(n * p.stored_ratio * p.layer_bytes for _, n, p in self.kinds) / self.layers_bytes
+
+    @property
     def fraction(self) -> float:
         """The placed r_w: resident bytes over all layers' bytes."""
         return self.resident_bytes / self.layers_bytes
@@ -161,15 +175,18 @@ def place_model(arch: ModelArch, weights_gpu_fraction: float, weight_dtype: str)
     that does not fit ends it, so placing the placed fraction again places the same tensors. In
     a model of one kind this is, per layer, its dense tensors then whole experts in index
     order."""
-    wdt = dtype_bytes(weight_dtype)
+    wdt = compute_bytes(weight_dtype)
     kinds = []
     for kind, n in arch.layer_kinds():
+        dense, expert = dense_shapes(kind), expert_shapes(kind)
+        stored = _stored(dense, weight_dtype) + kind.num_experts * _stored(expert, weight_dtype)
         bytes_of = WeightPlacement(
             dense_resident=False,
             resident_experts=0,
             num_experts=kind.num_experts,
-            dense_bytes=_elements(dense_shapes(kind)) * wdt,
-            expert_bytes=_elements(expert_shapes(kind)) * wdt,
+            dense_bytes=_elements(dense) * wdt,
+            expert_bytes=_elements(expert) * wdt,
+            stored_ratio=stored / ((_elements(dense) + kind.num_experts * _elements(expert)) * wdt),
         )
         kinds.append((kind, n, bytes_of))
     budget = weights_gpu_fraction * sum(n * p.layer_bytes for _, n, p in kinds) * (1 + _TOLERANCE)
@@ -189,20 +206,25 @@ def place_model(arch: ModelArch, weights_gpu_fraction: float, weight_dtype: str)
     return ModelPlacement(arch=arch, kinds=kinds)
 
 
-def slot_bytes(arch: ModelArch, weight_dtype: str) -> float:
+def slot_bytes(arch: ModelArch, weight_dtype: str, *, stored: bool = True) -> float:
     """S with a layer's streamed bytes at most (1 - r_w) * S at any placed r_w: what the planner
     counts per page slot. One kind: S = W_l. With dense layers (their items placed first):
     a sparse layer streams at most (1 - r_w) * (all layers' bytes) / (sparse layers), and a
-    dense layer streams only while r_w < f, the fraction that places every dense layer whole."""
+    dense layer streams only while r_w < f, the fraction that places every dense layer whole.
+    In stored bytes (the slots pages land in), or as computed (stored=False: the 16-bit slot a
+    compact format is dequantized into); a kind's streamed part is stored at most at its
+    layer's ratio, since its dense part, the one with 16-bit tensors, is placed first."""
     kinds = place_model(arch, 0.0, weight_dtype).kinds
     total = sum(n * p.layer_bytes for _, n, p in kinds)
     bound = 0.0
     for kind, n, p in kinds:
+        ratio = p.stored_ratio if stored else 1.0
         if not kind.ffn_is_dense:
-            bound = max(bound, total / n)
+            bound = max(bound, ratio * total / n)
             continue
         full = sum(m * q.dense_bytes for _, m, q in kinds) + n * p.num_experts * p.expert_bytes
-        bound = max(bound, p.layer_bytes / (1 - full / total) if full < total else p.layer_bytes)
+        whole = p.layer_bytes / (1 - full / total) if full < total else p.layer_bytes
+        bound = max(bound, ratio * whole)
     return bound
 
 
@@ -218,7 +240,7 @@ def streamed_tensors(arch: ModelArch, placement: WeightPlacement) -> list[tuple[
 
 
 def cut_pages(sizes: list[int], pages: int) -> list[tuple[int, int]]:
-    """Element ranges of `pages` pages of near-equal size over tensors of `sizes` elements,
+    """Ranges of `pages` pages of near-equal size over tensors of `sizes` (elements or bytes),
     cut at tensor boundaries (a page holds whole tensors; fewer pages when there are fewer
     tensors)."""
     total = sum(sizes)
@@ -241,8 +263,11 @@ def cut_pages(sizes: list[int], pages: int) -> list[tuple[int, int]]:
 def largest_page_bytes(arch: ModelArch, weight_dtype: str, pages: int) -> float:
     """The largest page of a layer streamed whole in `pages` pages, over the kinds of layer:
     the ring's page size."""
-    largest = 0
+    largest, half = 0, int(compute_bytes(weight_dtype))
     for kind, _, placement in place_model(arch, 0.0, weight_dtype).kinds:
-        sizes = [math.prod(shape) for _, shape in streamed_tensors(kind, placement)]
+        sizes = [
+            stored_bytes(key[-1], shape, weight_dtype, half)
+            for key, shape in streamed_tensors(kind, placement)
+        ]
         largest = max(largest, max(end - start for start, end in cut_pages(sizes, pages)))
-    return largest * dtype_bytes(weight_dtype)
+    return float(largest)

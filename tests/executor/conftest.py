@@ -210,3 +210,48 @@ def reference_model(path: Path, dtype: torch.dtype = torch.float32):
 def ragged_prompts(lengths, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+PLAN_LENGTHS = (5, 9, 3, 7, 6, 2, 8, 4, 9, 1)  # ten prompts, batches of three
+
+
+@pytest.fixture
+def this_host(monkeypatch):
+    """Plans for an L4 run here are predicted with this host's stand-in model: whichever CI
+    machine runs the tests, a bundled CPU profile plays this host's."""
+    from hrm.hardware import resolve_hardware
+    from hrm.profiling import host_gemm
+
+    monkeypatch.setattr(
+        host_gemm, "bundled_profile_of_this_host", lambda: resolve_hardware("ci-cpu-avx512")
+    )
+
+
+@pytest.fixture
+def files(checkpoints, tmp_path):
+    """A prompts file and a paging plan (CPU attention, nothing resident, N=3, mu=2)."""
+    from executor.checkpoint import read_arch
+    from hrm.hardware import resolve_hardware
+    from hrm.policy import Policy
+    from hrm.workload import Workload
+    from planner import predict
+
+    path = checkpoints["mixtral-single"]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        "".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in ragged_prompts(PLAN_LENGTHS, 8))
+    )
+    policy = Policy(
+        batch_size=3,
+        micro_batch_size=2,
+        attention_on_gpu=False,
+        ffn_on_gpu=True,
+        weights_gpu_fraction=0.0,
+        kv_gpu_fraction=0.0,
+        weight_dtype="float32",
+        kv_dtype="float32",
+    )
+    workload = Workload(prompt_len_mean=5.4, prompt_len_max=9, gen_len=4)
+    plan = predict(read_arch(path), resolve_hardware("l4"), workload, policy, "cgopipe")
+    plan_path = plan.save(tmp_path / "plan.json")
+    return path, prompts, plan_path

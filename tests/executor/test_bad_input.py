@@ -185,7 +185,7 @@ def test_malformed_prompt_line(run_cli, tmp_path, checkpoints, line):
 
 @pytest.mark.parametrize(
     "extra",
-    [("--gen-len", "0"), ("--dtype", "int8"), ("--device", "tpu"), ("--top-p", "0")],
+    [("--gen-len", "0"), ("--dtype", "float8"), ("--device", "tpu"), ("--top-p", "0")],
 )
 def test_bad_arguments(run_cli, tmp_path, checkpoints, extra):
     run_expecting_error(run_cli, tmp_path, checkpoints["dbrx"], *extra)

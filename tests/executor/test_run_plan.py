@@ -10,51 +10,15 @@ import torch
 
 import executor.run
 from executor.checkpoint import read_arch
-from hrm.hardware import resolve_hardware
-from hrm.policy import Policy
-from hrm.workload import Workload
-from planner import predict
 from tests.conftest import assert_one_line_error
-from tests.executor.conftest import ragged_prompts
+from tests.executor.conftest import PLAN_LENGTHS, ragged_prompts
 
-LENGTHS = (5, 9, 3, 7, 6, 2, 8, 4, 9, 1)
+LENGTHS = PLAN_LENGTHS
 GENERATE = executor.run.generate
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(autouse=True)
-def this_host(monkeypatch):
-    """Plans for an L4 run here are predicted with this host's stand-in model: whichever CI
-    machine runs the tests, a bundled CPU profile plays this host's."""
-    from hrm.profiling import host_gemm
-
-    monkeypatch.setattr(
-        host_gemm, "bundled_profile_of_this_host", lambda: resolve_hardware("ci-cpu-avx512")
-    )
-
-
-@pytest.fixture
-def files(checkpoints, tmp_path):
-    """A prompts file and a paging plan (CPU attention, nothing resident, N=3, mu=2)."""
-    path = checkpoints["mixtral-single"]
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(
-        "".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in ragged_prompts(LENGTHS, 8))
-    )
-    policy = Policy(
-        batch_size=3,
-        micro_batch_size=2,
-        attention_on_gpu=False,
-        ffn_on_gpu=True,
-        weights_gpu_fraction=0.0,
-        kv_gpu_fraction=0.0,
-        weight_dtype="float32",
-        kv_dtype="float32",
-    )
-    workload = Workload(prompt_len_mean=5.4, prompt_len_max=9, gen_len=4)
-    plan = predict(read_arch(path), resolve_hardware("l4"), workload, policy, "cgopipe")
-    plan_path = plan.save(tmp_path / "plan.json")
-    return path, prompts, plan_path
+pytestmark = pytest.mark.usefixtures("this_host")
 
 
 def run_args(path, prompts, plan, *extra):

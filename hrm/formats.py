@@ -1,0 +1,66 @@
+"""Weight formats: which tensors a compact format stores in fewer bits, and their bytes.
+
+`int8` and `int4` are FlexGen's group-wise scheme: asymmetric min-max groups of GROUP weights
+along a linear layer's input dimension, each with a float16 scale and minimum. They are a storage
+and transfer format: the layers compute in a 16-bit float (`compute_dtype`), after the GPU
+dequantizes each streamed layer into a 16-bit slot (executor/quant.py). The planner and the
+executor count bytes with the same functions here, so a plan's pages are the pages that move.
+
+What stays 16-bit, and why:
+- norms, biases and the q/k norms: vectors, a rounding error there scales whole activations, and
+  they are a few kilobytes a layer;
+- the router (and Qwen2-MoE's shared-expert gate): a small error flips which experts a token
+  takes, and it is 0.1-0.5% of a layer;
+- the embedding and the LM head: never streamed (the embedding is a gather in host memory, the
+  head sits on the device that runs the layers);
+- resident weights: they never cross the link, and computing from them needs no dequantization.
+- a linear layer whose input width is not a multiple of GROUP (none in the bundled models).
+"""
+
+from __future__ import annotations
+
+import math
+
+GROUP = 64  # weights per group along a linear layer's input dimension
+BITS = {"int8": 8, "int4": 4}
+WEIGHT_FORMATS = tuple(BITS)
+SCALE_BYTES = 2  # float16 scale, and float16 minimum, per group
+# the linear layers a compact format stores in fewer bits (LayerWeights and ExpertWeights names)
+# bytes of memory traffic per weight of executor/quant.py's dequantize_into, kernel by kernel:
+# the codes read and written as 16-bit floats (1 + 2), then read with the scale and minimum and
+# the result written (2 + 2); int4 first splits each byte in two and interleaves the halves
+# (0.5 + 0.5 twice, then 1 + 1). What the planner prices a device's dequantization at where
+# hrm profile has not measured it.
+DEQUANTIZE_TRAFFIC = {"int8": 1 + 2 + 2 + 2, "int4": 2 + 2 + 1 + 2 + 2 + 2}
+QUANTIZED_TENSORS = frozenset(
+    {"wq", "wk", "wv", "wo", "shared_w1", "shared_w2", "shared_w3", "w1", "w2", "w3"}
+)
+
+
+def is_compact(weight_dtype: str) -> bool:
+    return weight_dtype in BITS
+
+
+def is_quantized(name: str, shape: tuple[int, ...], weight_dtype: str) -> bool:
+    """Whether the tensor `name` of `shape` ([out, in]) is stored in the compact format."""
+    return (
+        is_compact(weight_dtype)
+        and name in QUANTIZED_TENSORS
+        and len(shape) == 2
+        and shape[1] % GROUP == 0
+    )
+
+
+def stored_bytes(name: str, shape: tuple[int, ...], weight_dtype: str, half_bytes: int) -> int:
+    """Bytes of one streamed tensor as stored and moved: codes plus a scale and a minimum per
+    group when quantized, else its elements at `half_bytes` each (the compute dtype's size)."""
+    n = math.prod(shape)
+    if not is_quantized(name, shape, weight_dtype):
+        return n * half_bytes
+    return n * BITS[weight_dtype] // 8 + 2 * SCALE_BYTES * (n // GROUP)
+
+
+def bytes_per_weight(weight_dtype: str) -> float:
+    """Stored bytes per weight of a quantized tensor: codes plus the group's scale and minimum
+    (int8 1.0625, int4 0.5625)."""
+    return BITS[weight_dtype] / 8 + 2 * SCALE_BYTES / GROUP
