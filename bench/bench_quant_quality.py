@@ -1,6 +1,7 @@
-"""The quality of the compact weight formats (hrm/formats.py), measured against bfloat16.
+"""The quality of the compact weight and KV formats (hrm/formats.py), measured against bfloat16.
 
-For int8 and int4, on the Mixtral-shaped bench model (hidden 1024, width 3584, 4 layers, 8
+For int8 and int4 weights, and an int8 and int4 KV cache (weights in bfloat16), on the
+Mixtral-shaped bench model (hidden 1024, width 3584, 4 layers, 8
 experts top-2, random weights) and on a tiny checkpoint of each family (made here with
 transformers' save_pretrained, as the tests make them): the greedy run in the format against
 the same run in bfloat16, same prompts. Reported per model and format:
@@ -9,7 +10,7 @@ the same run in bfloat16, same prompts. Reported per model and format:
 - the greedy tokens' agreement: the share of generated tokens before each prompt's first
   divergence;
 - the bytes per weight achieved over the layers (16-bit norms, routers and ungrouped layers
-  included; the embedding and LM head stay 16-bit and are not counted).
+  included; the embedding and LM head stay 16-bit and are not counted), or per K/V value.
 Random weights are harsher than trained ones: their logits are nearly flat, so a small error
 flips the greedy choice sooner. The run is resident (the format's values dequantized at load),
 which gives the tokens a paged run of the format gives (tests/executor/test_quant.py).
@@ -32,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 BENCH = dict(hidden_size=1024, intermediate_size=3584, num_attention_heads=16,
              num_key_value_heads=4, head_dim=64, vocab_size=32000)  # fmt: skip
 FORMATS = ("int8", "int4")
+CASES = [("weights", f) for f in FORMATS] + [("kv", f) for f in FORMATS]
 
 
 def _checkpoints(root: Path):
@@ -53,7 +55,7 @@ def _checkpoints(root: Path):
         yield f"{name} (tiny)", open_checkpoint(path, "bfloat16")
 
 
-def _greedy(checkpoint, fmt: str | None, prompts, gen_len: int):
+def _greedy(checkpoint, fmt: str | None, prompts, gen_len: int, kv: str | None = None):
     from executor.generate import generate
     from executor.model import MoEModel
     from executor.quant import dequantized_weights
@@ -63,13 +65,20 @@ def _greedy(checkpoint, fmt: str | None, prompts, gen_len: int):
         weights = dequantized_weights(checkpoint.weights, fmt)
         checkpoint = dataclasses.replace(checkpoint, weights=weights)
     native = CpuGemmChoice(dtype="bfloat16", buckets=((0.0, "native"),), source="bench")
-    return generate(MoEModel(checkpoint, native), prompts, gen_len, keep_logits=True)
+    model = MoEModel(checkpoint, native, kv_format=kv)
+    return generate(model, prompts, gen_len, keep_logits=True)
 
 
-def compare(checkpoint, fmt: str, prompts, gen_len: int, reference) -> dict:
+def compare(checkpoint, what: str, fmt: str, prompts, gen_len: int, reference) -> dict:
+    from hrm.formats import row_bytes
     from hrm.rules.placement import place_model
 
-    ours = _greedy(checkpoint, fmt, prompts, gen_len)
+    if what == "weights":
+        ours = _greedy(checkpoint, fmt, prompts, gen_len)
+        per_value = 2 * place_model(checkpoint.arch, 0.0, fmt).stored_ratio
+    else:
+        ours = _greedy(checkpoint, None, prompts, gen_len, kv=fmt)
+        per_value = row_bytes(checkpoint.arch.head_dim, fmt) / checkpoint.arch.head_dim
     agree, errors = [], []
     for i, (a, b) in enumerate(zip(ours.output_token_ids, reference.output_token_ids, strict=True)):
         same = next((t for t, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(b))
@@ -81,7 +90,7 @@ def compare(checkpoint, fmt: str, prompts, gen_len: int, reference) -> dict:
         "logits_relative_error_max": max(errors),
         "logits_relative_error_mean": sum(errors) / len(errors),
         "greedy_agreement": sum(agree) / len(agree),
-        "bytes_per_weight": 2 * place_model(checkpoint.arch, 0.0, fmt).stored_ratio,
+        "bytes_per_value": per_value,
     }
 
 
@@ -103,18 +112,19 @@ def main() -> int:
             prompts = torch.randint(0, vocab, (args.prompts, args.prompt_len), generator=g)
             prompts = prompts.tolist()
             reference = _greedy(checkpoint, None, prompts, args.gen_len)
-            for fmt in FORMATS:
-                row = {"model": name, "format": fmt}
-                row |= compare(checkpoint, fmt, prompts, args.gen_len, reference)
+            for what, fmt in CASES:
+                row = {"model": name, "what": what, "format": fmt}
+                row |= compare(checkpoint, what, fmt, prompts, args.gen_len, reference)
                 rows.append(row)
                 print(
-                    f"{name:24s} {fmt:5s} logits rel err max {row['logits_relative_error_max']:.4f}"
-                    f" mean {row['logits_relative_error_mean']:.4f}  greedy agreement "
-                    f"{row['greedy_agreement']:.2f}  {row['bytes_per_weight']:.4f} B/weight",
+                    f"{name:24s} {what:7s} {fmt:5s} logits rel err max "
+                    f"{row['logits_relative_error_max']:.4f} mean "
+                    f"{row['logits_relative_error_mean']:.4f}  greedy agreement "
+                    f"{row['greedy_agreement']:.2f}  {row['bytes_per_value']:.4f} B/value",
                     flush=True,
                 )
     report = {
-        "what": "compact weight formats against bfloat16, greedy, resident on the CPU",
+        "what": "compact weight and KV formats against bfloat16, greedy, resident on the CPU",
         "note": "random weights are harsher than trained ones (flat logits flip sooner)",
         "prompts": args.prompts,
         "prompt_len": args.prompt_len,

@@ -8,7 +8,11 @@ the plan. Prints a table and writes JSON (default reports/bench_schedules.json).
     python bench/bench_schedules.py --device cuda --gpu-mem 16GB,24GB --layers 8
     python bench/bench_schedules.py --device cpu --dry-run     (plans and checks only: CI)
 On a CPU the CPU stands in for the GPU: the queues, pages and threads all run, but the
-prediction is for the profile's GPU, so only the cuda table tests the model.
+prediction is for the profile's GPU, so only the cuda table tests the model; unless --hardware
+names a CPU-only profile of this host, whose CPU then stands in for a GPU of each budget in the
+plans and the predictions too:
+    python bench/bench_schedules.py --device cpu --hardware ci-cpu-avx512 --dtype int4 \
+        --policy "N=16,mu=4,w=0" --gpu-mem 4GB
 """
 
 from __future__ import annotations
@@ -30,6 +34,16 @@ from hrm.units import parse_bytes  # noqa: E402
 from hrm.workload import Workload  # noqa: E402
 
 
+def with_budget(hardware, budget: float):
+    """The machine with `budget` bytes of GPU memory; a CPU-only profile (this host's) with its
+    CPU standing in for a GPU of that size, so that a CPU run is predicted by its own model."""
+    if hardware.has_gpu:
+        return hardware.with_resources(gpu_memory_bytes=budget)
+    from hrm.hardware.stand_in import stand_in_profile
+
+    return stand_in_profile(hardware, budget)
+
+
 def plan_all(arch, hardware, workload, budgets, max_batch, dtype, policy_text=None):
     """The best plan per (budget, schedule), or with policy_text that policy's prediction (its
     attention on the GPU under gpu-attention, on the CPU otherwise)."""
@@ -40,7 +54,7 @@ def plan_all(arch, hardware, workload, budgets, max_batch, dtype, policy_text=No
     plans = {}
     kv = hardware.compute_dtype(dtype)  # a compact weight format keeps KV in 16 bits
     for budget in budgets:
-        hw = hardware.with_resources(gpu_memory_bytes=budget)
+        hw = with_budget(hardware, budget)
         for schedule in SCHEDULES:
             if policy_text is not None:
                 attn = "gpu" if schedule == "gpu-attention" else "cpu"
@@ -181,8 +195,9 @@ def run(args) -> int:
             )
             continue
         record, measured = measure_plan(
-            plan, arch, checkpoint, prompts, args.gen_len, device, budget, hardware, args.dtype
-        )
+            plan, arch, checkpoint, prompts, args.gen_len, device, budget,
+            with_budget(hardware, budget), args.dtype,
+        )  # fmt: skip
         row.update(measured)
         m = record.measured
         rate = row["h2d_gb_per_s"]

@@ -30,6 +30,7 @@ from executor.engine import engine_mode, jitter_seed
 from executor.quant import RUN_DTYPES, compute_dtype
 from hrm.arch import ModelArch
 from hrm.errors import HrmError
+from hrm.formats import WEIGHT_FORMATS, is_compact, kv_format_problem
 from hrm.requests import (
     API,
     Request,
@@ -52,6 +53,7 @@ class RunSpec:
     gen_len: int  # the longest answer: each request's default and cap
     dtype: str  # the weights' format: a float dtype, or a compact format (hrm/formats.py)
     device: str
+    kv_format: str | None = None  # a compact KV cache format (hrm/formats.py), else None
     tokenizer: Any = None  # the checkpoint's tokenizer, or None (token ids only)
     requests: tuple[Request, ...] = ()  # a request file's lines; () for random prompts
 
@@ -61,8 +63,13 @@ class RunSpec:
 
     @property
     def compute_dtype(self) -> str:
-        """What the layers compute in, and the KV cache is kept in (executor.quant)."""
+        """What the layers compute in (executor.quant.compute_dtype)."""
         return compute_dtype(self.dtype, self.device)
+
+    @property
+    def kv_dtype(self) -> str:
+        """The KV cache's format, else the compute dtype it is then kept in."""
+        return self.kv_format or self.compute_dtype
 
     def workload(self, indices: Sequence[int] | None = None) -> Workload:
         """The prompts at `indices` (default all) with each one's most new tokens, unpadded
@@ -94,6 +101,7 @@ def prepare_run(
     batch: int | None = None,
     seed: int = 0,
     dtype: str | None = None,
+    kv_dtype: str | None = None,
     device: str = "cpu",
 ) -> RunSpec:
     """Resolve a run's arguments into a RunSpec; every user error is an HrmError.
@@ -106,6 +114,7 @@ def prepare_run(
     if dtype is not None and dtype not in RUN_DTYPES:
         raise HrmError(f"--dtype: unknown dtype {dtype!r}; use one of {', '.join(RUN_DTYPES)}")
     dtype = dtype or (stored_dtype(directory, arch) if directory is not None else "bfloat16")
+    kv_format = _kv_format(kv_dtype, dtype, device, arch)
     if gen_len is not None and gen_len < 1:
         raise HrmError(f"--gen-len must be a positive integer, got {gen_len}")
     _check_device(device)
@@ -132,9 +141,26 @@ def prepare_run(
         gen_len=gen_len,
         dtype=dtype,
         device=device,
+        kv_format=kv_format,
         tokenizer=tokenizer,
         requests=tuple(requests or ()),
     )
+
+
+def _kv_format(kv_dtype: str | None, dtype: str, device: str, arch: ModelArch) -> str | None:
+    """--kv-dtype: a compact format (checked against the head size), or the dtype the layers
+    compute in (the default), in which the cache is kept."""
+    if kv_dtype is None or kv_dtype == compute_dtype(dtype, device):
+        return None
+    if not is_compact(kv_dtype):
+        raise HrmError(
+            f"--kv-dtype {kv_dtype}: the KV cache is kept in the layers' "
+            f"{compute_dtype(dtype, device)} or in {' or '.join(WEIGHT_FORMATS)}"
+        )
+    problem = kv_format_problem(kv_dtype, arch.head_dim)
+    if problem:
+        raise HrmError(f"--kv-dtype: {problem}")
+    return kv_dtype
 
 
 def _request_ids(requests, tokenizer, arch: ModelArch, gen_len: int, where, source):

@@ -121,13 +121,20 @@ ROTATE_BYTES = 512e6
 
 
 def measure_attention_curve(
-    arch, dtype: str = "bfloat16", *, quick: bool = False, rotate_bytes: float = ROTATE_BYTES
+    arch,
+    dtype: str = "bfloat16",
+    *,
+    quick: bool = False,
+    rotate_bytes: float = ROTATE_BYTES,
+    kv_format: str | None = None,
 ):
     """The achieved K/V read rate of the executor's decode attention stage on this CPU against
     bytes per call (a Curve of bytes -> bytes/s), at the model's heads, a quarter of each batch
     padded to half the context: what the planner charges CPU decode attention at
     (planner/cost.py). Each call is append_and_attend on a KVCache, the append and the strided
-    views included: timing contiguous K/V alone was 8-18% fast on an AMX Xeon VM (2026-12-03)."""
+    views included: timing contiguous K/V alone was 8-18% fast on an AMX Xeon VM (2026-12-03).
+    kv_format: a compact cache (hrm/formats.py), its bytes the stored ones, read and
+    dequantized by the stage as a run's are."""
     from hrm.hardware.parts import Curve
 
     torch_dtype = getattr(torch, dtype)
@@ -136,13 +143,14 @@ def measure_attention_curve(
     points = []
     with torch.inference_mode():
         for batch, context in QUICK_CURVE_POINTS if quick else CURVE_POINTS:
-            nbytes = 2 * batch * nkv * context * d * torch_dtype.itemsize
+            nbytes = batch * context * arch.kv_token_bytes(kv_format or dtype)
             layers = max(1, math.ceil(rotate_bytes / nbytes))
             cache = KVCache.for_model(
-                arch, batch_size=batch, max_len=context, dtype=torch_dtype, num_layers=layers
-            )
+                arch, batch_size=batch, max_len=context, dtype=torch_dtype, num_layers=layers,
+                kv_format=kv_format,
+            )  # fmt: skip
             for t in (*cache.k, *cache.v):
-                t.normal_(generator=g)
+                t.copy_(cache.stored(torch.randn(*t.shape[:-1], d, generator=g)))
             prompt_lens = torch.full((batch,), context - 1)
             prompt_lens[: max(1, batch // 4)] = (context - 1) // 2
             cache.start(prompt_lens, context - 1)  # each call appends at the last slot

@@ -8,6 +8,11 @@ A layer whose K and V cross the link every step (host memory, attention on the G
 slot-major, [S, B, nkv, D], page-aligned so that it can be pinned: its first `end` slots, the
 prefetch of a step, are then one contiguous region, one DMA. Every layer is still read and
 written through [B, nkv, S, D] views, so attention does not care which layout it has.
+
+A compact cache (`int8`, `int4`: hrm/formats.py) holds each (token, head) row as its codes
+then its groups' scales and minima, uint8 [..., row bytes] in place of [..., D]: every layout,
+copy and prefetch above moves those bytes as they are. Writes quantize; `view` gives the rows
+dequantized, in the model's dtype.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from __future__ import annotations
 import torch
 
 from executor.pinning import page_aligned_empty
+from executor.quant import dequantize_rows, quantize_rows
+from hrm.formats import row_bytes
 
 
 class KVCache:
@@ -34,11 +41,17 @@ class KVCache:
         device: torch.device | str = "cpu",
         layer_devices: list[torch.device] | None = None,
         slot_major: frozenset[int] = frozenset(),
+        kv_format: str | None = None,
     ):
         """layer_devices: where each layer's K and V live (default: all on `device`, which also
         holds the padding mask); an offloaded run keeps some layers on the GPU. slot_major: the
-        host layers stored slot-major (see the module docstring)."""
-        shape = (batch_size, kv_heads, max_len, head_dim)
+        host layers stored slot-major (see the module docstring). kv_format: a compact format
+        the rows are stored in (None: `dtype`)."""
+        self.format, self.dtype, self.head_dim = kv_format, dtype, head_dim
+        row = head_dim
+        if kv_format is not None:
+            row, dtype = row_bytes(head_dim, kv_format), torch.uint8
+        shape = (batch_size, kv_heads, max_len, row)
         devices = layer_devices or [torch.device(device)] * num_layers
         self.slots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> [S, B, nkv, D]
         self.k, self.v = [], []
@@ -57,6 +70,7 @@ class KVCache:
         self._valid_on: dict[torch.device, torch.Tensor] = {}
         self.has_padding = False
         self.length = 0  # slots filled, the same for every sequence
+        self.token_bytes = kv_heads * row * dtype.itemsize  # K (or V) of a token in one layer
 
     @classmethod
     def for_model(
@@ -117,17 +131,28 @@ class KVCache:
         slot_idx: torch.Tensor,
     ) -> None:
         """Scatter packed prompt K/V [T, nkv, D] into their (sequence, slot) places."""
-        self.k[layer][batch_idx, :, slot_idx] = k
-        self.v[layer][batch_idx, :, slot_idx] = v
+        self.k[layer][batch_idx, :, slot_idx] = self.stored(k)
+        self.v[layer][batch_idx, :, slot_idx] = self.stored(v)
 
     def write_step(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append one decode step's K/V [B, nkv, D] at slot `length`."""
-        self.k[layer][:, :, self.length] = k
-        self.v[layer][:, :, self.length] = v
+        self.k[layer][:, :, self.length] = self.stored(k)
+        self.v[layer][:, :, self.length] = self.stored(v)
+
+    def stored(self, x: torch.Tensor) -> torch.Tensor:
+        """K or V [..., D] as this cache stores its rows."""
+        return x if self.format is None else quantize_rows(x, self.format)
+
+    def values(self, rows: torch.Tensor) -> torch.Tensor:
+        """Stored rows [..., row] as K or V [..., D] in the model's dtype."""
+        if self.format is None:
+            return rows
+        return dequantize_rows(rows, self.format, self.head_dim, self.dtype)
 
     def view(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of slots [0, end) as [B, nkv, end, D] views (no copy)."""
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+        """K and V of slots [0, end) as [B, nkv, end, D]: views (no copy), or a compact
+        cache's rows dequantized."""
+        return self.values(self.k[layer][:, :, :end]), self.values(self.v[layer][:, :, :end])
 
     def valid_on(self, device: torch.device) -> torch.Tensor:
         """The padding mask [B, S] on `device` (copied once per batch; it is fixed after start)."""

@@ -65,13 +65,16 @@ class MoEModel:
         cpu_gemm: CpuGemmChoice | None = None,
         *,
         device: torch.device | None = None,
+        kv_format: str | None = None,
     ):
-        """device: where the layers run (default: where the checkpoint's weights are; a placed
+        """kv_format: a compact format its KV caches store (hrm/formats.py; None: the model's
+        dtype). device: where the layers run (default: where the checkpoint's weights are; a placed
         run loads them on the host and runs them on the GPU). cpu_gemm: the GEMM path per token
         count when that is a CPU (hrm.rules.cpu_gemm); without one a CPU model probes this host for
         it (about a second). A GPU runs every GEMM native."""
         keep_freed_host_memory()  # large temporaries reuse freed memory, not fresh pages
         self.arch = checkpoint.arch
+        self.kv_format = kv_format
         self.weights = checkpoint.weights
         self.dtype = checkpoint.dtype
         self.device = checkpoint.weights.embed.device if device is None else torch.device(device)
@@ -139,6 +142,7 @@ class MoEModel:
             device=device or self.device,
             layer_devices=layer_devices,
             slot_major=slot_major,
+            kv_format=self.kv_format,
         )
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:

@@ -1,11 +1,14 @@
-"""Group-wise int8 and int4 weights (hrm/formats.py): quantize once at load, dequantize on the
-device that computes, into a 16-bit buffer, just before use.
+"""Group-wise int8 and int4 weights and KV caches (hrm/formats.py): one codec for both.
 
-A quantized [out, in] tensor is stored as three consecutive byte ranges: codes (uint8, int4 two
-to a byte, the even column in the low nibble), then the float16 scale and the float16 minimum of
-each group, [out, in / GROUP] each. w = code * scale + minimum. Scale and minimum are rounded to
-float16 before the codes are chosen, so the error of a weight is at most half a step plus the
-rounding of the minimum and of the 16-bit arithmetic: |w - w'| <= scale / 2 + a few ulps of w.
+A row of `width` values (a weight's input dimension, a head's K or V) is stored as its codes
+(uint8, int4 two to a byte, the even value in the low nibble), then the float16 scale of each of
+its groups, then their float16 minima: hrm.formats.row_bytes. A weight [out, in] is its `out`
+rows, flat; a KV cache keeps each (token, head) row in place of its values. v = code * scale +
+minimum. Scale and minimum are rounded to float16 before the codes are chosen, so a value's
+error is at most half a step plus the rounding of the minimum and of the arithmetic:
+|v - v'| <= scale / 2 + a few ulps of v. Weights are quantized once at load and dequantized on
+the device that computes, into a 16-bit buffer, just before use; KV rows as they are written
+and read.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import time
 import torch
 
 from executor.checkpoint import ExpertWeights, ModelWeights
-from hrm.formats import BITS, GROUP, SCALE_BYTES, WEIGHT_FORMATS, is_compact, is_quantized
+from hrm.formats import BITS, WEIGHT_FORMATS, group_size, is_compact, is_quantized
 from hrm.policy import FLOAT_DTYPES
 from hrm.rules.placement import EXPERT_TENSORS
 
@@ -24,38 +27,21 @@ RUN_DTYPES = (*FLOAT_DTYPES, *WEIGHT_FORMATS)  # the weight dtypes the executor 
 
 
 def quantize(w: torch.Tensor, weight_dtype: str) -> torch.Tensor:
-    """w [out, in] -> its stored bytes (uint8, flat), on the CPU."""
-    bits = BITS[weight_dtype]
-    out_dim, in_dim = w.shape
-    groups = w.detach().to("cpu", torch.float32).reshape(out_dim, in_dim // GROUP, GROUP)
-    low, high = groups.amin(dim=-1), groups.amax(dim=-1)  # [out, in/G]
-    levels = 2**bits - 1
-    scale = ((high - low) / levels).to(torch.float16)
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # a flat group: any scale
-    minimum = low.to(torch.float16)
-    codes = (groups - minimum.float()[..., None]) / scale.float()[..., None]
-    codes = codes.round_().clamp_(0, levels).to(torch.uint8).reshape(out_dim, in_dim)
-    if bits == 4:
-        codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
-    halves = torch.cat([scale.flatten(), minimum.flatten()]).view(torch.uint8)
-    return torch.cat([codes.flatten(), halves])
+    """w [out, in] -> its stored bytes (uint8, flat: its rows, quantize_rows), on w's device."""
+    return quantize_rows(w, weight_dtype).view(-1)
 
 
 def dequantize_into(out: torch.Tensor, stored: torch.Tensor, weight_dtype: str) -> None:
     """Write the weights of `stored` (the bytes `quantize` made, on out's device) into `out`
-    [out, in] (contiguous), computing in out's dtype: two passes over the 16-bit output, the
-    fewest bytes moved without a kernel of our own (hrm.formats.DEQUANTIZE_TRAFFIC)."""
-    bits = BITS[weight_dtype]
+    [out, in] (contiguous), in out's dtype."""
     out_dim, in_dim = out.shape
-    groups = out_dim * in_dim // GROUP
-    code_bytes = out_dim * in_dim * bits // 8
-    codes = stored[:code_bytes].view(out_dim, -1)
-    halves = stored[code_bytes : code_bytes + 2 * SCALE_BYTES * groups].view(torch.float16)
-    scale, minimum = (t.to(out.dtype)[:, None] for t in (halves[:groups], halves[groups:]))
-    if bits == 4:
-        codes = torch.stack((codes & 15, codes >> 4), dim=-1)
-    values = codes.reshape(groups, GROUP).to(out.dtype)
-    torch.addcmul(minimum, values, scale, out=out.view(groups, GROUP))
+    dequantize_rows(stored.view(out_dim, -1), weight_dtype, in_dim, out.dtype, out=out)
+
+
+def _arithmetic(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """What dequantization computes in: the output's dtype, but float32 on a CPU, whose 16-bit
+    elementwise kernels ran 2-3x slower than float32 there (an AVX-512 EPYC, 2026-12-05)."""
+    return torch.float32 if device.type == "cpu" else dtype
 
 
 def measure_dequantize_rate(
@@ -119,3 +105,54 @@ def dequantized_weights(weights: ModelWeights, fmt: str) -> ModelWeights:
         )
         layers.append(dataclasses.replace(w, **dense, experts=experts))
     return dataclasses.replace(weights, layers=tuple(layers))
+
+
+# -- rows: the codec -----------------------------------------------------------------------------
+
+
+def quantize_rows(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """x [..., width] -> uint8 [..., row_bytes(width)]: each row's codes, then the float16 scale
+    and minimum of each of its groups (hrm.formats.group_size), on x's device."""
+    bits, width = BITS[fmt], x.shape[-1]
+    group, lead = group_size(width), x.shape[:-1]
+    groups = x.float().reshape(*lead, width // group, group)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    levels = 2**bits - 1
+    scale = ((high - low) / levels).to(torch.float16)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # a flat group: any scale
+    minimum = low.to(torch.float16)
+    codes = (groups - minimum.float()[..., None]) / scale.float()[..., None]
+    codes = codes.round_().clamp_(0, levels).to(torch.uint8).reshape(*lead, width)
+    if bits == 4:
+        codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return torch.cat([codes, torch.cat([scale, minimum], dim=-1).view(torch.uint8)], dim=-1)
+
+
+def dequantize_rows(
+    rows: torch.Tensor,
+    fmt: str,
+    width: int,
+    dtype: torch.dtype,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The inverse of quantize_rows: uint8 [..., row_bytes] -> [..., width] in `dtype` (into
+    `out` when given, contiguous). A GPU computes in `dtype`: the codes read and written as
+    16-bit, then read again with the scales and the result written, the fewest bytes moved
+    without a kernel of our own (hrm.formats.DEQUANTIZE_TRAFFIC)."""
+    bits, group, lead = BITS[fmt], group_size(width), rows.shape[:-1]
+    code_bytes = width * bits // 8
+    codes = rows[..., :code_bytes]
+    halves = rows[..., code_bytes:].view(torch.float16)  # [..., 2 * width / group]
+    compute = _arithmetic(dtype, rows.device)
+    scale, minimum = (t.to(compute)[..., None] for t in halves.split(width // group, dim=-1))
+    if bits == 4:
+        codes = torch.stack((codes & 15, codes >> 4), dim=-1)
+    values = codes.reshape(*lead, width // group, group).to(compute)
+    if out is None:
+        return values.mul_(scale).add_(minimum).reshape(*lead, width).to(dtype)
+    target = out.view(*lead, width // group, group)
+    if compute == dtype:
+        torch.addcmul(minimum, values, scale, out=target)
+    else:
+        target.copy_(values.mul_(scale).add_(minimum))
+    return out

@@ -25,6 +25,7 @@ from executor.quant import RUN_DTYPES, compute_dtype
 from executor.runtime import placed_runtime
 from hrm.arch import ModelArch
 from hrm.errors import HrmError
+from hrm.formats import WEIGHT_FORMATS, is_compact, kv_format_problem
 from hrm.plan import Plan
 from hrm.policy import Policy
 from hrm.profiling import BUSY_WARNING_SHARE
@@ -68,12 +69,15 @@ def check_plan(
             f"{where}: weights in {plan.policy.weight_dtype} cannot be run by the executor; "
             f"plan with --dtype {' or '.join(RUN_DTYPES)}"
         )
-    kv = compute_dtype(plan.policy.weight_dtype, device)
-    if plan.policy.kv_dtype != kv:
+    kv, computed = plan.policy.kv_dtype, compute_dtype(plan.policy.weight_dtype, device)
+    if kv != computed and not is_compact(kv):
         raise HrmError(
-            f"{where}: a KV cache in {plan.policy.kv_dtype} cannot be run by the executor, "
-            f"which keeps it in the layers' {kv} here; plan with --kv-dtype {kv}"
+            f"{where}: a KV cache in {kv} cannot be run by the executor, which keeps it in the "
+            f"layers' {computed} here or in {' or '.join(WEIGHT_FORMATS)}; plan with --kv-dtype"
         )
+    problem = kv_format_problem(kv, arch.head_dim)
+    if problem:
+        raise HrmError(f"{where}: {problem}")
     longest, limit = max(prompt_lens), plan.workload.prompt_len_max
     if longest > limit:
         raise HrmError(
@@ -303,6 +307,7 @@ def _environment(spec: RunSpec, policy: Policy, schedule, runtime, wall, busy) -
         "prompts": spec.batch_size,
         "dtype": spec.dtype,
         "compute_dtype": spec.compute_dtype,
+        "kv_dtype": policy.kv_dtype,
         "schedule": schedule,
         "device": str(device),
         "stand_in": device.type == "cpu" and policy.ffn_on_gpu,

@@ -29,7 +29,7 @@ from executor.quant import dequantized_weights
 from executor.schedules import SCHEDULE_ORDERS, StepShape, dequantize_before_use
 from executor.tasks import BatchState, MicroBatch, StepState, TaskBuilder
 from executor.weight_store import WeightStore
-from hrm.formats import is_compact
+from hrm.formats import is_compact, row_bytes
 from hrm.policy import Policy
 from hrm.rules.cpu_gemm import CpuGemmChoice
 from hrm.rules.placement import place_model
@@ -222,9 +222,12 @@ class Runtime:
         a = self.arch
         if not (self.offloaded and self.attention_on_gpu and self.kv_gpu_layers < a.num_layers):
             return []
-        numel = mu * a.num_key_value_heads * max_len * a.head_dim
+        kv_format, dtype, row = self.model.kv_format, self.model.dtype, a.head_dim
+        if kv_format is not None:  # the cache's compact rows, prefetched as they are
+            dtype, row = torch.uint8, row_bytes(a.head_dim, kv_format)
+        numel = mu * a.num_key_value_heads * max_len * row
         return [
-            {n: torch.zeros(numel, dtype=self.model.dtype, device=self.device) for n in "kv"}
+            {n: torch.zeros(numel, dtype=dtype, device=self.device) for n in "kv"}
             for _ in range(TURNS)
         ]
 
@@ -316,7 +319,10 @@ def placed_runtime(
     if fmt is not None and not streams:  # computed where they lie: the format's values
         weights = dequantized_weights(checkpoint.weights, fmt)
         checkpoint = dataclasses.replace(checkpoint, weights=weights)
-    model = MoEModel(checkpoint, cpu_gemm, device=device if policy.ffn_on_gpu else None)
+    kv_format = policy.kv_dtype if is_compact(policy.kv_dtype) else None
+    model = MoEModel(
+        checkpoint, cpu_gemm, device=device if policy.ffn_on_gpu else None, kv_format=kv_format
+    )
     store = None
     if streams:
         placement = place_model(model.arch, policy.weights_gpu_fraction, policy.weight_dtype)

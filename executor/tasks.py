@@ -216,10 +216,11 @@ class TaskBuilder:
             def run_prefetched():
                 q, k, v = mb.buffers["qkv"]
                 end = mb.cache.length
-                fetched_k, fetched_v = _fetched(st, turn, mb)  # [S, b, nkv, D]
-                fetched_k[end], fetched_v[end] = k, v
-                keys = fetched_k[: end + 1].permute(1, 2, 0, 3)  # [b, nkv, end + 1, D]
-                values = fetched_v[: end + 1].permute(1, 2, 0, 3)
+                cache = mb.cache
+                fetched_k, fetched_v = _fetched(st, turn, mb)  # [S, b, nkv, D] (stored rows)
+                fetched_k[end], fetched_v[end] = cache.stored(k), cache.stored(v)
+                keys = cache.values(fetched_k[: end + 1].permute(1, 2, 0, 3))  # [b, nkv, end+1, D]
+                values = cache.values(fetched_v[: end + 1].permute(1, 2, 0, 3))
                 mask = mb.cache.mask(end + 1, self.device)
                 mb.buffers["attn"] = attend_one_step(q, keys, values, mask)
 
@@ -284,7 +285,7 @@ class TaskBuilder:
                 fetched[:end].copy_(host[:end], non_blocking=self.pinned)
 
         end = mb.cache.length
-        nbytes = 2 * mb.cache.slots[layer][0][:end].numel() * self.model.dtype.itemsize
+        nbytes = 2 * mb.size * end * mb.cache.token_bytes
         return Task(
             run, reads=(buf.kv(mb.index, layer),), writes=(buf.prefetch(turn),), nbytes=nbytes
         )
@@ -306,7 +307,7 @@ class TaskBuilder:
                     else:  # read by CPU attention in place: [b, nkv, S, D], strided
                         host[layer][:, :, :L].copy_(t, non_blocking=self.pinned)
 
-            nbytes = 2 * mb.size * mb.padded_len * self.arch.kv_size * self.model.dtype.itemsize
+            nbytes = 2 * mb.size * mb.padded_len * cache.token_bytes
             return Task(
                 run_prompt, reads=(buf.kv_device(j),), writes=(buf.kv(j, layer),), nbytes=nbytes
             )
@@ -317,7 +318,7 @@ class TaskBuilder:
             for fetched, host in zip(_fetched(st, turn, mb), cache.slots[layer], strict=True):
                 host[end].copy_(fetched[end], non_blocking=self.pinned)
 
-        nbytes = 2 * mb.size * self.arch.kv_size * self.model.dtype.itemsize
+        nbytes = 2 * mb.size * cache.token_bytes
         return Task(
             run_step, reads=(buf.prefetch(turn),), writes=(buf.kv(j, layer),), nbytes=nbytes
         )

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from hrm.errors import HrmError
+from hrm.formats import is_compact, row_bytes
 from hrm.hf_config import MODEL_TYPES, PARSERS, eos_token_ids
 from hrm.io import load_json
 from hrm.policy import dtype_bytes
@@ -272,9 +273,16 @@ class ModelArch:
     def weight_bytes(self, dtype: str) -> float:
         return self.total_params * dtype_bytes(dtype)
 
+    def kv_token_bytes(self, dtype: str) -> float:
+        """K and V of one token in one layer, in `dtype` (a compact format: its codes, scales
+        and minima, hrm.formats.row_bytes)."""
+        if is_compact(dtype):
+            return 2 * self.num_key_value_heads * row_bytes(self.head_dim, dtype)
+        return 2 * self.kv_size * dtype_bytes(dtype)
+
     def kv_bytes_per_token(self, dtype: str) -> float:
         """K and V of one token across all layers."""
-        return 2 * self.num_layers * self.kv_size * dtype_bytes(dtype)
+        return self.num_layers * self.kv_token_bytes(dtype)
 
     # -- files ---------------------------------------------------------------------------------
 

@@ -37,6 +37,31 @@ QUANTIZED_TENSORS = frozenset(
 )
 
 
+def group_size(width: int) -> int:
+    """Values per group of a row `width` wide: GROUP, or the whole row where it is narrower (a
+    KV head of 16 or 32; a weight is quantized only with whole groups of GROUP)."""
+    return min(GROUP, width)
+
+
+def row_bytes(width: int, fmt: str) -> int:
+    """Bytes of one row of `width` values in a compact format: its codes, then a float16 scale
+    and minimum per group (executor/quant.py, quantize_rows)."""
+    return width * BITS[fmt] // 8 + 2 * SCALE_BYTES * (width // group_size(width))
+
+
+def kv_format_problem(kv_dtype: str, head_dim: int) -> str | None:
+    """Why a compact KV format cannot hold this head size (None: it can, or it is a float)."""
+    if not is_compact(kv_dtype):
+        return None
+    group = group_size(head_dim)
+    if head_dim % group or head_dim % 4:
+        return (
+            f"a {kv_dtype} KV cache needs a head_dim that is a multiple of its group of {group} "
+            f"(and of 4); this model's is {head_dim}: use a 16-bit --kv-dtype"
+        )
+    return None
+
+
 def is_compact(weight_dtype: str) -> bool:
     return weight_dtype in BITS
 
@@ -54,10 +79,9 @@ def is_quantized(name: str, shape: tuple[int, ...], weight_dtype: str) -> bool:
 def stored_bytes(name: str, shape: tuple[int, ...], weight_dtype: str, half_bytes: int) -> int:
     """Bytes of one streamed tensor as stored and moved: codes plus a scale and a minimum per
     group when quantized, else its elements at `half_bytes` each (the compute dtype's size)."""
-    n = math.prod(shape)
     if not is_quantized(name, shape, weight_dtype):
-        return n * half_bytes
-    return n * BITS[weight_dtype] // 8 + 2 * SCALE_BYTES * (n // GROUP)
+        return math.prod(shape) * half_bytes
+    return shape[0] * row_bytes(shape[1], weight_dtype)
 
 
 def bytes_per_weight(weight_dtype: str) -> float:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hrm.plan import Plan
-from hrm.policy import Policy, dtype_bytes
+from hrm.policy import Policy
 from hrm.roofline.ops import layer_ops
 from hrm.rules.placement import place_model
 from planner.evaluate import batch_model, build_plan, policy_vector
@@ -146,7 +146,7 @@ def _flexgen_seconds_per_token(setting: Setting, policy: Policy) -> float:
         flops / hw.gpu.flops_per_s(setting.compute_dtype),
         local_bytes / hw.gpu.total_memory_bandwidth_bytes_per_s,
     )
-    kv_token_layer = 2 * arch.kv_size * dtype_bytes(setting.kv_dtype)
+    kv_token_layer = arch.kv_token_bytes(setting.kv_dtype)
     streamed = (1 - policy.weights_gpu_fraction) * setting.weights.stored
     streamed += (1 - policy.kv_gpu_fraction) * n * ctx * kv_token_layer
     load = float(link_seconds(hw, streamed, "h2d"))

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hrm.formats import is_compact
 from hrm.hardware.parts import DeviceSpec
 from hrm.policy import dtype_bytes
 from hrm.roofline.ops import ACTIVATION_DTYPE, layer_ops, lm_head_op, prefill_attention_flops
@@ -82,18 +83,25 @@ def _phase_ops(setting: Setting, b: float) -> tuple[dict, dict]:
     """The layer's ops by name in prefill (its chunks' FFN groups) and in decode."""
 
     def ops(new_tokens, context, group) -> dict:
-        return {
+        out = {
             op.name: op
             for op in layer_ops(
                 setting.arch,
                 batch=b,
                 new_tokens=new_tokens,
                 context=context,
-                weight_dtype=setting.weight_dtype,
+                weight_dtype=setting.compute_dtype,  # a compact format's, dequantized
                 kv_dtype=setting.kv_dtype,
                 ffn_group_tokens=group,
             )  # fmt: skip
         }
+        if is_compact(setting.kv_dtype):  # read through a 16-bit copy, written then read
+            att = out["attention"]
+            copy = 2 * 2.0 * b * context * setting.arch.kv_size * dtype_bytes(ACTIVATION_DTYPE)
+            out["attention"] = dataclasses.replace(
+                att, activation_bytes=att.activation_bytes + copy
+            )
+        return out
 
     s_pre = setting.workload.prefill_len
     chunk = min(b * s_pre, PREFILL_CHUNK_TOKENS)
@@ -127,10 +135,10 @@ def _on_device(
     def ffn(tokens: float, group: float) -> float:
         memo = setting.ffn_memo.setdefault(role, {})
         return expert_ffn_seconds(arch, device, dtype, tokens=tokens, group_tokens=group,
-                                  weight_dtype=setting.weight_dtype, cpu_gemm=cpu_gemm,
+                                  weight_dtype=dtype, cpu_gemm=cpu_gemm,
                                   memo=memo)  # fmt: skip
 
-    head = lm_head_op(arch, batch=b, weight_dtype=setting.weight_dtype)
+    head = lm_head_op(arch, batch=b, weight_dtype=dtype)
     attention = both("attention", s_pre, arch.num_attention_heads / arch.num_key_value_heads)
     on_cpu = cpu_gemm is not None
     prefill_curve = device.prefill_attention_curves.get(setting.kv_dtype) if on_cpu else None
@@ -158,7 +166,7 @@ def _kind_seconds(setting: Setting, b: float) -> MicroBatchSeconds:
     """micro_batch_seconds of a model whose layers are all of one kind."""
     arch, hw, steps = setting.arch, setting.hardware, setting.steps
     dtype, s_pre = setting.compute_dtype, setting.workload.prefill_len
-    adt, kdt = dtype_bytes(ACTIVATION_DTYPE), dtype_bytes(setting.kv_dtype)
+    adt = dtype_bytes(ACTIVATION_DTYPE)
     # a CPU standing in for the GPU runs the CPU's GEMM paths and kernels (hrm/hardware/stand_in.py)
     phases = _phase_ops(setting, b)  # the same ops, priced on each device
     cpu = _on_device(setting, b, phases, "cpu", hw.cpu, setting.cpu_gemm_choice)
@@ -166,7 +174,7 @@ def _kind_seconds(setting: Setting, b: float) -> MicroBatchSeconds:
     gpu = _on_device(setting, b, phases, "gpu", hw.gpu, gpu_gemm)
     cpu_overhead = hw.cpu.launch_overhead_for(dtype)
     hidden_page = b * s_pre * arch.hidden_size * adt
-    kv_token = 2 * arch.kv_size * kdt  # K and V of one token in one layer
+    kv_token = arch.kv_token_bytes(setting.kv_dtype)  # K and V of one token in one layer
 
     def steps_of(seconds, prefill: float, decode) -> np.ndarray:
         return np.concatenate([[seconds(prefill)], seconds(decode) * np.ones(steps - 1)])

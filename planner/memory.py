@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hrm.arch import ModelArch
+from hrm.formats import is_compact
 from hrm.policy import compute_bytes, dtype_bytes
 from hrm.roofline.ops import ACTIVATION_DTYPE
 from hrm.rules.placement import PREFILL_CHUNK_TOKENS, place_model, slot_bytes
@@ -159,6 +160,9 @@ def memory_terms(
     )
     # CPU decode attention scores of one micro-batch at the longest context, fp32
     cpu_attention_scores = mu * arch.num_attention_heads * workload.max_context_len * 4.0
+    # a compact KV cache is attended through a 16-bit copy of one micro-batch's K and V of a
+    # layer (executor/kv_cache.py, view): on the device that attends
+    kv_copy = 2 * mu * workload.max_context_len * arch.kv_size * adt if is_compact(kv_dtype) else 0
     v = placement_vector
     gpu = {
         # r_w * L * W_l: the resident part of every layer
@@ -173,7 +177,7 @@ def memory_terms(
         # affine form counts it always; a plan at r_c = 1 reports 0 (planner/evaluate.footprint)
         "kv prefetch": v(att=prefetch) * np.ones_like(n),
         "activations": v(ffn=gpu_count) * activations_of(gpu_count),
-        "workspace": v(ffn=workspace) * np.ones_like(n),
+        "workspace": v(ffn=workspace + kv_copy) * np.ones_like(n),
     }
     if w.dequantized_slot:  # a compact format: (1 - r_w) * S16, the 16-bit slot computed from
         gpu["dequantized layer"] = v(ffn=w.dequantized_slot, rw=-w.dequantized_slot) * np.ones_like(
@@ -191,7 +195,8 @@ def memory_terms(
         "pinned staging": v(ffn=staging, att=-staging) * np.ones_like(n),
         # when the CPU runs the layers its activations and workspace live here instead
         "activations and workspace": v(one=1.0, ffn=-1.0) * (activations + workspace)
-        + v(one=cpu_attention_scores, att=-cpu_attention_scores) * np.ones_like(n),
+        + v(one=cpu_attention_scores + kv_copy, att=-cpu_attention_scores - kv_copy)
+        * np.ones_like(n),
     }
     return MemoryTerms(gpu=gpu, cpu=cpu)
 

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hrm.arch import ModelArch
+from hrm.errors import HrmError
+from hrm.formats import kv_format_problem
 from hrm.hardware import HardwareProfile
 from hrm.rules.cpu_gemm import CpuGemmChoice, choose_cpu_gemm
 from hrm.rules.placement import largest_page_bytes
@@ -41,6 +43,9 @@ class Setting:
 
     def __post_init__(self) -> None:
         check_tensor_parallel(self.arch, self.hardware)
+        problem = kv_format_problem(self.kv_dtype, self.arch.head_dim)
+        if problem:
+            raise HrmError(f"--kv-dtype: {problem}")
 
     def kinds(self) -> list[tuple[Setting, float]]:
         """This setting for each kind of layer (ModelArch.layer_kinds), with its share of the

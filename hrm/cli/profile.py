@@ -130,7 +130,12 @@ def with_launch_overhead(
             )
             for d in timed.dtypes
         },
-        attention_curves={d: measure_attention_curve(arch, d, quick=quick) for d in dtypes},
+        attention_curves={d: measure_attention_curve(arch, d, quick=quick) for d in dtypes}
+        | {  # a compact KV cache, read by bfloat16 layers (keyed by its format); 30 s on a
+            # 2-core VM, so the full sweep only: a quick profile prices it by its bytes
+            f: measure_attention_curve(arch, "bfloat16", kv_format=f)
+            for f in ([] if quick else WEIGHT_FORMATS)
+        },
         prefill_attention_curves={
             d: measure_prefill_attention_curve(arch, d, quick=quick) for d in dtypes
         },

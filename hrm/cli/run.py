@@ -84,6 +84,12 @@ def _add_run_arguments(p) -> None:
         help="weight dtype, or int8 or int4: the weights quantized at load (docs/running.md) "
         "and computed in 16 bits (default: the checkpoint's)",
     )
+    p.add_argument(
+        "--kv-dtype",
+        choices=(*FLOAT_DTYPES, *WEIGHT_FORMATS),
+        help="KV cache: int8 or int4 quantizes it in groups along head_dim (default: the dtype "
+        "the layers compute in)",
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (0)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0)")
     p.add_argument(

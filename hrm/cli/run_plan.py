@@ -45,13 +45,13 @@ def _resident_job(args, hardware, random_arch, warn) -> Job:
             f"--hardware {args.hardware} has no GPU, so it cannot predict a --device "
             f"{args.device} run; give a profile with a GPU or run on the cpu"
         )
-    spec = run_spec(args, random_arch, args.dtype)
+    spec = run_spec(args, random_arch, args.dtype, args.kv_dtype)
     check_resident_run(spec, random_weights=args.random_weights)
     if hardware is not None and hardware.source == "measured":
         differs = host_differs(hardware)
         if differs:
             warn(f"warning: {differs}: the prediction is for that host")
-    policy = Policy.resident(spec.batch_size, spec.dtype, on_gpu, spec.compute_dtype)
+    policy = Policy.resident(spec.batch_size, spec.dtype, on_gpu, spec.kv_dtype)
     return Job(spec, policy, "serial", None, hardware, staged=False)
 
 
@@ -63,6 +63,7 @@ def _planned_job(args, hardware, random_arch, warn) -> Job:
     from executor.run import check_plan
     from hrm.cli.memory_check import host_budget
     from hrm.errors import HrmError
+    from hrm.formats import WEIGHT_FORMATS
     from hrm.plan import Plan
     from hrm.units import parse_bytes
 
@@ -73,7 +74,15 @@ def _planned_job(args, hardware, random_arch, warn) -> Job:
             f"--dtype {args.dtype} differs from the plan's {plan.policy.weight_dtype}; "
             "leave --dtype out or plan with it"
         )
-    spec = run_spec(args, random_arch, dtype)
+    kv = args.kv_dtype or (plan.policy.kv_dtype if plan is not None else None)
+    if not args.kv_dtype and kv not in WEIGHT_FORMATS:
+        kv = None  # a float KV dtype of a plan is checked against the run by check_plan
+    if plan is not None and args.kv_dtype and args.kv_dtype != plan.policy.kv_dtype:
+        raise HrmError(
+            f"--kv-dtype {args.kv_dtype} differs from the plan's {plan.policy.kv_dtype}; "
+            "leave --kv-dtype out or plan with it"
+        )
+    spec = run_spec(args, random_arch, dtype, kv)
     if plan is None:
         plan = _plan_for(args, spec, hardware)
         where = f"the best plan on {hardware.name}"
@@ -100,8 +109,9 @@ def _planned_job(args, hardware, random_arch, warn) -> Job:
     return Job(spec, plan.policy, plan.schedule, plan, profile, plan.stages_weights)
 
 
-def run_spec(args, random_arch, dtype):
-    """The RunSpec of `hrm run`'s arguments (executor.api.prepare_run), in `dtype`."""
+def run_spec(args, random_arch, dtype, kv_dtype=None):
+    """The RunSpec of `hrm run`'s arguments (executor.api.prepare_run), in `dtype`, the KV
+    cache in `kv_dtype` (None: the compute dtype)."""
     from executor.api import prepare_run
 
     return prepare_run(
@@ -114,6 +124,7 @@ def run_spec(args, random_arch, dtype):
         batch=args.batch,
         seed=args.seed,
         dtype=dtype,
+        kv_dtype=kv_dtype,
         device=args.device,
     )
 
@@ -185,7 +196,7 @@ def _plan_for(args, spec, hardware):
         workload,
         schedule=args.schedule or "cgopipe",
         weight_dtype=spec.dtype,
-        kv_dtype=spec.compute_dtype,
+        kv_dtype=spec.kv_dtype,
         top_k=1,
         max_batch_size=len(spec.prompts),
     )

@@ -148,7 +148,8 @@ def _device_from_dict(data: Any, where: str, is_cpu: bool = False) -> DeviceSpec
 
 def _dtype_curves(data: Any, where: str, parse_rate) -> dict[str, Curve]:
     """A mapping of dtype -> [size, rate] pairs (absent: empty), checked and parsed."""
-    curves = check_keys(data or {}, where=where, required=set(), optional=set(RATE_DTYPES))
+    keys = set(RATE_DTYPES) | set(WEIGHT_FORMATS)  # a compact KV cache's attention too
+    curves = check_keys(data or {}, where=where, required=set(), optional=keys)
     return {
         dtype: _curve_from_list(points, f"{where}: {dtype}", parse_rate)
         for dtype, points in curves.items()

@@ -92,14 +92,14 @@ def attention_op(
     the paper's formula counts the two matmuls in MACs, i.e. half these FLOPs).
     Prefill (s = c, causal): each of the s queries sees on average (s+1)/2 keys.
     """
-    adt, kdt = dtype_bytes(ACTIVATION_DTYPE), dtype_bytes(kv_dtype)
-    nq, nkv, d = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
+    adt = dtype_bytes(ACTIVATION_DTYPE)
+    nq, d = arch.num_attention_heads, arch.head_dim
     keys_per_query = context if new_tokens == 1 else (new_tokens + 1) / 2.0
     pairs = batch * new_tokens * keys_per_query  # (query, key) pairs per head
     return Op(
         name="attention",
         flops=4.0 * pairs * nq * d + 5.0 * pairs * nq,
-        kv_bytes=2.0 * batch * context * nkv * d * kdt,
+        kv_bytes=batch * context * arch.kv_token_bytes(kv_dtype),
         activation_bytes=2.0 * batch * new_tokens * nq * d * adt,
     )
 

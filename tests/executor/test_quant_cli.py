@@ -81,7 +81,7 @@ def test_hrm_plan_int4_writes_a_plan_that_runs(run_cli, files, tmp_path):
     ("policy", "fragment"),
     [
         ({"weight_dtype": "float8"}, "float8"),
-        ({"weight_dtype": "int8", "kv_dtype": "int8"}, "KV cache in int8"),
+        ({"weight_dtype": "int8", "kv_dtype": "float32"}, "KV cache in float32"),
     ],
 )
 def test_plans_in_formats_the_executor_lacks_are_refused_before_loading(
@@ -105,3 +105,44 @@ def test_an_unknown_format_is_one_line(run_cli, files):
         "run", "--checkpoint", path, "--prompts", prompts, "--gen-len", "4", "--dtype", "int3"
     )
     assert status == 2 and "int3" in err and "Traceback" not in err
+
+
+def test_a_compact_kv_cache_planned_and_run(run_cli, files, tmp_path):
+    path, prompts, _ = files
+    plan = tmp_path / "plan.json"
+    status, _, err = run_cli(
+        "plan", "--model", str(path), "--hardware", "l4", "--prompts", str(prompts),
+        "--gen-len", "4", "--dtype", "int8", "--kv-dtype", "int4", "-o", str(plan),
+    )  # fmt: skip
+    assert status == 0, err
+    status, out, err = run_cli(*run_args(path, prompts, plan, "--json"))
+    assert status == 0, err
+    env = json.loads(out)["environment"]
+    assert (env["dtype"], env["kv_dtype"], env["compute_dtype"]) == ("int8", "int4", "bfloat16")
+    # resident, and a --kv-dtype that disagrees with the plan
+    args = ["run", "--checkpoint", path, "--prompts", prompts, "--gen-len", "4", "--quiet"]
+    status, out, err = run_cli(*args, "--kv-dtype", "int8")
+    assert status == 0 and len(out.splitlines()) == 10, err
+    status, _, err = run_cli(*run_args(path, prompts, plan, "--kv-dtype", "int8"))
+    assert_one_line_error(status, err, "--kv-dtype int8 differs from the plan's int4")
+
+
+def test_a_kv_format_the_run_cannot_keep_is_one_line(run_cli, files, tmp_path):
+    """head_dim 96: over the group of 64 and not a multiple of it; a float KV dtype other than
+    the one the layers compute in."""
+    path, prompts, _ = files
+    config = json.loads((path / "config.json").read_text())
+    config.update(hidden_size=192, num_attention_heads=2, num_key_value_heads=1, head_dim=96)
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    (odd / "config.json").write_text(json.dumps(config))
+    status, _, err = run_cli(
+        "plan", "--model", str(odd), "--hardware", "l4", "--prompt-len", "8", "--gen-len", "4",
+        "--kv-dtype", "int8",
+    )  # fmt: skip
+    assert_one_line_error(status, err, "head_dim", "96", "group of 64")
+    status, _, err = run_cli(
+        "run", "--checkpoint", path, "--prompts", prompts, "--gen-len", "4",
+        "--dtype", "bfloat16", "--kv-dtype", "float32",
+    )  # fmt: skip
+    assert_one_line_error(status, err, "--kv-dtype float32", "bfloat16")

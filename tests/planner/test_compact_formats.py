@@ -9,7 +9,8 @@ import dataclasses
 import pytest
 
 from hrm.arch import resolve_model
-from hrm.formats import bytes_per_weight
+from hrm.errors import HrmError
+from hrm.formats import bytes_per_weight, kv_format_problem
 from hrm.hardware import resolve_hardware
 from hrm.hardware.files import _device_from_dict, _device_to_dict
 from hrm.policy import Policy
@@ -122,3 +123,46 @@ def test_int4_beats_16_bits_for_mixtral_on_a_t4():
     assert int4 > 1.5 * half
     assert best["float16"].bottleneck.startswith("h2d")
     assert not best["int4"].bottleneck.startswith("h2d")
+
+
+def test_a_compact_kv_cache_is_counted_at_its_rows_bytes():
+    mixtral, t4 = resolve_model("mixtral-8x7b"), resolve_hardware("t4")
+    # a token's K and V of one layer: 8 heads of 128, in 2 groups of 64
+    assert mixtral.kv_token_bytes("bfloat16") == 2 * 8 * 128 * 2
+    assert mixtral.kv_token_bytes("int8") == 2 * 8 * (128 + 2 * 2 * 2)
+    assert mixtral.kv_token_bytes("int4") == 2 * 8 * (64 + 2 * 2 * 2)
+    plans = {
+        kv: predict(
+            mixtral,
+            t4,
+            WL,
+            Policy(
+                batch_size=256,
+                micro_batch_size=64,
+                attention_on_gpu=True,
+                ffn_on_gpu=True,
+                weights_gpu_fraction=0.0,
+                kv_gpu_fraction=0.0,
+                weight_dtype="int4",
+                kv_dtype=kv,
+            ),
+        )  # fmt: skip
+        for kv in ("float16", "int8", "int4")
+    }
+    for kv in ("int8", "int4"):
+        ratio = mixtral.kv_token_bytes(kv) / mixtral.kv_token_bytes("float16")
+        assert plans[kv].memory.cpu["kv cache"] == pytest.approx(
+            ratio * plans["float16"].memory.cpu["kv cache"]
+        )
+        assert plans[kv].memory.gpu["kv prefetch"] == pytest.approx(
+            ratio * plans["float16"].memory.gpu["kv prefetch"]
+        )
+
+
+def test_a_head_size_the_kv_groups_do_not_divide_is_refused():
+    odd = dataclasses.replace(resolve_model("mixtral-8x7b"), head_dim=96)
+    with pytest.raises(HrmError, match="head_dim.*96"):
+        Setting(arch=odd, hardware=resolve_hardware("l4"), workload=WL, kv_dtype="int8")
+    Setting(arch=odd, hardware=resolve_hardware("l4"), workload=WL, kv_dtype="bfloat16")
+    assert kv_format_problem("int4", 16) is None  # one group of 16
+    assert kv_format_problem("int4", 18) is not None  # not a multiple of 4
