@@ -12,8 +12,10 @@ the same run in bfloat16, same prompts. Reported per model and format:
 - the bytes per weight achieved over the layers (16-bit norms, routers and ungrouped layers
   included; the embedding and LM head stay 16-bit and are not counted), or per K/V value.
 Random weights are harsher than trained ones: their logits are nearly flat, so a small error
-flips the greedy choice sooner. The run is resident (the format's values dequantized at load),
-which gives the tokens a paged run of the format gives (tests/executor/test_quant.py).
+flips the greedy choice sooner. For scale, a row per model compares float32 arithmetic on the
+same (bfloat16) weights against the bfloat16 run: what bfloat16's own rounding costs. The run
+is resident (the format's values dequantized at load), which gives the tokens a paged run of
+the format gives (tests/executor/test_quant.py).
 Prints a table and writes reports/bench_quant_quality.json.
     python bench/bench_quant_quality.py [--prompts 16 --prompt-len 32 --gen-len 32]
 """
@@ -27,13 +29,16 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 BENCH = dict(hidden_size=1024, intermediate_size=3584, num_attention_heads=16,
              num_key_value_heads=4, head_dim=64, vocab_size=32000)  # fmt: skip
 FORMATS = ("int8", "int4")
-CASES = [("weights", f) for f in FORMATS] + [("kv", f) for f in FORMATS]
+CASES = [("float32 arithmetic", "float32")]
+CASES += [("weights", f) for f in FORMATS] + [("kv", f) for f in FORMATS]
 
 
 def _checkpoints(root: Path):
@@ -61,12 +66,35 @@ def _greedy(checkpoint, fmt: str | None, prompts, gen_len: int, kv: str | None =
     from executor.quant import dequantized_weights
     from hrm.rules.cpu_gemm import CpuGemmChoice
 
-    if fmt is not None:
+    if fmt == "float32":  # the same weights, computed in float32
+        checkpoint = dataclasses.replace(
+            checkpoint, weights=_float32(checkpoint.weights), dtype=torch.float32
+        )
+    elif fmt is not None:
         weights = dequantized_weights(checkpoint.weights, fmt)
         checkpoint = dataclasses.replace(checkpoint, weights=weights)
-    native = CpuGemmChoice(dtype="bfloat16", buckets=((0.0, "native"),), source="bench")
+    dtype = str(checkpoint.dtype).removeprefix("torch.")
+    native = CpuGemmChoice(dtype=dtype, buckets=((0.0, "native"),), source="bench")
     model = MoEModel(checkpoint, native, kv_format=kv)
     return generate(model, prompts, gen_len, keep_logits=True)
+
+
+def _float32(weights):
+    """Every tensor of ModelWeights (and of its layers and experts) in float32."""
+
+    def convert(obj):
+        if isinstance(obj, torch.Tensor):
+            return obj.float()
+        if isinstance(obj, tuple):
+            return tuple(convert(x) for x in obj)
+        if dataclasses.is_dataclass(obj):
+            fields = dataclasses.fields(obj)
+            return dataclasses.replace(
+                obj, **{f.name: convert(getattr(obj, f.name)) for f in fields}
+            )
+        return obj
+
+    return convert(weights)
 
 
 def compare(checkpoint, what: str, fmt: str, prompts, gen_len: int, reference) -> dict:
@@ -76,6 +104,8 @@ def compare(checkpoint, what: str, fmt: str, prompts, gen_len: int, reference) -
     if what == "weights":
         ours = _greedy(checkpoint, fmt, prompts, gen_len)
         per_value = 2 * place_model(checkpoint.arch, 0.0, fmt).stored_ratio
+    elif fmt == "float32":
+        ours, per_value = _greedy(checkpoint, fmt, prompts, gen_len), 2.0
     else:
         ours = _greedy(checkpoint, None, prompts, gen_len, kv=fmt)
         per_value = row_bytes(checkpoint.arch.head_dim, fmt) / checkpoint.arch.head_dim
@@ -102,8 +132,6 @@ def main() -> int:
     p.add_argument("-o", "--output", default=str(ROOT / "reports" / "bench_quant_quality.json"))
     args = p.parse_args()
 
-    import torch
-
     rows = []
     with tempfile.TemporaryDirectory() as root:
         for name, checkpoint in _checkpoints(Path(root)):
@@ -117,7 +145,7 @@ def main() -> int:
                 row |= compare(checkpoint, what, fmt, prompts, args.gen_len, reference)
                 rows.append(row)
                 print(
-                    f"{name:24s} {what:7s} {fmt:5s} logits rel err max "
+                    f"{name:24s} {what:18s} {fmt:7s} logits rel err max "
                     f"{row['logits_relative_error_max']:.4f} mean "
                     f"{row['logits_relative_error_mean']:.4f}  greedy agreement "
                     f"{row['greedy_agreement']:.2f}  {row['bytes_per_value']:.4f} B/value",
