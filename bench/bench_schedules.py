@@ -122,7 +122,11 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--gen-len", type=int, default=8)
     p.add_argument("--max-batch", type=int, default=64)
-    p.add_argument("--dtype", default="bfloat16", help="weights: a float dtype, int8 or int4")
+    p.add_argument(
+        "--dtype",
+        default="bfloat16",
+        help="weights: a float dtype, int8 or int4; several, comma-separated, run in turn",
+    )
     p.add_argument("--dry-run", action="store_true", help="plan and check, load nothing")
     p.add_argument(
         "--policy",
@@ -142,8 +146,6 @@ def run(args) -> int:
     import torch
 
     from executor.checkpoint import random_checkpoint
-    from executor.run import check_plan
-    from hrm.cli.memory_check import available_host_bytes
 
     arch = dataclasses.replace(resolve_model("mixtral-8x7b"), num_layers=args.layers)
     hardware = resolve_hardware(args.hardware)
@@ -151,64 +153,33 @@ def run(args) -> int:
     workload = Workload(
         prompt_len_mean=args.prompt_len, prompt_len_max=args.prompt_len, gen_len=args.gen_len
     )
-    plans = plan_all(arch, hardware, workload, budgets, args.max_batch, args.dtype, args.policy)
     device = torch.device(args.device)
-    g = torch.Generator().manual_seed(0)
-    computed = hardware.compute_dtype(args.dtype)  # what a compact format's layers compute in
-    checkpoint = None if args.dry_run else random_checkpoint(arch, computed)
+    checkpoints = {}  # by the dtype the layers compute in: one for bfloat16 and its formats
     rows = []
-    header = (
-        f"{'GPU mem':>8} {'schedule':14} {'N':>4} {'mu':>4} {'r_w':>5} {'pred tok/s':>10} "
-        f"{'meas tok/s':>10} {'err':>6} {'gpu':>5} {'cpu':>5} {'h2d':>5} {'H2D GB/s':>8}"
+    print(
+        f"{'GPU mem':>8} {'dtype':9} {'schedule':14} {'N':>4} {'mu':>4} {'r_w':>5} "
+        f"{'pred tok/s':>10} {'meas tok/s':>10} {'err':>6} {'gpu':>5} {'cpu':>5} {'h2d':>5} "
+        f"{'H2D GB/s':>8}"
     )
-    print(header)
-    for (budget, schedule), plan in plans.items():
-        row = {"gpu_mem_bytes": budget, "schedule": schedule}
-        if isinstance(plan, str):
-            rows.append({**row, "fits": False, "why": plan})
-            print(f"{budget / 1e9:>7.0f}G {schedule:14} does not fit")
-            continue
-        pol = plan.policy
-        n = pol.batch_size
-        prompts = tuple(
-            tuple(x)
-            for x in torch.randint(0, arch.vocab_size, (n, args.prompt_len), generator=g).tolist()
-        )
-        check_plan(
-            plan,
-            arch,
-            [len(x) for x in prompts],
-            args.gen_len,
-            where=f"{schedule} plan",
-            gpu_bytes=budget,
-            host_bytes=available_host_bytes(),
-            stand_in=device.type == "cpu",
-            device=str(device),
-        )
-        row.update(fits=True, plan=plan.to_dict())
-        if args.dry_run:
+    for dtype in args.dtype.split(","):
+        plans = plan_all(arch, hardware, workload, budgets, args.max_batch, dtype, args.policy)
+        computed = hardware.compute_dtype(dtype)  # what a compact format's layers compute in
+        if not args.dry_run and computed not in checkpoints:
+            checkpoints[computed] = random_checkpoint(arch, computed)
+        g = torch.Generator().manual_seed(0)  # the same prompts for every dtype
+        for (budget, schedule), plan in plans.items():
+            row = {"gpu_mem_bytes": budget, "schedule": schedule, "dtype": dtype}
             rows.append(row)
-            predicted = plan.predicted.throughput_tok_s
-            print(
-                f"{budget / 1e9:>7.0f}G {schedule:14} {n:>4} {pol.micro_batch_size:>4} "
-                f"{pol.weights_gpu_fraction:>5.2f} {predicted:>10.1f}"
-            )
-            continue
-        record, measured = measure_plan(
-            plan, arch, checkpoint, prompts, args.gen_len, device, budget,
-            with_budget(hardware, budget), args.dtype,
-        )  # fmt: skip
-        row.update(measured)
-        m = record.measured
-        rate = row["h2d_gb_per_s"]
-        rows.append(row)
-        f = m.busy_fraction
-        print(
-            f"{budget / 1e9:>7.0f}G {schedule:14} {n:>4} {pol.micro_batch_size:>4} "
-            f"{pol.weights_gpu_fraction:>5.2f} {record.predicted['throughput_tok_s']:>10.1f} "
-            f"{m.throughput_tok_s:>10.1f} {100 * record.prediction_error:>+5.0f}% "
-            f"{f['gpu']:>5.0%} {f['cpu']:>5.0%} {f['h2d']:>5.0%} {rate:>8.2f}"
-        )
+            print(f"{budget / 1e9:>7.0f}G {dtype:9} {schedule:14}", end=" ")
+            if isinstance(plan, str):
+                row.update(fits=False, why=plan)
+                print("does not fit")
+                continue
+            n = plan.policy.batch_size
+            ids = torch.randint(0, arch.vocab_size, (n, args.prompt_len), generator=g).tolist()
+            prompts = tuple(tuple(x) for x in ids)
+            print(_run_one(args, row, plan, arch, checkpoints.get(computed), prompts, device,
+                           with_budget(hardware, budget)))  # fmt: skip
     _targets(rows)
     report = {"device": str(device), "hardware": hardware.name, "layers": args.layers,
               "dry_run": args.dry_run, "rows": rows}  # fmt: skip
@@ -218,18 +189,57 @@ def run(args) -> int:
     return 0
 
 
+def _run_one(args, row, plan, arch, checkpoint, prompts, device, hardware) -> str:
+    """Check `plan` against its run, run it unless --dry-run, fill `row`; the table's cells."""
+    from executor.run import check_plan
+    from hrm.cli.memory_check import available_host_bytes
+
+    pol = plan.policy
+    budget = row["gpu_mem_bytes"]
+    check_plan(plan, arch, [len(x) for x in prompts], args.gen_len,
+               where=f"{row['schedule']} plan", gpu_bytes=budget,
+               host_bytes=available_host_bytes(), stand_in=device.type == "cpu",
+               device=str(device))  # fmt: skip
+    row.update(fits=True, plan=plan.to_dict())
+    cells = f"{pol.batch_size:>4} {pol.micro_batch_size:>4} {pol.weights_gpu_fraction:>5.2f}"
+    if args.dry_run:
+        return f"{cells} {plan.predicted.throughput_tok_s:>10.1f}"
+    record, measured = measure_plan(plan, arch, checkpoint, prompts, args.gen_len, device, budget,
+                                    hardware, row["dtype"])  # fmt: skip
+    row.update(measured)
+    m, f = record.measured, record.measured.busy_fraction
+    return (
+        f"{cells} {record.predicted['throughput_tok_s']:>10.1f} {m.throughput_tok_s:>10.1f} "
+        f"{100 * record.prediction_error:>+5.0f}% {f['gpu']:>5.0%} {f['cpu']:>5.0%} "
+        f"{f['h2d']:>5.0%} {row['h2d_gb_per_s']:>8.2f}"
+    )
+
+
 def _targets(rows) -> None:
-    """The issue's targets, where the rows have measurements: cgopipe >= 2x serial per budget."""
-    measured = [r for r in rows if "measured" in r]
-    for budget in sorted({r["gpu_mem_bytes"] for r in measured}):
-        tput = {
-            r["schedule"]: r["measured"]["throughput_tok_s"]
-            for r in measured
-            if r["gpu_mem_bytes"] == budget
-        }
-        if "cgopipe" in tput and tput.get("serial"):
+    """The issue's targets, where the rows have measurements: cgopipe >= 2x serial per budget
+    (and dtype); with several dtypes, each schedule's measured and predicted throughput against
+    the first dtype's, from this run."""
+    at = {(r["gpu_mem_bytes"], r["dtype"], r["schedule"]): r for r in rows if "measured" in r}
+    if not at:
+        return
+    first = next(iter(at))[1]
+
+    def tput(r, key="measured") -> float:
+        return r[key]["throughput_tok_s"]
+
+    for budget, dtype, schedule in at:
+        r = at[(budget, dtype, schedule)]
+        serial = at.get((budget, dtype, "serial"))
+        if schedule == "cgopipe" and serial is not None:
+            ratio = tput(r) / tput(serial)
+            print(f"{budget / 1e9:.0f} GB {dtype}: cgopipe / serial = {ratio:.2f}x")
+        base = at.get((budget, first, schedule))
+        if dtype != first and base is not None:
+            measured = tput(r) / tput(base)
+            predicted = tput(r, "predicted") / tput(base, "predicted")
             print(
-                f"{budget / 1e9:.0f} GB: cgopipe / serial = {tput['cgopipe'] / tput['serial']:.2f}x"
+                f"{budget / 1e9:.0f} GB {schedule}: {dtype} / {first} measured {measured:.2f}x, "
+                f"predicted {predicted:.2f}x"
             )
 
 
