@@ -66,7 +66,10 @@ def main() -> int:
         prompt_len_mean=args.prompt_len, prompt_len_max=args.prompt_len, gen_len=args.gen_len
     )
     plans = plan_all(arch, hardware, workload, [budget], args.max_batch, args.dtype, args.policy)
-    rows = _run_schedules(args, arch, hardware, plans, budget, device, report, out)
+    rows = _run_schedules(args, arch, hardware, plans, budget, device, report, out, args.dtype)
+    # cgopipe with int4 weights streamed compact and dequantized on the GPU (issue 34)
+    compact = plan_all(arch, hardware, workload, [budget], args.max_batch, "int4", args.policy)
+    _run_schedules(args, arch, hardware, compact, budget, device, report, out, "int4", ["cgopipe"])
     _run_baseline(args, arch, budget, device, rows, report, out)
     table = _table(report["rows"])
     print(table)
@@ -114,18 +117,22 @@ def _prompts(arch, n: int, length: int):
     return tuple(tuple(x) for x in ids)
 
 
-def _run_schedules(args, arch, hardware, plans, budget, device_name, report, out):
-    """Each schedule: warm-up run, timed run; a failure is the row's, not the script's."""
+def _run_schedules(
+    args, arch, hardware, plans, budget, device_name, report, out, dtype, schedules=SCHEDULES
+):
+    """Each schedule: warm-up run, timed run; a failure is the row's, not the script's. Rows in
+    a dtype other than --dtype are named with it."""
     import torch
 
     from executor.checkpoint import random_checkpoint
 
     device = torch.device(device_name)
-    checkpoint = random_checkpoint(arch, args.dtype)
+    checkpoint = random_checkpoint(arch, hardware.compute_dtype(dtype))
     rows = {}
-    for schedule in SCHEDULES:
+    for schedule in schedules:
         plan = plans[(budget, schedule)]
-        row = {"schedule": schedule, "gpu_mem_bytes": budget}
+        name = schedule if dtype == args.dtype else f"{schedule} {dtype}"
+        row = {"schedule": name, "gpu_mem_bytes": budget, "dtype": dtype}
         report["rows"].append(row)
         if isinstance(plan, str):
             row["fits"] = False
@@ -134,7 +141,7 @@ def _run_schedules(args, arch, hardware, plans, budget, device_name, report, out
             continue
         row.update(fits=True, plan=plan.to_dict())
         prompts = _prompts(arch, plan.policy.batch_size, args.prompt_len)
-        run = (plan, arch, checkpoint, prompts, args.gen_len, device, budget, hardware, args.dtype)
+        run = (plan, arch, checkpoint, prompts, args.gen_len, device, budget, hardware, dtype)
         try:
             measure_plan(*run)  # warm-up: allocator, kernels, page cache
             _, measured = measure_plan(*run)
@@ -267,9 +274,9 @@ def _table(rows) -> str:
         )
     measured = {r["schedule"]: r["measured"]["throughput_tok_s"] for r in rows if "measured" in r}
     base = measured.get("transformers+accelerate")
-    for schedule in SCHEDULES:
-        if base and schedule in measured:
-            lines.append(f"{schedule} / transformers+accelerate: {measured[schedule] / base:.2f}x")
+    for name, tput in measured.items():
+        if base and name != "transformers+accelerate":
+            lines.append(f"{name} / transformers+accelerate: {tput / base:.2f}x")
     return "\n".join(lines)
 
 

@@ -30,7 +30,7 @@ from executor.engine import engine_mode, jitter_seed
 from executor.quant import RUN_DTYPES, compute_dtype
 from hrm.arch import ModelArch
 from hrm.errors import HrmError
-from hrm.formats import WEIGHT_FORMATS, is_compact, kv_format_problem
+from hrm.formats import kv_dtype_problem
 from hrm.requests import (
     API,
     Request,
@@ -150,16 +150,12 @@ def prepare_run(
 def _kv_format(kv_dtype: str | None, dtype: str, device: str, arch: ModelArch) -> str | None:
     """--kv-dtype: a compact format (checked against the head size), or the dtype the layers
     compute in (the default), in which the cache is kept."""
-    if kv_dtype is None or kv_dtype == compute_dtype(dtype, device):
+    computed = compute_dtype(dtype, device)
+    if kv_dtype is None or kv_dtype == computed:
         return None
-    if not is_compact(kv_dtype):
-        raise HrmError(
-            f"--kv-dtype {kv_dtype}: the KV cache is kept in the layers' "
-            f"{compute_dtype(dtype, device)} or in {' or '.join(WEIGHT_FORMATS)}"
-        )
-    problem = kv_format_problem(kv_dtype, arch.head_dim)
+    problem = kv_dtype_problem(kv_dtype, computed, arch.head_dim)
     if problem:
-        raise HrmError(f"--kv-dtype: {problem}")
+        raise HrmError(f"--kv-dtype {kv_dtype}: {problem}")
     return kv_dtype
 
 

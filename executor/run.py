@@ -25,7 +25,7 @@ from executor.quant import RUN_DTYPES, compute_dtype
 from executor.runtime import placed_runtime
 from hrm.arch import ModelArch
 from hrm.errors import HrmError
-from hrm.formats import WEIGHT_FORMATS, is_compact, kv_format_problem
+from hrm.formats import kv_dtype_problem
 from hrm.plan import Plan
 from hrm.policy import Policy
 from hrm.profiling import BUSY_WARNING_SHARE
@@ -69,15 +69,10 @@ def check_plan(
             f"{where}: weights in {plan.policy.weight_dtype} cannot be run by the executor; "
             f"plan with --dtype {' or '.join(RUN_DTYPES)}"
         )
-    kv, computed = plan.policy.kv_dtype, compute_dtype(plan.policy.weight_dtype, device)
-    if kv != computed and not is_compact(kv):
-        raise HrmError(
-            f"{where}: a KV cache in {kv} cannot be run by the executor, which keeps it in the "
-            f"layers' {computed} here or in {' or '.join(WEIGHT_FORMATS)}; plan with --kv-dtype"
-        )
-    problem = kv_format_problem(kv, arch.head_dim)
+    computed = compute_dtype(plan.policy.weight_dtype, device)
+    problem = kv_dtype_problem(plan.policy.kv_dtype, computed, arch.head_dim)
     if problem:
-        raise HrmError(f"{where}: {problem}")
+        raise HrmError(f"{where}: {problem}; plan with another --kv-dtype")
     longest, limit = max(prompt_lens), plan.workload.prompt_len_max
     if longest > limit:
         raise HrmError(

@@ -62,6 +62,19 @@ def kv_format_problem(kv_dtype: str, head_dim: int) -> str | None:
     return None
 
 
+def kv_dtype_problem(kv_dtype: str, computed: str, head_dim: int) -> str | None:
+    """Why the executor cannot keep a KV cache in `kv_dtype`, its layers computing in
+    `computed` (None: it can): it keeps one in that dtype or in a compact format."""
+    if kv_dtype == computed:
+        return None
+    if not is_compact(kv_dtype):
+        return (
+            f"a KV cache in {kv_dtype} cannot be run: the executor keeps it in the layers' "
+            f"{computed} or in {' or '.join(WEIGHT_FORMATS)}"
+        )
+    return kv_format_problem(kv_dtype, head_dim)
+
+
 def is_compact(weight_dtype: str) -> bool:
     return weight_dtype in BITS
 
