@@ -11,6 +11,10 @@ On the device, two slots each hold one layer's streamed tensors (the current lay
 a slot is cut into pages at tensor boundaries, and a page is the unit of one copy. The page table
 maps (layer, expert) to the slot that holds it for the current pass of the layer; the expert FFN
 reads its weights through it.
+
+Arenas, slots and pages are bytes. In a compact format (hrm/formats.py) the arenas hold the
+quantized rows, the pages move them as they are, and `dequantize` writes a layer from its slot
+into the one slot of the weights' dtype the layers read (the schedule's DEQUANTIZE action).
 """
 
 from __future__ import annotations

@@ -25,13 +25,13 @@ GROUP = 64  # weights per group along a linear layer's input dimension
 BITS = {"int8": 8, "int4": 4}
 WEIGHT_FORMATS = tuple(BITS)
 SCALE_BYTES = 2  # float16 scale, and float16 minimum, per group
-# the linear layers a compact format stores in fewer bits (LayerWeights and ExpertWeights names)
-# bytes of memory traffic per weight of executor/quant.py's dequantize_into, kernel by kernel:
-# the codes read and written as 16-bit floats (1 + 2), then read with the scale and minimum and
-# the result written (2 + 2); int4 first splits each byte in two and interleaves the halves
-# (0.5 + 0.5 twice, then 1 + 1). What the planner prices a device's dequantization at where
+# bytes of memory traffic per weight of executor/quant.py's dequantization on a GPU, kernel by
+# kernel: the codes read and written as 16-bit floats (1 + 2), then read with the scale and
+# minimum and the result written (2 + 2); int4 first splits each byte in two (0.5 + 0.5, twice)
+# and interleaves the halves (1 + 1). What the planner prices a device's dequantization at where
 # hrm profile has not measured it.
-DEQUANTIZE_TRAFFIC = {"int8": 1 + 2 + 2 + 2, "int4": 2 + 2 + 1 + 2 + 2 + 2}
+DEQUANTIZE_TRAFFIC = {"int8": 1 + 2 + 2 + 2, "int4": 4 * 0.5 + 1 + 1 + 1 + 2 + 2 + 2}
+# the linear layers a compact format stores in fewer bits (LayerWeights and ExpertWeights names)
 QUANTIZED_TENSORS = frozenset(
     {"wq", "wk", "wv", "wo", "shared_w1", "shared_w2", "shared_w3", "w1", "w2", "w3"}
 )
