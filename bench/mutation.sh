@@ -6,7 +6,8 @@
 #   bench/mutation.sh                      the engine and the schedules (about 15-25 minutes
 #                                          on 2 cores)
 #   bench/mutation.sh 'executor.batching.*'   batching and resume (about 10 minutes)
-#   bench/mutation.sh 'planner.memory.*'   the memory model, 'planner.milp.*' the MILP
+#   bench/mutation.sh 'planner.memory.*'   the memory model, 'planner.milp.*' the MILP,
+#                                          'executor.quant.*' the int8/int4 codec (~15 minutes)
 #                                          (reports/mutation.md says how each was run)
 #                                          other modules: add them to only_mutate first
 # Needs `pip install mutmut` (not in the dev extra: CI does not run it).

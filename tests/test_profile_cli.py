@@ -74,6 +74,9 @@ def test_a_quick_run_writes_a_measured_cpu_profile(capsys, tmp_path, monkeypatch
     assert profile.name == "box" and profile.source == "measured" and not profile.has_gpu
     assert set(profile.cpu.launch_overhead) == {"bfloat16"}  # a quick profile's
     assert set(profile.cpu.elementwise_rate) == {"bfloat16"}
+    # the compact formats' dequantization on each device; their KV attention: the full sweep's
+    assert set(profile.cpu.dequantize_rates) == {"int8", "int4"}
+    assert "int8" not in profile.cpu.attention_curves
     assert "executor overhead (bfloat16)" in out
     assert profile.provenance["command"] == " ".join(["hrm", *argv, "-o", str(output)])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["box.yaml", "config.json"]

@@ -127,6 +127,20 @@ def test_a_paged_compact_run_gives_the_resident_compact_run_tokens(
     assert paged.output_token_ids == resident.output_token_ids
 
 
+@pytest.mark.parametrize("fmt", sorted(BITS))
+def test_a_run_that_streams_nothing_computes_the_formats_values(checkpoints, fmt):
+    """Everything on the CPU, no store: the layers' weights (attention, experts and Qwen2-MoE's
+    shared expert) hold the format's values, so the tokens are the paged run's, not 16 bits'."""
+    path = checkpoints["qwen2_moe"]
+    resident = Policy.resident(7, fmt, on_gpu=False, kv_dtype="bfloat16")
+    ours, store, _ = _run(path, fmt, resident)
+    assert store is None
+    paged, *_ = _run(path, fmt, policy(fmt, mu=7))
+    assert ours.output_token_ids == paged.output_token_ids
+    half, *_ = _run(path, "bfloat16", policy("bfloat16", mu=7))
+    assert fmt == "int8" or ours.output_token_ids != half.output_token_ids
+
+
 @pytest.mark.parametrize(("fmt", "ratio"), [("int8", 0.53), ("int4", 0.28)])
 def test_a_compact_run_moves_the_compact_bytes(checkpoints, fmt, ratio):
     """Against the 16-bit run of the same plan: each streamed expert tensor with whole groups
