@@ -27,10 +27,11 @@ from executor.checkpoint import (
     stored_dtype,
 )
 from executor.engine import engine_mode, jitter_seed
-from executor.quant import RUN_DTYPES, compute_dtype
+from executor.quant import compute_dtype
 from hrm.arch import ModelArch
 from hrm.errors import HrmError
 from hrm.formats import kv_dtype_problem
+from hrm.policy import RUN_DTYPES
 from hrm.requests import (
     API,
     Request,

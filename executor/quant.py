@@ -19,11 +19,8 @@ import time
 import torch
 
 from executor.checkpoint import ExpertWeights, ModelWeights
-from hrm.formats import BITS, WEIGHT_FORMATS, group_size, is_compact, is_quantized
-from hrm.policy import FLOAT_DTYPES
+from hrm.formats import BITS, group_size, is_compact, is_quantized
 from hrm.rules.placement import EXPERT_TENSORS
-
-RUN_DTYPES = (*FLOAT_DTYPES, *WEIGHT_FORMATS)  # the weight dtypes the executor runs
 
 
 def quantize(w: torch.Tensor, weight_dtype: str) -> torch.Tensor:
@@ -84,7 +81,7 @@ def dequantized(t: torch.Tensor, name: str, weight_dtype: str) -> torch.Tensor:
     if not is_quantized(name, tuple(t.shape), weight_dtype):
         return t
     out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
-    dequantize_into(out, quantize(t, weight_dtype).to(t.device), weight_dtype)
+    dequantize_into(out, quantize(t, weight_dtype), weight_dtype)
     return out
 
 

@@ -21,13 +21,13 @@ from executor.api import RunSpec, load_weights, peak_memory_bytes
 from executor.batching import PartialOutput, plan_batches
 from executor.checkpoint import Checkpoint
 from executor.generate import Limits, Sampling, generate
-from executor.quant import RUN_DTYPES, compute_dtype
+from executor.quant import compute_dtype
 from executor.runtime import placed_runtime
 from hrm.arch import ModelArch
 from hrm.errors import HrmError
 from hrm.formats import kv_dtype_problem
 from hrm.plan import Plan
-from hrm.policy import Policy
+from hrm.policy import RUN_DTYPES, Policy
 from hrm.profiling import BUSY_WARNING_SHARE
 from hrm.profiling.cpu import cpu_times, measured_others_share
 from hrm.progress import progress_bar

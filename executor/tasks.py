@@ -110,9 +110,10 @@ class TaskBuilder:
         if not self.offloaded:
             return self.model.weights.layers[layer], ()
         slot = (step * self.arch.num_layers + layer) % TURNS
-        keys = tuple(buf.weight_page(slot, p) for p in range(self.store.page_count))
-        if self.store.compact:
+        if self.store.compact:  # read from the 16-bit slot the layer was dequantized into
             keys = (buf.dequantized(),)
+        else:
+            keys = tuple(buf.weight_page(slot, p) for p in range(self.store.page_count))
         return (lambda: self.store.layer(layer, slot)), keys
 
     @staticmethod

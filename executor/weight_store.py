@@ -155,10 +155,10 @@ class WeightStore:
         # dequantized into (the largest kind's streamed elements)
         elements = max(lay.elements for lay in self.layouts.values())
         self.dequantized = [_slot(elements, dtype, device)] if self.compact and count else []
-        computed = self.dequantized * TURNS if self.compact else self.slots
+        # views of the slots the layers read: the one 16-bit slot, or each streamed slot
         self.slot_views = [
             {dense: _views(lay, flat, dtype) for dense, lay in self.layouts.items()}
-            for flat in computed
+            for flat in (self.dequantized if self.compact else self.slots)
         ]
         self.page_table: dict[tuple[int, int], int] = {}  # (layer, expert) -> slot
         self.mapped: Counter[tuple[int, int]] = Counter()  # (layer, expert) -> passes mapped
@@ -222,7 +222,7 @@ class WeightStore:
         slot the layers compute from, on the device (the schedule's DEQUANTIZE action)."""
         layout = self._layout(layer)
         flat = self.slots[slot]
-        views = self.slot_views[0][layout.arch.ffn_is_dense]
+        views = self._read_views(0)[layout.arch.ffn_is_dense]
         for t in layout.tensors:
             stored = flat[t.offset : t.offset + t.nbytes]
             if t.quantized:
@@ -249,7 +249,7 @@ class WeightStore:
         """The layer's weights as the model reads them: resident tensors, else the slot's views;
         experts through the page table."""
         resident, layout = self.resident[layer], self._layout(layer)
-        views = self.slot_views[slot][layout.arch.ffn_is_dense] if self.slots else {}
+        views = self._read_views(slot)[layout.arch.ffn_is_dense] if self.slots else {}
 
         def dense(name: str) -> torch.Tensor:
             return resident[(name,)] if (name,) in resident else views[(name,)]
@@ -262,8 +262,13 @@ class WeightStore:
         if (e, "w1") in resident:
             return ExpertWeights(**{n: resident[(e, n)] for n in EXPERT_TENSORS})
         dense = self.arch.is_dense(layer)
-        views = self.slot_views[self.page_table[(layer, e)]][dense]
+        views = self._read_views(self.page_table[(layer, e)])[dense]
         return ExpertWeights(**{n: views[(e, n)] for n in EXPERT_TENSORS})
+
+    def _read_views(self, slot: int) -> dict:
+        """The views the layers read a layer in `slot` through: a compact format's one 16-bit
+        slot whichever slot its pages came into."""
+        return self.slot_views[0 if self.compact else slot]
 
     def close(self) -> None:
         """Unpin the arenas (after the device's work on them) before their memory is freed."""

@@ -11,12 +11,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from hrm.errors import HrmError
-from hrm.formats import is_compact
+from hrm.formats import WEIGHT_FORMATS, is_compact
 from hrm.schema import check_keys, dataclass_keys, fraction, positive_int
 
 # the floating dtypes weights are computed in: what the executor runs, the profile sweeps and the
 # planner prices GEMMs in (integer weights are dequantised into one of them)
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+# the weight dtypes the executor runs: floats, and the compact formats it quantizes to
+RUN_DTYPES = (*FLOAT_DTYPES, *WEIGHT_FORMATS)
 DTYPE_BYTES = {
     "float32": 4.0,
     "bfloat16": 2.0,

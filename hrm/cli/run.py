@@ -11,9 +11,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from hrm.formats import WEIGHT_FORMATS
 from hrm.plan import SCHEDULES
-from hrm.policy import FLOAT_DTYPES
+from hrm.policy import RUN_DTYPES
 
 
 def add_parser(subparsers) -> None:
@@ -80,13 +79,13 @@ def _add_run_arguments(p) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda (cpu)")
     p.add_argument(
         "--dtype",
-        choices=(*FLOAT_DTYPES, *WEIGHT_FORMATS),
+        choices=RUN_DTYPES,
         help="weight dtype, or int8 or int4: the weights quantized at load (docs/running.md) "
         "and computed in 16 bits (default: the checkpoint's)",
     )
     p.add_argument(
         "--kv-dtype",
-        choices=(*FLOAT_DTYPES, *WEIGHT_FORMATS),
+        choices=RUN_DTYPES,
         help="KV cache: int8 or int4 quantizes it in groups along head_dim (default: the dtype "
         "the layers compute in)",
     )
