@@ -33,6 +33,29 @@ def matmul_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mas
     return torch.matmul(probs, values)
 
 
+def sink_attention(q, keys, values, mask, sinks: torch.Tensor) -> torch.Tensor:
+    """matmul_decode with a learned logit per query row in each softmax's denominator (gpt-oss's
+    sinks, [nkv, rows]): the sink takes its share of the probability and adds no value. SDPA has
+    no such term, so this path computes the scores itself, as transformers' eager one does."""
+    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * (1.0 / math.sqrt(q.shape[-1]))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.to(scores.device, torch.float32)[None, :, :, None]
+    combined = torch.cat((scores, sink.expand(scores.shape[0], -1, -1, 1)), dim=-1)
+    combined = combined - combined.amax(dim=-1, keepdim=True)  # [B, nkv, rows, S + 1]
+    probs = torch.softmax(combined, dim=-1)[..., :-1].to(values.dtype)
+    return torch.matmul(probs, values)
+
+
+def last_window(keys, values, mask, window: int | None):
+    """The last `window` slots of a decode step's keys, values and mask (None: all of them): a
+    sliding layer reads no more."""
+    if window is None or keys.shape[2] <= window:
+        return keys, values, mask
+    mask = None if mask is None else mask[..., -window:]
+    return keys[:, :, -window:], values[:, :, -window:], mask
+
+
 DECODE_KERNELS = {"sdpa": sdpa_decode, "matmul": matmul_decode}
 # Kept: SDPA. bench/bench_cpu_attention.py on the 2-core Sapphire Rapids VM (2026-12-01,
 # Mixtral's 32/8 heads, batch 1-32, context 128-2048, bf16 and fp32): SDPA faster in 16 of 18
@@ -47,23 +70,33 @@ def attend_one_step(
     values: torch.Tensor,
     mask: torch.Tensor | None,
     kernel: str = DECODE_KERNEL,
+    *,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [B, nq, D], keys and values [B, nkv, S, D], mask [B, 1, 1, S] or None -> [B, nq*D]."""
+    """q [B, nq, D], keys and values [B, nkv, S, D], mask [B, 1, 1, S] or None -> [B, nq*D];
+    a sliding layer's `window` and gpt-oss's `sinks` [nq] where the layer has them."""
     B, nkv, D = q.shape[0], keys.shape[1], q.shape[-1]
-    out = DECODE_KERNELS[kernel](q.view(B, nkv, -1, D), keys, values, mask)  # [B, nkv, G, D]
+    keys, values, mask = last_window(keys, values, mask, window)
+    q = q.view(B, nkv, -1, D)
+    if sinks is not None:
+        out = sink_attention(q, keys, values, mask, sinks.view(nkv, -1))
+    else:
+        out = DECODE_KERNELS[kernel](q, keys, values, mask)  # [B, nkv, G, D]
     return out.reshape(B, -1)
 
 
 def append_and_attend(
-    cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    cache: KVCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw
 ) -> torch.Tensor:
     """The executor's decode attention stage: write this step's K/V [B, nkv, D] at slot
     `cache.length`, then attend q [B, nq, D] to slots [0, length] of the preallocated cache
-    (strided views, the padding mask where there is one) -> [B, nq*D]."""
+    (strided views, the padding mask where there is one) -> [B, nq*D]; `kw` as
+    attend_one_step's window and sinks."""
     cache.write_step(layer, k, v)
     end = cache.length + 1
     keys, values = cache.view(layer, end)  # [B, nkv, end, D]
-    return attend_one_step(q, keys, values, cache.mask(end, keys.device))
+    return attend_one_step(q, keys, values, cache.mask(end, keys.device), **kw)
 
 
 def store_and_attend_prompts(
@@ -74,9 +107,13 @@ def store_and_attend_prompts(
     v: torch.Tensor,
     batch_idx: torch.Tensor,
     slot_idx: torch.Tensor,
+    *,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The executor's prefill attention stage: store the packed prompts' K/V at (batch_idx,
-    slot_idx) and attend causally, packed q [T, nq, D] -> [T, nq*D].
+    slot_idx) and attend causally, packed q [T, nq, D] -> [T, nq*D]; a sliding layer's queries
+    see the last `window` slots, and gpt-oss's `sinks` [nq] join each softmax.
 
     Grouped-query attention without repeating K/V: the G query heads that share a K/V head are
     stacked along the query axis ([B, nkv, G*L, D]) with the causal mask repeated per group, so
@@ -91,18 +128,27 @@ def store_and_attend_prompts(
     q_pad[batch_idx, slot_idx] = q.view(-1, nkv, G, D)  # [B, L, nkv, G, D]
     q_pad = q_pad.permute(0, 2, 3, 1, 4).reshape(B, nkv, G * L, D)  # [B, nkv, G*L, D]
     keys, values = cache.view(layer, L)  # [B, nkv, L, D]
-    out = F.scaled_dot_product_attention(
-        q_pad, keys, values, attn_mask=_prefill_mask(cache, G, keys.device)
-    )  # [B, nkv, G*L, D]
+    mask = _prefill_mask(cache, G, keys.device, window)
+    if sinks is not None:  # each of the G heads' sink on its L query rows
+        rows = sinks.view(nkv, G, 1).expand(nkv, G, L).reshape(nkv, G * L)
+        out = sink_attention(q_pad, keys, values, mask, rows)
+    else:
+        out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=mask)
+    # out: [B, nkv, G*L, D]
     out = out.view(B, nkv, G, L, D).permute(0, 3, 1, 2, 4)  # [B, L, nkv, G, D]
     return out[batch_idx, slot_idx].reshape(q.shape[0], -1)  # [T, nq*D]
 
 
-def _prefill_mask(cache: KVCache, groups: int, device: torch.device) -> torch.Tensor:
-    """[B or 1, 1, G*L, L]: causal, padding keys hidden; padding queries see themselves."""
+def _prefill_mask(
+    cache: KVCache, groups: int, device: torch.device, window: int | None = None
+) -> torch.Tensor:
+    """[B or 1, 1, G*L, L]: causal (within the last `window` slots where given), padding keys
+    hidden; padding queries see themselves."""
     L = cache.length
     slots = torch.arange(L, device=device)
     causal = slots[None, :] <= slots[:, None]  # [L, L]
+    if window is not None:
+        causal &= slots[:, None] - slots[None, :] < window
     if cache.has_padding:
         diagonal = slots[None, :] == slots[:, None]
         allowed = causal & (cache.valid_on(device)[:, None, :L] | diagonal)  # [B, L, L]

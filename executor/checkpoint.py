@@ -1,5 +1,5 @@
-"""Open a local Mixtral, DBRX, Qwen2-MoE, Qwen3-MoE or OLMoE checkpoint into one canonical set of
-per-layer weights.
+"""Open a local Mixtral, DBRX, Qwen2-MoE, Qwen3-MoE, OLMoE or gpt-oss checkpoint into one
+canonical set of per-layer weights.
 
 Three on-disk layouts (docs/architecture.md) become the same `ModelWeights`: every tensor is a
 view of the memory-mapped safetensors file when it already has the requested dtype (its pages
@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from executor.safetensors_mmap import SafetensorsFile
+from executor.stored_formats import MXFP4_BLOCK, check_stored_format, decode_mxfp4
 from hrm.arch import ModelArch
 from hrm.errors import HrmError
 from hrm.hf_config import eos_token_ids
@@ -36,6 +37,9 @@ class ExpertWeights:
     w1: torch.Tensor  # [I, H] gate projection
     w3: torch.Tensor  # [I, H] up projection
     w2: torch.Tensor  # [H, I] down projection
+    b1: torch.Tensor | None = None  # [I] biases of the three (gpt-oss)
+    b3: torch.Tensor | None = None  # [I]
+    b2: torch.Tensor | None = None  # [H]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,6 +64,11 @@ class LayerWeights:
     shared_w3: torch.Tensor | None = None
     shared_w2: torch.Tensor | None = None
     shared_gate: torch.Tensor | None = None
+    bo: torch.Tensor | None = None  # [H] the O projection's bias (gpt-oss)
+    router_bias: torch.Tensor | None = None  # [E] (gpt-oss)
+    # [nq] a learned logit per head in each softmax's denominator (gpt-oss): the model's attention
+    # state (MoEModel keeps it where attention runs), not among the weights a store places
+    sinks: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,9 +91,28 @@ class _Tensors:
     def has(self, name: str) -> bool:
         return name in self.where
 
-    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """The tensor in the run's dtype: a view of the file, its pages read in now, or one copy
-        when the dtype differs."""
+    def release(self, name: str) -> None:
+        """Drop the file pages of a tensor that was copied out (a strided view made contiguous)."""
+        self.where[name].release(name)
+
+    def mxfp4(self, prefix: str, shape: tuple[int, int, int]):
+        """MXFP4 `prefix`_blocks and _scales of a weight [E, out, in]: a function of e giving
+        expert e's [out, in] in the run's dtype (decoded one expert at a time: executor/
+        stored_formats.py)."""
+        E, out, inp = shape
+        groups = inp // MXFP4_BLOCK
+        blocks = self.get(prefix + "_blocks", (E, out, groups, MXFP4_BLOCK // 2), as_stored=True)
+        if not self.has(prefix + "_scales"):
+            raise HrmError(
+                f"{self.directory}: tensor {prefix}_scales is missing; the MXFP4 blocks "
+                f"{prefix}_blocks cannot be decoded without their scales"
+            )
+        scales = self.get(prefix + "_scales", (E, out, groups), as_stored=True)
+        return lambda e: decode_mxfp4(blocks[e], scales[e], self.dtype).to(self.device)
+
+    def get(self, name: str, shape: tuple[int, ...], as_stored: bool = False) -> torch.Tensor:
+        """The tensor in the run's dtype (as_stored: in the file's, MXFP4 blocks and scales): a
+        view of the file, its pages read in now, or one copy when the dtype differs."""
         f = self.where.get(name)
         if f is None:
             raise HrmError(
@@ -97,6 +125,8 @@ class _Tensors:
                 f"{list(shape)}; the checkpoint does not match its config.json"
             )
         tensor = f.tensor(name)
+        if as_stored:
+            return tensor
         if tensor.dtype == self.dtype and self.device.type == "cpu":
             f.populate(name)
             return tensor
@@ -156,6 +186,39 @@ def _qwen_layer(t: _Tensors, arch: ModelArch, layer: int) -> LayerWeights:
     return _layer(t, kind, p, p + "mlp.gate.weight", experts)
 
 
+def _gpt_oss_layer(t: _Tensors, arch: ModelArch, layer: int) -> LayerWeights:
+    """gpt-oss: Llama-style attention with biases and sinks, a biased router under mlp.router;
+    experts fused as transformers keeps them (gate_up_proj [E, H, 2I], down_proj [E, I, H]:
+    input-major, gate and up interleaved) or as released, in MXFP4 blocks (output-major). Each
+    expert's projections are copied out contiguous, the file's pages dropped after."""
+    p, x = f"model.layers.{layer}.", f"model.layers.{layer}.mlp.experts."
+    H, inter, E = arch.hidden_size, arch.intermediate_size, arch.num_experts
+    if t.has(x + "gate_up_proj_blocks") or t.has(x + "gate_up_proj_scales"):
+        gate_up, down = (
+            t.mxfp4(x + "gate_up_proj", (E, 2 * inter, H)),
+            t.mxfp4(x + "down_proj", (E, H, inter)),
+        )
+    else:
+        fused = t.get(x + "gate_up_proj", (E, H, 2 * inter)), t.get(x + "down_proj", (E, inter, H))
+        gate_up, down = (lambda e, w=w: w[e].t() for w in fused)
+    gate_up_bias = t.get(x + "gate_up_proj_bias", (E, 2 * inter))
+    down_bias = t.get(x + "down_proj_bias", (E, H))
+    experts = []
+    for e in range(E):
+        gu = gate_up(e)  # [2I, H], rows gate, up, gate, up, ...
+        experts.append(ExpertWeights(
+            w1=gu[0::2].contiguous(), w3=gu[1::2].contiguous(), w2=down(e).contiguous(),
+            b1=gate_up_bias[e, 0::2].contiguous(), b3=gate_up_bias[e, 1::2].contiguous(),
+            b2=down_bias[e],
+        ))  # fmt: skip
+    for name in t.where:
+        if name.startswith(x) and not name.endswith("down_proj_bias"):
+            t.release(name)
+    w = _layer(t, arch, p, p + "mlp.router.weight", tuple(experts))
+    sinks = t.get(p + "self_attn.sinks", (arch.num_attention_heads,))
+    return dataclasses.replace(w, sinks=sinks)
+
+
 def _layer(t: _Tensors, arch: ModelArch, p: str, router: str | None, experts) -> LayerWeights:
     """A layer under the Llama-style names, with what its family adds (dense_shapes)."""
     a = p + "self_attn."
@@ -167,7 +230,8 @@ def _layer(t: _Tensors, arch: ModelArch, p: str, router: str | None, experts) ->
              "shared_w1": p + "mlp.shared_expert.gate_proj.weight",
              "shared_w3": p + "mlp.shared_expert.up_proj.weight",
              "shared_w2": p + "mlp.shared_expert.down_proj.weight",
-             "shared_gate": p + "mlp.shared_expert_gate.weight"}  # fmt: skip
+             "shared_gate": p + "mlp.shared_expert_gate.weight", "bo": a + "o_proj.bias",
+             "router_bias": router and router.removesuffix("weight") + "bias"}  # fmt: skip
     shapes = dense_shapes(arch)
     return LayerWeights(**{n: t.get(names[n], shape) for n, shape in shapes.items()},
                         experts=experts)  # fmt: skip
@@ -229,6 +293,7 @@ _GLOBAL_NAMES = {  # model_type -> (embedding, final norm)
     "qwen2_moe": _LLAMA_NAMES,
     "qwen3_moe": _LLAMA_NAMES,
     "olmoe": _LLAMA_NAMES,
+    "gpt_oss": _LLAMA_NAMES,
 }
 _LAYER_READERS: dict[str, Callable[[_Tensors, ModelArch, int], LayerWeights]] = {
     "mixtral": _mixtral_layer,
@@ -236,6 +301,7 @@ _LAYER_READERS: dict[str, Callable[[_Tensors, ModelArch, int], LayerWeights]] = 
     "qwen2_moe": _qwen_layer,
     "qwen3_moe": _qwen_layer,
     "olmoe": _qwen_layer,
+    "gpt_oss": _gpt_oss_layer,
 }
 SUPPORTED_MODEL_TYPES = tuple(_LAYER_READERS)  # what the executor reads (the planner: hf_config)
 
@@ -282,6 +348,7 @@ def read_arch(directory: str | os.PathLike) -> ModelArch:
             f"{config_path}: model_type {model_type!r} cannot be run; the executor runs "
             f"{', '.join(SUPPORTED_MODEL_TYPES)}"
         )
+    check_stored_format(config, model_type, str(config_path))
     arch = ModelArch.from_hf_config(config, name=directory.name, where=str(config_path))
     generation_path = directory / "generation_config.json"
     if generation_path.is_file():
@@ -370,22 +437,23 @@ def random_checkpoint(
 
     def new_layer(kind: ModelArch) -> LayerWeights:
         expert = expert_shapes(kind)
+        sinks = dense_tensor("sinks", (kind.num_attention_heads,)) if kind.attention_sinks else None
         return LayerWeights(
             **{n: dense_tensor(n, shape) for n, shape in dense_shapes(kind).items()},
             experts=tuple(
-                ExpertWeights(**{n: weight(*expert[n]) for n in ("w1", "w3", "w2")})
+                ExpertWeights(**{n: dense_tensor(n, shape) for n, shape in expert.items()})
                 for _ in range(kind.num_experts)
             ),
+            sinks=sinks,
         )
 
+    def clones(w):
+        return {f.name: getattr(w, f.name).clone() for f in dataclasses.fields(w)
+                if isinstance(getattr(w, f.name), torch.Tensor)}  # fmt: skip
+
     def copy(w: LayerWeights) -> LayerWeights:
-        return dataclasses.replace(
-            w,
-            **{f.name: getattr(w, f.name).clone() for f in dataclasses.fields(w)
-               if isinstance(getattr(w, f.name), torch.Tensor)},
-            experts=tuple(ExpertWeights(w1=e.w1.clone(), w3=e.w3.clone(), w2=e.w2.clone())
-                          for e in w.experts),
-        )  # fmt: skip
+        experts = tuple(ExpertWeights(**clones(e)) for e in w.experts)
+        return dataclasses.replace(w, **clones(w), experts=experts)
 
     firsts: dict[bool, LayerWeights] = {}
     layers = []

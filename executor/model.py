@@ -1,5 +1,5 @@
-"""The forward pass of Mixtral, DBRX, Qwen2-MoE, Qwen3-MoE and OLMoE, split into the paper's
-three stages.
+"""The forward pass of Mixtral, DBRX, Qwen2-MoE, Qwen3-MoE, OLMoE and gpt-oss, split into the
+paper's three stages.
 
 PreAttn (norm, QKV projection, rotary), Attn (KV append and attention) and PostAttn (O projection,
 residual, norm, router, experts) are separate methods so that a schedule can interleave them
@@ -14,6 +14,7 @@ E = experts, K = experts per token, I = expert width, A = token-expert assignmen
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 
@@ -36,17 +37,62 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+def rms_norm_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """gpt-oss's RMSNorm: scaled in fp32, then rounded (transformers keeps its weight fp32)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.float() * xf).to(x.dtype)
+
+
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """DBRX's LayerNorm without bias."""
     return F.layer_norm(x, (x.shape[-1],), weight, None, eps)
 
 
-def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+NORMS = {"rmsnorm": rms_norm, "rmsnorm_fp32": rms_norm_fp32, "layernorm": layer_norm}
+
+
+def inverse_frequencies(arch) -> tuple[torch.Tensor, float]:
+    """Rotary inverse frequencies [D/2] and the factor cos and sin are scaled by: plain, or
+    rescaled by YaRN (arch.rope_scaling), as transformers' modeling_rope_utils computes them."""
+    dim, base = arch.head_dim, arch.rope_theta
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    if not arch.rope_scaling:
+        return inv_freq, 1.0
+    y = dict(arch.rope_scaling)
+    factor, original = y["factor"], y["original_max_position_embeddings"]
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    scaling = y["attention_factor"]
+    if scaling is None:
+        both = y["mscale"] and y["mscale_all_dim"]
+        scaling = (
+            mscale(factor, y["mscale"]) / mscale(factor, y["mscale_all_dim"])
+            if both
+            else mscale(factor)
+        )
+
+    def correction(rotations: float) -> float:  # the dimension that turns `rotations` times
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction(y["beta_fast"]), correction(y["beta_slow"])
+    if y["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolated = 1 - ramp  # the share of each frequency kept as it was
+    inv_freq = (inv_freq / factor) * (1 - extrapolated) + inv_freq * extrapolated
+    return inv_freq, float(scaling)
+
+
+def rotary_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype, scaling: float = 1.0):
     """cos and sin [T, D] for integer positions [T], computed in fp32 as transformers does."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
     freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]  # [T, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -78,7 +124,15 @@ class MoEModel:
         self.weights = checkpoint.weights
         self.dtype = checkpoint.dtype
         self.device = checkpoint.weights.embed.device if device is None else torch.device(device)
-        self._norm = rms_norm if self.arch.norm == "rmsnorm" else layer_norm
+        self._norm = NORMS[self.arch.norm]
+        self._inv_freq, self._rope_scaling = inverse_frequencies(self.arch)
+        # gpt-oss's sinks in fp32, per layer, and a copy on each other device that attends
+        self._sinks = {
+            i: w.sinks.to(torch.float32, copy=True)
+            for i, w in enumerate(self.weights.layers)
+            if w.sinks is not None
+        }
+        self._sinks_on: dict[tuple[int, torch.device], torch.Tensor] = {}
         dtype_name = str(self.dtype).removeprefix("torch.")
         if self.device.type != "cpu":
             cpu_gemm = None
@@ -149,7 +203,17 @@ class MoEModel:
         return self.weights.embed[token_ids]  # [T, H]
 
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return rotary_tables(positions, self.arch.head_dim, self.arch.rope_theta, self.dtype)
+        return rotary_tables(positions, self._inv_freq, self.dtype, self._rope_scaling)
+
+    def attention_terms(self, layer: int, device: torch.device) -> dict:
+        """What a layer's attention adds to causal attention: its window and sinks (on `device`)."""
+        terms: dict = {"window": self.arch.window(layer)}
+        if layer in self._sinks:
+            key = (layer, torch.device(device))
+            if key not in self._sinks_on:
+                self._sinks_on[key] = self._sinks[layer].to(device)
+            terms["sinks"] = self._sinks_on[key]
+        return terms
 
     # -- PreAttn -------------------------------------------------------------------------------
 
@@ -184,25 +248,29 @@ class MoEModel:
         cache: KVCache,
         batch_idx: torch.Tensor,
         slot_idx: torch.Tensor,
+        cache_layer: int | None = None,
     ) -> torch.Tensor:
         """Store the prompts' K/V and attend causally: packed q [T, nq, D] -> [T, nq*D] (the
-        stage `hrm profile` times for the prefill attention curve)."""
-        return store_and_attend_prompts(cache, layer, q, k, v, batch_idx, slot_idx)
+        stage `hrm profile` times for the prefill attention curve); `layer`'s K/V go to the
+        cache's `cache_layer` (default: `layer`; a transient one-layer cache's 0)."""
+        at = layer if cache_layer is None else cache_layer
+        terms = self.attention_terms(layer, q.device)
+        return store_and_attend_prompts(cache, at, q, k, v, batch_idx, slot_idx, **terms)
 
-    @staticmethod
     def decode_attention(
-        layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache
     ) -> torch.Tensor:
         """Append one token per sequence, attend to every cached slot: [B, nq, D] -> [B, nq*D]
         (the stage `hrm profile` times for the attention curve)."""
-        return append_and_attend(cache, layer, q, k, v)
+        return append_and_attend(cache, layer, q, k, v, **self.attention_terms(layer, q.device))
 
     # -- PostAttn ------------------------------------------------------------------------------
 
     def post_attention(self, w: LayerWeights, attn: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """O projection, residual, norm, router, experts and the shared expert where the family
         has one: [T, nq*D], [T, H] -> [T, H]."""
-        h = h + self.linear(attn, w.wo)  # [T, H]
+        o = self.linear(attn, w.wo)
+        h = h + (o if w.bo is None else o + w.bo)  # [T, H]
         x = self._norm(h, w.ffn_norm, self.arch.norm_eps)  # [T, H]
         out = self.experts(w, x)
         if w.shared_w1 is not None:  # Qwen2-MoE: routed + sigmoid(gate) * shared
@@ -220,7 +288,13 @@ class MoEModel:
         if w.router is None:  # a dense layer: every token to its MLP, the one expert, weight 1
             ones = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)
             return ones, torch.zeros(x.shape[0], 1, dtype=torch.long, device=x.device)
-        probs = torch.softmax(self.linear(x, w.router).float(), dim=-1)  # [T, E]
+        logits = self.linear(x, w.router)  # [T, E]
+        if w.router_bias is not None:
+            logits = logits + w.router_bias
+        if a.routing == "topk_softmax":  # gpt-oss: in the model's dtype, as transformers does
+            top_l, top_i = torch.topk(logits, a.experts_per_token, dim=-1)
+            return torch.softmax(top_l, dim=-1), top_i
+        probs = torch.softmax(logits.float(), dim=-1)  # [T, E]
         top_w, top_i = torch.topk(probs, a.experts_per_token, dim=-1)  # [T, K]
         if a.renormalize_top_k:  # Mixtral
             top_w = top_w / top_w.sum(dim=-1, keepdim=True)
@@ -248,9 +322,8 @@ class MoEModel:
         # fp32 copy of all A rows exists at once (planner/memory.py counts the workspace).
         for e, n in enumerate(counts):
             if n:
-                ex, rows = w.experts[e], slice(start, start + n)
-                hidden = F.silu(self.linear(xs[rows], ex.w1)) * self.linear(xs[rows], ex.w3)
-                ys[rows] = self.linear(hidden, ex.w2) * scale[rows]  # [n, H], rounded
+                rows = slice(start, start + n)
+                ys[rows] = self.expert(w.experts[e], xs[rows]) * scale[rows]  # [n, H], rounded
                 start += n
         del xs
         # index_add_ would add in index order on a CPU, but on CUDA it adds with atomics in any
@@ -264,6 +337,20 @@ class MoEModel:
         for k in range(1, K):
             out = out + by_token[:, k]
         return out  # [T, H]
+
+    def expert(self, ex, x: torch.Tensor) -> torch.Tensor:
+        """One expert's MLP on its rows: SwiGLU, or gpt-oss's clamped GLU with biases."""
+        gate, up = self.linear(x, ex.w1), self.linear(x, ex.w3)
+        if ex.b1 is not None:
+            gate, up = gate + ex.b1, up + ex.b3
+        limit = self.arch.swiglu_limit
+        if limit is None:
+            hidden = F.silu(gate) * up
+        else:
+            gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+            hidden = (up + 1) * (gate * torch.sigmoid(gate * self.arch.swiglu_alpha))
+        out = self.linear(hidden, ex.w2)
+        return out if ex.b2 is None else out + ex.b2
 
     # -- output --------------------------------------------------------------------------------
 

@@ -20,7 +20,6 @@ import torch
 
 from executor.checkpoint import ExpertWeights, ModelWeights
 from hrm.formats import BITS, group_size, is_compact, is_quantized
-from hrm.rules.placement import EXPERT_TENSORS
 
 
 def quantize(w: torch.Tensor, weight_dtype: str) -> torch.Tensor:
@@ -97,7 +96,13 @@ def dequantized_weights(weights: ModelWeights, fmt: str) -> ModelWeights:
             if isinstance(getattr(w, f.name), torch.Tensor)
         }
         experts = tuple(
-            ExpertWeights(**{n: dequantized(getattr(e, n), n, fmt) for n in EXPERT_TENSORS})
+            ExpertWeights(
+                **{
+                    f.name: dequantized(getattr(e, f.name), f.name, fmt)
+                    for f in dataclasses.fields(e)
+                    if getattr(e, f.name) is not None
+                }
+            )
             for e in w.experts
         )
         layers.append(dataclasses.replace(w, **dense, experts=experts))

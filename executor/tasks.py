@@ -223,7 +223,8 @@ class TaskBuilder:
                 keys = cache.values(fetched_k[: end + 1].permute(1, 2, 0, 3))  # [b, nkv, end+1, D]
                 values = cache.values(fetched_v[: end + 1].permute(1, 2, 0, 3))
                 mask = mb.cache.mask(end + 1, self.device)
-                mb.buffers["attn"] = attend_one_step(q, keys, values, mask)
+                terms = self.model.attention_terms(layer, self.device)
+                mb.buffers["attn"] = attend_one_step(q, keys, values, mask, **terms)
 
             return Task(
                 run_prefetched, reads=(buf.qkv(j),), writes=(buf.attn(j), buf.prefetch(turn))
@@ -249,7 +250,7 @@ class TaskBuilder:
                 )
                 cache.start(mb.lens, mb.padded_len)
                 attn = self.model.prefill_attention(
-                    0, q, k, v, cache, p["batch_idx"], p["slot_idx"]
+                    layer, q, k, v, cache, p["batch_idx"], p["slot_idx"], cache_layer=0
                 )
                 mb.buffers["kv_device"] = (cache.k[0], cache.v[0])
             else:

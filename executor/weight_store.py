@@ -38,6 +38,7 @@ from hrm.rules.placement import (
     WeightPlacement,
     cut_pages,
     dense_shapes,
+    expert_shapes,
     streamed_tensors,
 )
 
@@ -87,6 +88,10 @@ class _Layout:
     def dense_names(self) -> tuple[str, ...]:
         return tuple(dense_shapes(self.arch))  # the kind's LayerWeights fields
 
+    @property
+    def expert_names(self) -> tuple[str, ...]:
+        return tuple(expert_shapes(self.arch))  # the kind's ExpertWeights fields
+
 
 class WeightStore:
     """Resident weights, host arenas, the device's page slots and the page table."""
@@ -135,7 +140,7 @@ class WeightStore:
             if take_over:
                 for t in (getattr(w, n) for n in layout.dense_names):
                     release_host_tensor(t)
-                for t in (getattr(e, n) for e in w.experts for n in EXPERT_TENSORS):
+                for t in (getattr(e, n) for e in w.experts for n in layout.expert_names):
                     release_host_tensor(t)
         self.pins = HostPins()
         self.pinned = False
@@ -179,7 +184,7 @@ class WeightStore:
         compact format with its values, dequantized there, as a streamed copy would be."""
         p = layout.placement
         keys = [(n,) for n in layout.dense_names] if p.dense_resident else []
-        keys += [(e, n) for e in range(p.resident_experts) for n in EXPERT_TENSORS]
+        keys += [(e, n) for e in range(p.resident_experts) for n in layout.expert_names]
         return {
             k: dequantized(_copy_to(_tensor(w, k), self.device), k[-1], self.format) for k in keys
         }
@@ -258,12 +263,12 @@ class WeightStore:
         return LayerWeights(**{n: dense(n) for n in layout.dense_names}, experts=experts)
 
     def _expert(self, layer: int, e: int) -> ExpertWeights:
-        resident = self.resident[layer]
+        resident, names = self.resident[layer], self._layout(layer).expert_names
         if (e, "w1") in resident:
-            return ExpertWeights(**{n: resident[(e, n)] for n in EXPERT_TENSORS})
+            return ExpertWeights(**{n: resident[(e, n)] for n in names})
         dense = self.arch.is_dense(layer)
         views = self._read_views(self.page_table[(layer, e)])[dense]
-        return ExpertWeights(**{n: views[(e, n)] for n in EXPERT_TENSORS})
+        return ExpertWeights(**{n: views[(e, n)] for n in names})
 
     def _read_views(self, slot: int) -> dict:
         """The views the layers read a layer in `slot` through: a compact format's one 16-bit

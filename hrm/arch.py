@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from hrm.errors import HrmError
 from hrm.formats import is_compact, row_bytes
 from hrm.hf_config import MODEL_TYPES, PARSERS, eos_token_ids
@@ -27,6 +29,12 @@ COUNTS = ("num_layers", "hidden_size", "intermediate_size", "num_attention_heads
           "num_key_value_heads", "head_dim", "num_experts", "experts_per_token",
           "vocab_size")  # fmt: skip
 QK_NORMS = ("head", "projection")  # RMSNorm per head over d (Qwen3-MoE), or over nq*d (OLMoE)
+# "rmsnorm" (Mixtral: scale after rounding back), "rmsnorm_fp32" (gpt-oss: scale in fp32, then
+# round), "layernorm" (DBRX: LayerNorm without bias)
+NORMS = ("rmsnorm", "rmsnorm_fp32", "layernorm")
+# "softmax_topk": softmax over every expert, then the top k (Mixtral, Qwen, DBRX); "topk_softmax":
+# the top k logits, then a softmax over those k (gpt-oss)
+ROUTINGS = ("softmax_topk", "topk_softmax")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,7 +51,7 @@ class ModelArch:
     experts_per_token: int  # k
     vocab_size: int
     tie_word_embeddings: bool = False
-    norm: str = "rmsnorm"  # "rmsnorm" (Mixtral) or "layernorm" (DBRX: LayerNorm without bias)
+    norm: str = "rmsnorm"  # one of NORMS
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     clip_qkv: float | None = None  # DBRX clamps q, k, v to [-clip, clip]
@@ -61,6 +69,22 @@ class ModelArch:
     qk_norm: str | None = None  # RMSNorm of q and k before rotary: one of QK_NORMS, or None
     eos_token_ids: tuple[int, ...] = ()  # generation stops at any of these; () never stops early
     max_position_embeddings: int | None = None  # longest context the model was made for
+    # what gpt-oss adds: a learned logit per head in each attention softmax's denominator (the
+    # "sink"); layers whose queries see only the last `sliding_window` keys, themselves included;
+    # biases on the O projection, the router and each expert's projections; the clamped GLU
+    # (gate <= limit, |up| <= limit, (up + 1) * gate * sigmoid(alpha * gate)); the router's
+    # softmax over its top k logits; rotary frequencies rescaled by YaRN
+    attention_sinks: bool = False
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
+    output_bias: bool = False
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
+    routing: str = "softmax_topk"  # one of ROUTINGS
+    # rope_scaling's fields as (name, value) pairs, sorted (hashable); () for plain rotary
+    rope_scaling: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         for name in COUNTS:
@@ -72,6 +96,15 @@ class ModelArch:
             )
         if self.qk_norm not in (None, *QK_NORMS):
             raise HrmError(f"{self.name}: qk_norm {self.qk_norm!r} is not one of {QK_NORMS}")
+        for field, allowed in (("norm", NORMS), ("routing", ROUTINGS)):
+            if getattr(self, field) not in allowed:
+                raise HrmError(
+                    f"{self.name}: {field} {getattr(self, field)!r} is not one of {allowed}"
+                )
+        sliding = tuple(sorted({i for i in self.sliding_layers if i < self.num_layers}))
+        object.__setattr__(self, "sliding_layers", sliding)
+        if sliding:
+            positive_int(self.sliding_window, where=f"{self.name}: sliding_window")
         dense = tuple(sorted({i for i in self.dense_layers if i < self.num_layers}))
         if any(i < 0 for i in dense):
             raise HrmError(f"{self.name}: dense layer indices must be >= 0, got {dense}")
@@ -95,6 +128,23 @@ class ModelArch:
                 f"give 1 to {self.num_layers}"
             )
         return dataclasses.replace(self, num_layers=layers)
+
+    # -- attention windows ---------------------------------------------------------------------
+
+    def window(self, layer: int) -> int | None:
+        """The keys a query of `layer` sees, itself included (None: every earlier one)."""
+        return self.sliding_window if layer in self.sliding_layers else None
+
+    def mean_keys(self, context):
+        """Keys a query reads at `context` (a number or an array of them), averaged over the
+        layers: what decode attention reads, a sliding layer at most its window."""
+        sliding = len(self.sliding_layers)
+        if not sliding:
+            return context
+        full = self.num_layers - sliding
+        return (
+            full * context + sliding * np.minimum(context, self.sliding_window)
+        ) / self.num_layers
 
     # -- kinds of layer ------------------------------------------------------------------------
 
@@ -178,6 +228,7 @@ class ModelArch:
         params = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
         if self.attention_bias:
             params += self.q_size + 2 * self.kv_size
+        params += h * self.output_bias  # (sinks, nq a layer, are the model's attention state)
         return params + self.qk_norm_params
 
     @property
@@ -188,8 +239,9 @@ class ModelArch:
 
     @property
     def expert_params(self) -> int:
-        """One expert: gate (w1), up (w3) and down (w2) projections."""
-        return 3 * self.hidden_size * self.intermediate_size
+        """One expert: gate (w1), up (w3) and down (w2) projections (and their biases, gpt-oss)."""
+        h, i = self.hidden_size, self.intermediate_size
+        return 3 * h * i + (2 * i + h) * self.expert_bias
 
     @property
     def experts_params(self) -> int:
@@ -204,7 +256,7 @@ class ModelArch:
 
     @property
     def router_params(self) -> int:
-        return 0 if self.ffn_is_dense else self.hidden_size * self.num_experts
+        return 0 if self.ffn_is_dense else (self.hidden_size + self.router_bias) * self.num_experts
 
     @property
     def norm_params(self) -> int:
@@ -267,6 +319,11 @@ class ModelArch:
             geometry |= {
                 "dense_layers": list(self.dense_layers),
                 "dense_intermediate_size": self.dense_intermediate_size,
+            }
+        if self.sliding_layers:
+            geometry |= {
+                "sliding_layers": list(self.sliding_layers),
+                "sliding_window": self.sliding_window,
             }
         return geometry
 

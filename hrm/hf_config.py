@@ -1,7 +1,8 @@
 """The config.json field names of each supported family, read into ModelArch's fields.
 
 The one place that knows them (docs/architecture.md): each parser returns the keyword arguments
-of hrm.arch.ModelArch for one model_type. Supported: mixtral, dbrx, qwen2_moe, qwen3_moe, olmoe.
+of hrm.arch.ModelArch for one model_type. Supported: mixtral, dbrx, qwen2_moe, qwen3_moe, olmoe,
+gpt_oss.
 """
 
 from __future__ import annotations
@@ -11,7 +12,12 @@ from typing import Any
 
 from hrm.errors import HrmError
 
-MODEL_TYPES = ("mixtral", "dbrx", "qwen2_moe", "qwen3_moe", "olmoe")
+MODEL_TYPES = ("mixtral", "dbrx", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+# the rope_scaling fields YaRN reads (transformers' _compute_yarn_parameters), with its defaults
+YARN_FIELDS = {"factor": None, "original_max_position_embeddings": None, "beta_fast": 32.0,
+               "beta_slow": 1.0, "truncate": True, "attention_factor": None, "mscale": None,
+               "mscale_all_dim": None}  # fmt: skip
 
 
 def _llama_like(c: Mapping[str, Any], width: str, experts: int) -> dict[str, Any]:
@@ -147,6 +153,58 @@ def _olmoe(c: Mapping[str, Any]) -> dict[str, Any]:
     return fields
 
 
+def _gpt_oss(c: Mapping[str, Any]) -> dict[str, Any]:
+    """gpt-oss: sinks, sliding layers where layer_types says, biases everywhere, the clamped GLU,
+    a biased router that softmaxes its top k, YaRN rotary, norms scaled in fp32."""
+    fields = _mixtral({**c, "num_local_experts": _num_experts(c)})
+    types = c.get("layer_types") or ["full_attention"] * c["num_hidden_layers"]
+    if (
+        not isinstance(types, list)
+        or len(types) != c["num_hidden_layers"]
+        or any(t not in LAYER_TYPES for t in types)
+    ):
+        raise HrmError(
+            f"layer_types must list one of {LAYER_TYPES} per layer "
+            f"({c['num_hidden_layers']}), got {types!r}"
+        )
+    sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    fields.update(
+        norm="rmsnorm_fp32",
+        rope_theta=float(_rope_theta(c, 150000.0)),
+        attention_bias=bool(c.get("attention_bias", True)),
+        output_bias=bool(c.get("attention_bias", True)),
+        attention_sinks=True,
+        sliding_window=c.get("sliding_window") if sliding else None,
+        sliding_layers=sliding,
+        router_bias=True,
+        expert_bias=True,
+        swiglu_limit=float(c.get("swiglu_limit", 7.0)),
+        routing="topk_softmax",
+        renormalize_top_k=False,
+        rope_scaling=rope_scaling(c),
+    )
+    return fields
+
+
+def rope_scaling(c: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """rope_scaling (or transformers 5.x's rope_parameters) as sorted (field, value) pairs: ()
+    for plain rotary, YaRN's fields with their defaults filled in; other kinds are refused."""
+    params = c.get("rope_scaling") or c.get("rope_parameters") or {}
+    if not isinstance(params, Mapping):
+        raise HrmError(f"rope_scaling must be an object or null, got {params!r}")
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return ()
+    if kind != "yarn":
+        raise HrmError(f"rope_type {kind!r} is not supported; supported: default, yarn")
+    values = {name: params.get(name, default) for name, default in YARN_FIELDS.items()}
+    if values["factor"] is None or values["original_max_position_embeddings"] is None:
+        raise HrmError(
+            "rope_scaling of type yarn needs factor and original_max_position_embeddings"
+        )
+    return (("rope_type", "yarn"), *sorted(values.items()))
+
+
 def eos_token_ids(config: Mapping[str, Any], where: str = "config.json") -> tuple[int, ...]:
     """`eos_token_id` of a config.json or generation_config.json: an int, a list of ints or null."""
     value = config.get("eos_token_id")
@@ -171,5 +229,6 @@ PARSERS = {
     "qwen2_moe": _qwen2_moe,
     "qwen3_moe": _qwen3_moe,
     "olmoe": _olmoe,
+    "gpt_oss": _gpt_oss,
 }
 assert set(PARSERS) == set(MODEL_TYPES)

@@ -94,12 +94,26 @@ def test_qwen2_moe_and_olmoe_parse():
         ("qwen3-235b-a22b", 235e9, 22e9),
         ("qwen2-57b-a14b", 57.4e9, 14e9),
         ("olmoe-1b-7b", 6.9e9, 1.3e9),
+        # OpenAI's card (2025-08-05): 116.83B / 5.13B and 20.91B / 3.61B; its active count
+        # leaves out the embedding (a lookup, 201088 x 2880), ours counts it
+        ("gpt-oss-120b", 116.83e9, 5.13e9 + 201088 * 2880),
+        ("gpt-oss-20b", 20.91e9, 3.61e9 + 201088 * 2880),
     ],
 )
 def test_bundled_families_count_the_parameters_their_cards_publish(name, total, active):
     arch = resolve_model(name)
     assert arch.total_params == pytest.approx(total, rel=0.015)
     assert arch.active_params == pytest.approx(active, rel=0.03)
+
+
+def test_gpt_oss_slides_every_other_layer_and_reads_no_more_than_its_window():
+    arch = resolve_model("gpt-oss-120b")
+    assert arch.sliding_layers == tuple(range(0, 36, 2)) and arch.sliding_window == 128
+    assert arch.window(0) == 128 and arch.window(1) is None
+    assert arch.mean_keys(100) == 100  # within the window every layer reads every key
+    assert arch.mean_keys(4096) == (4096 + 128) / 2
+    assert dict(arch.rope_scaling)["factor"] == 32.0 and arch.routing == "topk_softmax"
+    assert arch.geometry()["sliding_layers"] == list(range(0, 36, 2))
 
 
 def test_each_family_says_what_its_layers_add():

@@ -91,15 +91,19 @@ def attention_op(
     bytes = dt*(2*b*nq*d) for q and the output + dt*(2*b*c*nkv*d) for K and V (reference, section 1;
     the paper's formula counts the two matmuls in MACs, i.e. half these FLOPs).
     Prefill (s = c, causal): each of the s queries sees on average (s+1)/2 keys.
+    A sliding layer's query reads at most its window: decode's c is the mean over the layers of
+    the keys each reads (ModelArch.mean_keys), what the executor's decode attention reads.
     """
     adt = dtype_bytes(ACTIVATION_DTYPE)
     nq, d = arch.num_attention_heads, arch.head_dim
-    keys_per_query = context if new_tokens == 1 else (new_tokens + 1) / 2.0
+    # keys a query reads in decode; a prefill reads and writes every slot of its prompts
+    keys = arch.mean_keys(context) if new_tokens == 1 else context
+    keys_per_query = keys if new_tokens == 1 else (new_tokens + 1) / 2.0
     pairs = batch * new_tokens * keys_per_query  # (query, key) pairs per head
     return Op(
         name="attention",
         flops=4.0 * pairs * nq * d + 5.0 * pairs * nq,
-        kv_bytes=batch * context * arch.kv_token_bytes(kv_dtype),
+        kv_bytes=batch * keys * arch.kv_token_bytes(kv_dtype),
         activation_bytes=2.0 * batch * new_tokens * nq * d * adt,
     )
 

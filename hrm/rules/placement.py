@@ -31,7 +31,7 @@ from hrm.policy import compute_bytes
 # (planner/memory.py counts it; executor/runtime.py chunks by it).
 PREFILL_CHUNK_TOKENS = 8192
 
-EXPERT_TENSORS = ("w1", "w3", "w2")
+EXPERT_TENSORS = ("w1", "w3", "w2")  # an expert's projections; expert_shapes adds its biases
 # requested fractions within this of a placement boundary reach it (float noise from the MILP)
 _TOLERANCE = 1e-9
 
@@ -44,6 +44,8 @@ def dense_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
     shapes = {"attn_norm": (h,), "wq": (q, h), "wk": (kv, h), "wv": (kv, h), "wo": (h, q)}
     if arch.attention_bias:
         shapes |= {"bq": (q,), "bk": (kv,), "bv": (kv,)}
+    if arch.output_bias:
+        shapes |= {"bo": (h,)}
     if arch.qk_norm == "head":
         shapes |= {"q_norm": (arch.head_dim,), "k_norm": (arch.head_dim,)}
     elif arch.qk_norm == "projection":
@@ -51,6 +53,8 @@ def dense_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
     shapes |= {"ffn_norm": (h,)}
     if not arch.ffn_is_dense:  # a dense layer's MLP is its one expert, taken without a router
         shapes |= {"router": (arch.num_experts, h)}
+        if arch.router_bias:
+            shapes |= {"router_bias": (arch.num_experts,)}
     if arch.shared_expert_intermediate_size:
         si = arch.shared_expert_intermediate_size
         shapes |= {"shared_w1": (si, h), "shared_w3": (si, h), "shared_w2": (h, si)}
@@ -59,8 +63,13 @@ def dense_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
 
 
 def expert_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
+    """Shapes of one expert's tensors, the ExpertWeights fields this family has, in arena order
+    (w1 first: the weight store maps an expert by where its w1 lies)."""
     h, i = arch.hidden_size, arch.intermediate_size
-    return {"w1": (i, h), "w3": (i, h), "w2": (h, i)}
+    shapes = {"w1": (i, h), "w3": (i, h), "w2": (h, i)}
+    if arch.expert_bias:
+        shapes |= {"b1": (i,), "b3": (i,), "b2": (h,)}
+    return shapes
 
 
 def _elements(shapes: dict[str, tuple[int, ...]]) -> int:
@@ -235,7 +244,7 @@ def streamed_tensors(arch: ModelArch, placement: WeightPlacement) -> list[tuple[
     if not placement.dense_resident:
         names += [((n,), shape) for n, shape in dense_shapes(arch).items()]
     for e in placement.streamed_experts:
-        names += [((e, n), expert_shapes(arch)[n]) for n in EXPERT_TENSORS]
+        names += [((e, n), shape) for n, shape in expert_shapes(arch).items()]
     return names
 
 

@@ -82,6 +82,49 @@ def _qwen_family_config(model_type: str, **overrides):
     return AutoConfig.for_model(model_type, **(fields | overrides))
 
 
+# gpt-oss at the tiny shape: layers 0 and 2 slide over 6 keys (the prompts are up to 12 long and
+# 16 tokens follow), YaRN as the released models have it, a head_dim of its own
+GPT_OSS_WINDOW = 6
+
+
+def _gpt_oss_config(**overrides):
+    from transformers import GptOssConfig
+
+    fields = _TINY | dict(
+        intermediate_size=EXPERT_WIDTH, num_local_experts=EXPERTS, head_dim=24, pad_token_id=None,
+        max_position_embeddings=131072,
+        sliding_window=GPT_OSS_WINDOW,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                         "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False},
+    )  # fmt: skip
+    return GptOssConfig(**(fields | overrides))
+
+
+def save_gpt_oss(path: Path, seed: int) -> Path:
+    """A random gpt-oss whose every term counts: transformers initialises biases to zero and
+    norms to one, so biases, sinks and norms are drawn here; the experts' pre-activations pass
+    the GLU's clamp of 7."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(_gpt_oss_config()).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, t in model.named_parameters():
+            if name.endswith("norm.weight"):
+                t.copy_(1 + 0.1 * torch.randn(t.shape, generator=g))
+            elif name.endswith(("bias", "sinks")):
+                t.copy_(0.5 * torch.randn(t.shape, generator=g))
+            elif name.endswith("gate_up_proj"):
+                t.copy_(0.6 * torch.randn(t.shape, generator=g))
+            elif name.endswith("down_proj"):
+                t.copy_(0.05 * torch.randn(t.shape, generator=g))
+    model.save_pretrained(path)
+    return path
+
+
 def fuse_experts(src: Path, dst: Path, old: str = "mlp.experts.", new: str = "mlp.experts.",
                  names=("gate_proj", "up_proj", "down_proj")) -> Path:  # fmt: skip
     """Rewrite a checkpoint's per-expert tensors ({old}{e}.{gate, up, down}.weight under each
@@ -172,7 +215,9 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     dense["qwen3_moe-dense-fused"] = fuse_experts(
         dense["qwen3_moe-dense"], root / "qwen3_moe-dense-fused"
     )
+    gpt_oss = save_gpt_oss(root / "gpt_oss", seed=11)
     return {
+        "gpt_oss": gpt_oss,
         **dense,
         "mixtral-single": single,
         "mixtral-sharded": sharded,
@@ -200,6 +245,8 @@ def reference_model(path: Path, dtype: torch.dtype = torch.float32):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(path)
+    if config.model_type == "gpt_oss":  # its reference attention: sinks, in the model's dtype
+        config._attn_implementation = "eager"
     if config.model_type == "dbrx":
         # transformers 5.x reads rope_parameters and ignores attn_config.rope_theta.
         theta = json.loads((path / "config.json").read_text())["attn_config"]["rope_theta"]

@@ -23,12 +23,18 @@ MIXTRAL = ("mixtral-single", "mixtral-sharded", "mixtral-fused")
 # per-expert and fused layouts; 64 experts top-8), OLMoE (q/k norms over the projection), and
 # dense layers among sparse ones (Qwen2-MoE's mlp_only_layers, Qwen3-MoE's decoder_sparse_step)
 DENSE = ("qwen2_moe-dense", "qwen3_moe-dense", "qwen3_moe-dense-fused")
-FAMILIES = ("qwen2_moe", "qwen3_moe", "qwen3_moe-fused", "qwen3_moe-64x8", "olmoe", *DENSE)
+# gpt-oss: sinks, sliding layers, YaRN, biases everywhere, the clamped GLU, MXFP4 experts
+FAMILIES = ("qwen2_moe", "qwen3_moe", "qwen3_moe-fused", "qwen3_moe-64x8", "olmoe", *DENSE,
+            "gpt_oss")  # fmt: skip
 ALL = (*MIXTRAL, "dbrx", *FAMILIES)
 # Logits against transformers' in the same dtype, per step (relative to the largest logit): on
 # the 2026-12-04 checkpoints at most 1.2e-2 in bfloat16 and 1.5e-3 in float16, over both
 # families and both CPU GEMM paths; each tolerance is under twice that.
 TOLERANCE = {"bfloat16": 2e-2, "float16": 3e-3}
+# gpt-oss's reference attention is transformers' eager one, scores and softmax rounded to bf16
+# (ours: fp32, as for every family): 2026-12-05, ours against theirs up to 2.2e-2 while each is
+# at most 1.8e-2 from float32, and ours kept float32's tokens where theirs flipped one
+TOLERANCE_BY_NAME = {("gpt_oss", "bfloat16"): 3e-2}
 
 
 def reference_generate(model, prompts, steps):
@@ -120,7 +126,14 @@ def test_layouts_load_the_same_weights(checkpoints, names):
         ),
         *(
             (name, "bfloat16", "native", False)
-            for name in ("qwen2_moe", "qwen3_moe", "olmoe", "qwen2_moe-dense", "qwen3_moe-dense")
+            for name in (
+                "qwen2_moe",
+                "qwen3_moe",
+                "olmoe",
+                "qwen2_moe-dense",
+                "qwen3_moe-dense",
+                "gpt_oss",
+            )  # fmt: skip
         ),
     ],
 )
@@ -141,7 +154,8 @@ def test_16_bit_logits_within_tolerance_on_each_gemm_path(checkpoints, name, dty
     assert ours_err <= max(2 * theirs_err, 2e-2), f"ours {ours_err:.3g}, theirs {theirs_err:.3g}"
     for step in range(8):
         a, b = ours.step_logits[step], theirs[step]
-        assert relative_error(a, b) <= TOLERANCE[dtype], f"step {step}: {describe(a, b)}"
+        tolerance = TOLERANCE_BY_NAME.get((name, dtype), TOLERANCE[dtype])
+        assert relative_error(a, b) <= tolerance, f"step {step}: {describe(a, b)}"
         if [t[: step + 1] for t in ours.output_token_ids] != [t[: step + 1] for t in theirs_tokens]:
             break  # the runs chose different tokens: later logits are for different inputs
 

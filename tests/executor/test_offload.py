@@ -88,7 +88,7 @@ def resident_tokens(checkpoints):
     return tokens
 
 
-FAMILIES = ("mixtral-single", "mixtral-fused", "dbrx", "qwen2_moe", "qwen3_moe", "olmoe")
+FAMILIES = ("mixtral-single", "mixtral-fused", "dbrx", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss")
 DENSE = ("qwen2_moe-dense", "qwen3_moe-dense")  # dense layers among sparse ones
 
 
