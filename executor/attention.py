@@ -95,8 +95,8 @@ def append_and_attend(
     attend_one_step's window and sinks."""
     cache.write_step(layer, k, v)
     end = cache.length + 1
-    keys, values = cache.view(layer, end)  # [B, nkv, end, D]
-    return attend_one_step(q, keys, values, cache.mask(end, keys.device), **kw)
+    keys, values = cache.view(layer, end)  # [B, nkv, end (a ring: its filled slots), D]
+    return attend_one_step(q, keys, values, cache.mask(end, keys.device, layer), **kw)
 
 
 def store_and_attend_prompts(
@@ -127,7 +127,13 @@ def store_and_attend_prompts(
     q_pad = q.new_zeros(B, L, nkv, G, D)
     q_pad[batch_idx, slot_idx] = q.view(-1, nkv, G, D)  # [B, L, nkv, G, D]
     q_pad = q_pad.permute(0, 2, 3, 1, 4).reshape(B, nkv, G * L, D)  # [B, nkv, G*L, D]
-    keys, values = cache.view(layer, L)  # [B, nkv, L, D]
+    if layer in cache.rings:  # the ring keeps the window; the prompts attend over all slots
+        keys = k.new_zeros(B, nkv, L, D)
+        values = torch.zeros_like(keys)
+        keys[batch_idx, :, slot_idx] = cache.values(cache.stored(k))  # as the cache rounds them
+        values[batch_idx, :, slot_idx] = cache.values(cache.stored(v))
+    else:
+        keys, values = cache.view(layer, L)  # [B, nkv, L, D]
     mask = _prefill_mask(cache, G, keys.device, window)
     if sinks is not None:  # each of the G heads' sink on its L query rows
         rows = sinks.view(nkv, G, 1).expand(nkv, G, L).reshape(nkv, G * L)

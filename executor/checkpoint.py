@@ -172,8 +172,9 @@ def _mixtral_layer(t: _Tensors, arch: ModelArch, layer: int) -> LayerWeights:
 
 
 def _qwen_layer(t: _Tensors, arch: ModelArch, layer: int) -> LayerWeights:
-    """Qwen2-MoE, Qwen3-MoE and OLMoE: Mixtral's attention names, experts under mlp; a dense
-    layer's MLP (mlp.gate_proj, up_proj, down_proj) read as its one expert."""
+    """Qwen2-MoE, Qwen3-MoE, OLMoE and GLM-4.5: Mixtral's attention names, experts under mlp; a
+    dense layer's MLP (mlp.gate_proj, up_proj, down_proj) read as its one expert; GLM's shared
+    experts under mlp.shared_experts and its router's bias as mlp.gate.e_score_correction_bias."""
     p = f"model.layers.{layer}."
     kind = arch.layer_arch(layer)
     if kind.ffn_is_dense:
@@ -183,7 +184,12 @@ def _qwen_layer(t: _Tensors, arch: ModelArch, layer: int) -> LayerWeights:
         experts = _fused_experts(t, kind, p + "mlp.")
     else:
         experts = _experts(t, kind, p + "mlp.experts.", ("gate_proj", "up_proj", "down_proj"))
-    return _layer(t, kind, p, p + "mlp.gate.weight", experts)
+    if arch.model_type != "glm4_moe":
+        return _layer(t, kind, p, p + "mlp.gate.weight", experts)
+    shared = {f"shared_{w}": f"{p}mlp.shared_experts.{n}_proj.weight"
+              for w, n in (("w1", "gate"), ("w3", "up"), ("w2", "down"))}  # fmt: skip
+    bias = p + "mlp.gate.e_score_correction_bias"
+    return _layer(t, kind, p, p + "mlp.gate.weight", experts, router_bias=bias, **shared)
 
 
 def _gpt_oss_layer(t: _Tensors, arch: ModelArch, layer: int) -> LayerWeights:
@@ -219,8 +225,11 @@ def _gpt_oss_layer(t: _Tensors, arch: ModelArch, layer: int) -> LayerWeights:
     return dataclasses.replace(w, sinks=sinks)
 
 
-def _layer(t: _Tensors, arch: ModelArch, p: str, router: str | None, experts) -> LayerWeights:
-    """A layer under the Llama-style names, with what its family adds (dense_shapes)."""
+def _layer(
+    t: _Tensors, arch: ModelArch, p: str, router: str | None, experts, **renamed: str
+) -> LayerWeights:
+    """A layer under the Llama-style names, with what its family adds (dense_shapes); `renamed`:
+    field -> tensor name where a family names one otherwise."""
     a = p + "self_attn."
     names = {"wq": a + "q_proj.weight", "wk": a + "k_proj.weight", "wv": a + "v_proj.weight",
              "wo": a + "o_proj.weight", "bq": a + "q_proj.bias", "bk": a + "k_proj.bias",
@@ -232,6 +241,7 @@ def _layer(t: _Tensors, arch: ModelArch, p: str, router: str | None, experts) ->
              "shared_w2": p + "mlp.shared_expert.down_proj.weight",
              "shared_gate": p + "mlp.shared_expert_gate.weight", "bo": a + "o_proj.bias",
              "router_bias": router and router.removesuffix("weight") + "bias"}  # fmt: skip
+    names |= renamed
     shapes = dense_shapes(arch)
     return LayerWeights(**{n: t.get(names[n], shape) for n, shape in shapes.items()},
                         experts=experts)  # fmt: skip
@@ -294,6 +304,7 @@ _GLOBAL_NAMES = {  # model_type -> (embedding, final norm)
     "qwen3_moe": _LLAMA_NAMES,
     "olmoe": _LLAMA_NAMES,
     "gpt_oss": _LLAMA_NAMES,
+    "glm4_moe": _LLAMA_NAMES,
 }
 _LAYER_READERS: dict[str, Callable[[_Tensors, ModelArch, int], LayerWeights]] = {
     "mixtral": _mixtral_layer,
@@ -302,6 +313,7 @@ _LAYER_READERS: dict[str, Callable[[_Tensors, ModelArch, int], LayerWeights]] = 
     "qwen3_moe": _qwen_layer,
     "olmoe": _qwen_layer,
     "gpt_oss": _gpt_oss_layer,
+    "glm4_moe": _qwen_layer,
 }
 SUPPORTED_MODEL_TYPES = tuple(_LAYER_READERS)  # what the executor reads (the planner: hf_config)
 

@@ -9,6 +9,10 @@ slot-major, [S, B, nkv, D], page-aligned so that it can be pinned: its first `en
 prefetch of a step, are then one contiguous region, one DMA. Every layer is still read and
 written through [B, nkv, S, D] views, so attention does not care which layout it has.
 
+A sliding layer (gpt-oss) keeps only its window: W slots used as a ring, absolute slot s at s % W,
+so each decode step overwrites the one key that left the window. Its slots are read in ring order
+(attention does not care) with the padding mask gathered to match (`mask`).
+
 A compact cache (`int8`, `int4`: hrm/formats.py) holds each (token, head) row as its codes
 then its groups' scales and minima, uint8 [..., row bytes] in place of [..., D]: every layout,
 copy and prefetch above moves those bytes as they are. Writes quantize; `view` gives the rows
@@ -42,20 +46,23 @@ class KVCache:
         layer_devices: list[torch.device] | None = None,
         slot_major: frozenset[int] = frozenset(),
         kv_format: str | None = None,
+        windows: dict[int, int] | None = None,
     ):
         """layer_devices: where each layer's K and V live (default: all on `device`, which also
         holds the padding mask); an offloaded run keeps some layers on the GPU. slot_major: the
         host layers stored slot-major (see the module docstring). kv_format: a compact format
-        the rows are stored in (None: `dtype`)."""
+        the rows are stored in (None: `dtype`). windows: layer -> the keys its queries see; a
+        window shorter than max_len makes the layer a ring of that many slots."""
         self.format, self.dtype, self.head_dim = kv_format, dtype, head_dim
         row = head_dim
         if kv_format is not None:
             row, dtype = row_bytes(head_dim, kv_format), torch.uint8
-        shape = (batch_size, kv_heads, max_len, row)
+        self.rings = {i: w for i, w in (windows or {}).items() if w < max_len}  # layer -> W
         devices = layer_devices or [torch.device(device)] * num_layers
         self.slots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> [S, B, nkv, D]
         self.k, self.v = [], []
         for layer, d in enumerate(devices):
+            shape = (batch_size, kv_heads, self.rings.get(layer, max_len), row)
             if layer in slot_major:
                 k, v = (_slot_major(shape, dtype) for _ in "kv")
                 self.slots[layer] = (k, v)
@@ -74,12 +81,15 @@ class KVCache:
 
     @classmethod
     def for_model(
-        cls, arch, *, batch_size: int, max_len: int, dtype: torch.dtype, num_layers=None, **kw
-    ) -> KVCache:
+        cls, arch, *, batch_size: int, max_len: int, dtype: torch.dtype, num_layers=None,
+        windowed: bool = True, **kw,
+    ) -> KVCache:  # fmt: skip
         """The one place a cache takes a model's dimensions (ModelArch): its key/value heads and
-        head size, every layer unless `num_layers` (a profiler's rotation) says otherwise; `kw`
-        as __init__ (device, layer_devices, slot_major)."""
+        head size, every layer unless `num_layers` (a profiler's rotation) says otherwise, each
+        sliding layer a ring of its window when the cache holds the model's layers (windowed);
+        `kw` as __init__ (device, layer_devices, slot_major, kv_format)."""
         layers = kw.get("layer_devices")
+        windowed = windowed and num_layers is None
         return cls(
             num_layers=num_layers or (len(layers) if layers else arch.num_layers),
             batch_size=batch_size,
@@ -87,8 +97,19 @@ class KVCache:
             max_len=max_len,
             head_dim=arch.head_dim,
             dtype=dtype,
+            windows={i: arch.window(i) for i in arch.sliding_layers} if windowed else None,
             **kw,
         )
+
+    # -- the slots of a layer (a ring's: its window) -------------------------------------------
+
+    def filled(self, layer: int, end: int) -> int:
+        """Slots of `layer` that hold the keys of absolute slots [0, end) a query may read."""
+        return min(end, self.rings[layer]) if layer in self.rings else end
+
+    def position(self, layer: int, slot: int) -> int:
+        """Where absolute slot `slot` lies in `layer`."""
+        return slot % self.rings[layer] if layer in self.rings else slot
 
     @property
     def max_len(self) -> int:
@@ -130,14 +151,35 @@ class KVCache:
         batch_idx: torch.Tensor,
         slot_idx: torch.Tensor,
     ) -> None:
-        """Scatter packed prompt K/V [T, nkv, D] into their (sequence, slot) places."""
+        """Scatter packed prompt K/V [T, nkv, D] into their (sequence, slot) places; a ring keeps
+        the slots of its window."""
+        if layer in self.rings:
+            keep = slot_idx >= self.length - self.rings[layer]
+            batch_idx, slot_idx, k, v = batch_idx[keep], slot_idx[keep], k[keep], v[keep]
+            slot_idx = slot_idx % self.rings[layer]
         self.k[layer][batch_idx, :, slot_idx] = self.stored(k)
         self.v[layer][batch_idx, :, slot_idx] = self.stored(v)
 
+    def write_prompt_slots(self, layer: int, k: torch.Tensor, v: torch.Tensor, **copy) -> None:
+        """The prompts' K/V of all slots [B, nkv, L, D] (a transient device cache's, L = length)
+        into `layer`, a ring's window only, as at most two contiguous copies each; `copy` as
+        Tensor.copy_'s (non_blocking)."""
+        L = self.length
+        start = L - self.filled(layer, L)
+        first = self.position(layer, start)
+        for i, t in enumerate((k, v)):
+            t = t[:, :, start:]
+            if layer in self.slots:  # slot-major [S, B, nkv, D]
+                _copy_wrapped(self.slots[layer][i], t.permute(2, 0, 1, 3).contiguous(), first, 0,
+                              **copy)  # fmt: skip
+            else:  # read by CPU attention in place: [B, nkv, S, D], strided
+                _copy_wrapped((self.k, self.v)[i][layer], t, first, 2, **copy)
+
     def write_step(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append one decode step's K/V [B, nkv, D] at slot `length`."""
-        self.k[layer][:, :, self.length] = self.stored(k)
-        self.v[layer][:, :, self.length] = self.stored(v)
+        at = self.position(layer, self.length)
+        self.k[layer][:, :, at] = self.stored(k)
+        self.v[layer][:, :, at] = self.stored(v)
 
     def stored(self, x: torch.Tensor) -> torch.Tensor:
         """K or V [..., D] as this cache stores its rows."""
@@ -150,9 +192,10 @@ class KVCache:
         return dequantize_rows(rows, self.format, self.head_dim, self.dtype)
 
     def view(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of slots [0, end) as [B, nkv, end, D]: views (no copy), or a compact
-        cache's rows dequantized."""
-        return self.values(self.k[layer][:, :, :end]), self.values(self.v[layer][:, :, :end])
+        """K and V of slots [0, end) as [B, nkv, end, D] (a ring: its filled slots, in ring
+        order): views (no copy), or a compact cache's rows dequantized."""
+        n = self.filled(layer, end)
+        return self.values(self.k[layer][:, :, :n]), self.values(self.v[layer][:, :, :n])
 
     def valid_on(self, device: torch.device) -> torch.Tensor:
         """The padding mask [B, S] on `device` (copied once per batch; it is fixed after start)."""
@@ -162,13 +205,20 @@ class KVCache:
             self._valid_on[device] = self.key_valid.to(device)
         return self._valid_on[device]
 
-    def mask(self, end: int, device: torch.device | None = None) -> torch.Tensor | None:
+    def mask(
+        self, end: int, device: torch.device | None = None, layer: int | None = None
+    ) -> torch.Tensor | None:
         """[B, 1, 1, end] keys a query may see (on `device`, default the mask's own), or None
-        when no sequence is padded."""
+        when no sequence is padded; a ring layer's in its slots' order."""
         if not self.has_padding:
             return None
         valid = self.key_valid if device is None else self.valid_on(device)
-        return valid[:, None, None, :end]
+        if layer not in self.rings or end <= self.rings[layer]:
+            return valid[:, None, None, :end]
+        W = self.rings[layer]
+        r = torch.arange(W, device=valid.device)
+        absolute = r + W * ((end - 1 - r) // W)  # the latest slot < end at each ring position
+        return valid[:, None, None, absolute]
 
     def slot_major_tensors(self) -> list[torch.Tensor]:
         """The slot-major layers' storage (what a CUDA run pins)."""
@@ -181,6 +231,15 @@ class KVCache:
         for t in (*self.k, *self.v):
             out[t.device.type] = out.get(t.device.type, 0.0) + t.numel() * t.element_size()
         return out
+
+
+def _copy_wrapped(dst: torch.Tensor, src: torch.Tensor, first: int, dim: int, **copy) -> None:
+    """src's slots along `dim` into dst's from `first` on, wrapping to dst's start."""
+    n = min(src.shape[dim], dst.shape[dim] - first)
+    dst.narrow(dim, first, n).copy_(src.narrow(dim, 0, n), **copy)
+    if n < src.shape[dim]:
+        rest = src.shape[dim] - n
+        dst.narrow(dim, 0, rest).copy_(src.narrow(dim, n, rest), **copy)
 
 
 def _slot_major(shape: tuple[int, int, int, int], dtype: torch.dtype) -> torch.Tensor:

@@ -55,7 +55,7 @@ NORMS = {"rmsnorm": rms_norm, "rmsnorm_fp32": rms_norm_fp32, "layernorm": layer_
 def inverse_frequencies(arch) -> tuple[torch.Tensor, float]:
     """Rotary inverse frequencies [D/2] and the factor cos and sin are scaled by: plain, or
     rescaled by YaRN (arch.rope_scaling), as transformers' modeling_rope_utils computes them."""
-    dim, base = arch.head_dim, arch.rope_theta
+    dim, base = arch.rotary_dim or arch.head_dim, arch.rope_theta
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
     if not arch.rope_scaling:
         return inv_freq, 1.0
@@ -96,7 +96,11 @@ def rotary_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype, scalin
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, n, D] rotated by the half-split convention of Mixtral and DBRX."""
+    """x [T, n, D] rotated by the half-split convention of Mixtral and DBRX; where cos is
+    narrower than a head (GLM's partial rotary), its leading dims only, the rest passed on."""
+    dim = cos.shape[-1]
+    if dim < x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :dim], cos, sin), x[..., dim:]), dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
@@ -185,9 +189,10 @@ class MoEModel:
         device: torch.device | None = None,
         layer_devices: list[torch.device] | None = None,
         slot_major: frozenset[int] = frozenset(),
+        windowed: bool = True,
     ) -> KVCache:
         """A cache of every layer on `device` (default the model's), or of one layer per entry
-        of layer_devices, each where it says (slot_major: executor/kv_cache.py)."""
+        of layer_devices, each where it says (slot_major, windowed: executor/kv_cache.py)."""
         return KVCache.for_model(
             self.arch,
             batch_size=batch_size,
@@ -197,6 +202,7 @@ class MoEModel:
             layer_devices=layer_devices,
             slot_major=slot_major,
             kv_format=self.kv_format,
+            windowed=windowed,
         )
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -273,11 +279,13 @@ class MoEModel:
         h = h + (o if w.bo is None else o + w.bo)  # [T, H]
         x = self._norm(h, w.ffn_norm, self.arch.norm_eps)  # [T, H]
         out = self.experts(w, x)
-        if w.shared_w1 is not None:  # Qwen2-MoE: routed + sigmoid(gate) * shared
+        if w.shared_w1 is not None:  # routed + shared (Qwen2-MoE: sigmoid(gate) * shared)
             shared = self.linear(
                 F.silu(self.linear(x, w.shared_w1)) * self.linear(x, w.shared_w3), w.shared_w2
             )
-            out = out + torch.sigmoid(self.linear(x, w.shared_gate)) * shared
+            if w.shared_gate is not None:
+                shared = torch.sigmoid(self.linear(x, w.shared_gate)) * shared
+            out = out + shared
         return h + out
 
     def route(self, w: LayerWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -288,6 +296,8 @@ class MoEModel:
         if w.router is None:  # a dense layer: every token to its MLP, the one expert, weight 1
             ones = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)
             return ones, torch.zeros(x.shape[0], 1, dtype=torch.long, device=x.device)
+        if a.routing == "sigmoid_groups":
+            return self._route_in_groups(w, x)
         logits = self.linear(x, w.router)  # [T, E]
         if w.router_bias is not None:
             logits = logits + w.router_bias
@@ -305,6 +315,26 @@ class MoEModel:
         if a.round_router_weights:  # Qwen, OLMoE: the experts are scaled in the model's dtype
             top_w = top_w.to(x.dtype)
         return top_w, top_i
+
+    def _route_in_groups(self, w: LayerWeights, x: torch.Tensor):
+        """DeepSeek-V3's and GLM-4.5's router, in fp32 as transformers runs it: sigmoid scores;
+        the bias moves the choice, not the weights; each group ranked by its two best scores,
+        the top k taken from the best topk_group groups; weights renormalised (norm_topk_prob)
+        and scaled by routed_scaling_factor."""
+        a, T = self.arch, x.shape[0]
+        scores = torch.sigmoid(F.linear(x.float(), w.router.float()))  # [T, E]
+        choice = scores if w.router_bias is None else scores + w.router_bias.float()
+        if a.n_group > 1:
+            grouped = choice.view(T, a.n_group, -1)  # [T, groups, E / groups]
+            best = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+            kept = torch.topk(best, a.topk_group, dim=-1, sorted=False).indices
+            mask = torch.zeros_like(best, dtype=torch.bool).scatter_(1, kept, True)
+            choice = choice.masked_fill(~mask.repeat_interleave(grouped.shape[-1], 1), -torch.inf)
+        top_i = torch.topk(choice, a.experts_per_token, dim=-1, sorted=False).indices
+        top_w = scores.gather(1, top_i)
+        if a.renormalize_top_k:
+            top_w = top_w / (top_w.sum(dim=-1, keepdim=True) + 1e-20)
+        return top_w * a.routed_scaling_factor, top_i
 
     def experts(self, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         """MoE FFN grouped by expert: sort assignments by expert, one GEMM chain per expert hit

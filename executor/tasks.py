@@ -219,10 +219,11 @@ class TaskBuilder:
                 end = mb.cache.length
                 cache = mb.cache
                 fetched_k, fetched_v = _fetched(st, turn, mb)  # [S, b, nkv, D] (stored rows)
-                fetched_k[end], fetched_v[end] = cache.stored(k), cache.stored(v)
-                keys = cache.values(fetched_k[: end + 1].permute(1, 2, 0, 3))  # [b, nkv, end+1, D]
-                values = cache.values(fetched_v[: end + 1].permute(1, 2, 0, 3))
-                mask = mb.cache.mask(end + 1, self.device)
+                at, n = cache.position(layer, end), cache.filled(layer, end + 1)
+                fetched_k[at], fetched_v[at] = cache.stored(k), cache.stored(v)
+                keys = cache.values(fetched_k[:n].permute(1, 2, 0, 3))  # [b, nkv, n, D]
+                values = cache.values(fetched_v[:n].permute(1, 2, 0, 3))
+                mask = mb.cache.mask(end + 1, self.device, layer)
                 terms = self.model.attention_terms(layer, self.device)
                 mb.buffers["attn"] = attend_one_step(q, keys, values, mask, **terms)
 
@@ -246,8 +247,9 @@ class TaskBuilder:
             q, k, v = mb.buffers["qkv"]
             if host_kv:
                 cache = self.model.new_cache(
-                    mb.size, mb.padded_len, device=self.device, layer_devices=[self.device]
-                )
+                    mb.size, mb.padded_len, device=self.device, layer_devices=[self.device],
+                    windowed=False,
+                )  # fmt: skip
                 cache.start(mb.lens, mb.padded_len)
                 attn = self.model.prefill_attention(
                     layer, q, k, v, cache, p["batch_idx"], p["slot_idx"], cache_layer=0
@@ -282,12 +284,12 @@ class TaskBuilder:
         turn, layer = st.prefetch_turn(a), a.layer
 
         def run():
-            end = mb.cache.length
+            n = mb.cache.filled(layer, mb.cache.length)
             for fetched, host in zip(_fetched(st, turn, mb), mb.cache.slots[layer], strict=True):
-                fetched[:end].copy_(host[:end], non_blocking=self.pinned)
+                fetched[:n].copy_(host[:n], non_blocking=self.pinned)
 
-        end = mb.cache.length
-        nbytes = 2 * mb.size * end * mb.cache.token_bytes
+        n = mb.cache.filled(layer, mb.cache.length)
+        nbytes = 2 * mb.size * n * mb.cache.token_bytes
         return Task(
             run, reads=(buf.kv(mb.index, layer),), writes=(buf.prefetch(turn),), nbytes=nbytes
         )
@@ -296,29 +298,23 @@ class TaskBuilder:
         mb = st.micro_batch(a)
         layer, j, cache = a.layer, mb.index, mb.cache
         if st.prefill:  # the prompts' K/V from the transient device cache
-            slots = cache.slots.get(layer)
 
             def run_prompt():
-                L = mb.padded_len
                 device_kv = mb.buffers.pop("kv_device")  # K and V [b, nkv, L, D]
-                for i, (t, host) in enumerate(zip(device_kv, (cache.k, cache.v), strict=True)):
+                for t in device_kv:
                     _record_stream(t)
-                    if slots is not None:  # slot-major: one contiguous copy
-                        contiguous = t.permute(2, 0, 1, 3).contiguous()
-                        slots[i][:L].copy_(contiguous, non_blocking=self.pinned)
-                    else:  # read by CPU attention in place: [b, nkv, S, D], strided
-                        host[layer][:, :, :L].copy_(t, non_blocking=self.pinned)
+                cache.write_prompt_slots(layer, *device_kv, non_blocking=self.pinned)
 
-            nbytes = 2 * mb.size * mb.padded_len * cache.token_bytes
+            nbytes = 2 * mb.size * cache.filled(layer, mb.padded_len) * cache.token_bytes
             return Task(
                 run_prompt, reads=(buf.kv_device(j),), writes=(buf.kv(j, layer),), nbytes=nbytes
             )
         turn = st.prefetch_turn(a)
 
         def run_step():  # the new token's K/V, from the prefetch buffer into the host cache
-            end = cache.length
+            at = cache.position(layer, cache.length)
             for fetched, host in zip(_fetched(st, turn, mb), cache.slots[layer], strict=True):
-                host[end].copy_(fetched[end], non_blocking=self.pinned)
+                host[at].copy_(fetched[at], non_blocking=self.pinned)
 
         nbytes = 2 * mb.size * cache.token_bytes
         return Task(

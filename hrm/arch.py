@@ -33,8 +33,10 @@ QK_NORMS = ("head", "projection")  # RMSNorm per head over d (Qwen3-MoE), or ove
 # round), "layernorm" (DBRX: LayerNorm without bias)
 NORMS = ("rmsnorm", "rmsnorm_fp32", "layernorm")
 # "softmax_topk": softmax over every expert, then the top k (Mixtral, Qwen, DBRX); "topk_softmax":
-# the top k logits, then a softmax over those k (gpt-oss)
-ROUTINGS = ("softmax_topk", "topk_softmax")
+# the top k logits, then a softmax over those k (gpt-oss); "sigmoid_groups": sigmoid scores, the
+# router's bias added for the choice only, the top k within the best topk_group of n_group
+# groups, weights renormalised and scaled by routed_scaling_factor (DeepSeek-V3, GLM-4.5)
+ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_groups")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,7 +61,8 @@ class ModelArch:
     renormalize_top_k: bool = True  # Mixtral renormalises the top-k softmax weights to sum 1
     # Qwen and OLMoE round the top-k weights to the model's dtype before scaling the experts
     round_router_weights: bool = False
-    shared_expert_intermediate_size: int = 0  # qwen2_moe's always-on expert, sigmoid-gated
+    shared_expert_intermediate_size: int = 0  # an always-on expert (Qwen2-MoE, GLM-4.5)
+    shared_expert_gate: bool = True  # Qwen2-MoE scales it by sigmoid(x @ gate); GLM does not
     # layers whose FFN is one dense MLP of dense_intermediate_size, with no router or experts
     # (Qwen's mlp_only_layers and decoder_sparse_step); indices past num_layers are dropped, so
     # a model cut to its first layers keeps the dense ones among them
@@ -85,6 +88,10 @@ class ModelArch:
     routing: str = "softmax_topk"  # one of ROUTINGS
     # rope_scaling's fields as (name, value) pairs, sorted (hashable); () for plain rotary
     rope_scaling: tuple[tuple[str, Any], ...] = ()
+    rotary_dim: int | None = None  # the leading dims of a head that rotate (GLM: half); None all
+    n_group: int = 1  # sigmoid_groups routing's groups of experts, the best topk_group kept
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
 
     def __post_init__(self) -> None:
         for name in COUNTS:
@@ -101,6 +108,10 @@ class ModelArch:
                 raise HrmError(
                     f"{self.name}: {field} {getattr(self, field)!r} is not one of {allowed}"
                 )
+        if self.rotary_dim is not None and not 0 < self.rotary_dim <= self.head_dim:
+            raise HrmError(
+                f"{self.name}: rotary_dim {self.rotary_dim} is not in 1..{self.head_dim}"
+            )
         sliding = tuple(sorted({i for i in self.sliding_layers if i < self.num_layers}))
         object.__setattr__(self, "sliding_layers", sliding)
         if sliding:
@@ -116,6 +127,7 @@ class ModelArch:
                 f"{self.name}: {self.experts_per_token} experts per token exceeds "
                 f"{self.num_experts} experts"
             )
+        self._check_routing()
 
     def first_layers(self, layers: int | None) -> ModelArch:
         """The model cut to its first `layers` layers (`--layers`; None: all of them), as `hrm
@@ -128,6 +140,21 @@ class ModelArch:
                 f"give 1 to {self.num_layers}"
             )
         return dataclasses.replace(self, num_layers=layers)
+
+    def _check_routing(self) -> None:
+        groups, kept, e = self.n_group, self.topk_group, self.num_experts
+        if self.routing != "sigmoid_groups" or self.ffn_is_dense:
+            return
+        if e % groups or not 1 <= kept <= groups:
+            raise HrmError(
+                f"{self.name}: {e} experts in n_group {groups} groups, topk_group {kept}: the "
+                "groups must divide the experts and topk_group be 1..n_group"
+            )
+        if self.experts_per_token > kept * (e // groups):
+            raise HrmError(
+                f"{self.name}: {self.experts_per_token} experts per token from {kept} groups "
+                f"of {e // groups}"
+            )
 
     # -- attention windows ---------------------------------------------------------------------
 
@@ -252,7 +279,8 @@ class ModelArch:
         """The shared expert's three projections and its sigmoid gate [1, h]."""
         if not self.shared_expert_intermediate_size:
             return 0
-        return 3 * self.hidden_size * self.shared_expert_intermediate_size + self.hidden_size
+        gate = self.hidden_size * self.shared_expert_gate
+        return 3 * self.hidden_size * self.shared_expert_intermediate_size + gate
 
     @property
     def router_params(self) -> int:

@@ -2,7 +2,7 @@
 
 The one place that knows them (docs/architecture.md): each parser returns the keyword arguments
 of hrm.arch.ModelArch for one model_type. Supported: mixtral, dbrx, qwen2_moe, qwen3_moe, olmoe,
-gpt_oss.
+gpt_oss, glm4_moe.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 
 from hrm.errors import HrmError
 
-MODEL_TYPES = ("mixtral", "dbrx", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss")
+MODEL_TYPES = ("mixtral", "dbrx", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "glm4_moe")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # the rope_scaling fields YaRN reads (transformers' _compute_yarn_parameters), with its defaults
 YARN_FIELDS = {"factor": None, "original_max_position_embeddings": None, "beta_fast": 32.0,
@@ -186,6 +186,44 @@ def _gpt_oss(c: Mapping[str, Any]) -> dict[str, Any]:
     return fields
 
 
+def _glm4_moe(c: Mapping[str, Any]) -> dict[str, Any]:
+    """GLM-4.5: q/k/v biases, rotary over a part of each head, optional q/k norms per head,
+    sigmoid routing in groups with a choice-only bias, an ungated shared expert, the first
+    first_k_dense_replace layers dense. The multi-token-prediction layers the checkpoints carry
+    past num_hidden_layers are not part of greedy generation and are not read."""
+    experts = c.get("n_routed_experts") or _num_experts(c)
+    fields = _llama_like(c, "moe_intermediate_size", experts)
+    layers, first = c["num_hidden_layers"], c.get("first_k_dense_replace", 0)
+    if isinstance(first, bool) or not isinstance(first, int) or not 0 <= first < layers:
+        raise HrmError(
+            f"first_k_dense_replace must be 0..{layers - 1} (a layer must stay sparse), "
+            f"got {first!r}"
+        )
+    params = c.get("rope_parameters") or {}
+    partial = params.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
+    fields.update(
+        norm_eps=float(c.get("rms_norm_eps", 1e-5)),
+        rope_theta=float(_rope_theta(c, 10000.0)),
+        rope_scaling=rope_scaling(c),
+        rotary_dim=int(fields["head_dim"] * float(partial)),
+        attention_bias=bool(c.get("attention_bias", False)),
+        qk_norm="head" if c.get("use_qk_norm") else None,
+        routing="sigmoid_groups",
+        router_bias=True,
+        n_group=c.get("n_group") or 1,
+        topk_group=c.get("topk_group") or 1,
+        routed_scaling_factor=float(c.get("routed_scaling_factor", 1.0)),
+        renormalize_top_k=bool(c.get("norm_topk_prob", True)),
+        shared_expert_intermediate_size=c["moe_intermediate_size"] * c.get("n_shared_experts", 0),
+        shared_expert_gate=False,
+    )
+    if first:
+        fields.update(
+            dense_layers=tuple(range(first)), dense_intermediate_size=c["intermediate_size"]
+        )
+    return fields
+
+
 def rope_scaling(c: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
     """rope_scaling (or transformers 5.x's rope_parameters) as sorted (field, value) pairs: ()
     for plain rotary, YaRN's fields with their defaults filled in; other kinds are refused."""
@@ -230,5 +268,6 @@ PARSERS = {
     "qwen3_moe": _qwen3_moe,
     "olmoe": _olmoe,
     "gpt_oss": _gpt_oss,
+    "glm4_moe": _glm4_moe,
 }
 assert set(PARSERS) == set(MODEL_TYPES)

@@ -148,7 +148,7 @@ def _flexgen_seconds_per_token(setting: Setting, policy: Policy) -> float:
     )
     kv_token_layer = arch.kv_token_bytes(setting.kv_dtype)
     streamed = (1 - policy.weights_gpu_fraction) * setting.weights.stored
-    streamed += (1 - policy.kv_gpu_fraction) * n * ctx * kv_token_layer
+    streamed += (1 - policy.kv_gpu_fraction) * n * arch.mean_keys(ctx) * kv_token_layer
     load = float(link_seconds(hw, streamed, "h2d"))
     store = float(link_seconds(hw, n * kv_token_layer, "d2h"))
     return (load + max(compute, store)) / n

@@ -97,7 +97,8 @@ def _phase_ops(setting: Setting, b: float) -> tuple[dict, dict]:
         }
         if is_compact(setting.kv_dtype):  # read through a 16-bit copy, written then read
             att = out["attention"]
-            copy = 2 * 2.0 * b * context * setting.arch.kv_size * dtype_bytes(ACTIVATION_DTYPE)
+            keys = setting.arch.mean_keys(context) if new_tokens == 1 else context
+            copy = 2 * 2.0 * b * keys * setting.arch.kv_size * dtype_bytes(ACTIVATION_DTYPE)
             out["attention"] = dataclasses.replace(
                 att, activation_bytes=att.activation_bytes + copy
             )
@@ -197,7 +198,10 @@ def _kind_seconds(setting: Setting, b: float) -> MicroBatchSeconds:
         cpu_attention=cpu["attention"],
         activations_to_gpu=steps_of(h2d, hidden_page, b * arch.q_size * adt),
         activations_to_cpu=steps_of(d2h, hidden_page, b * (arch.q_size + 2 * arch.kv_size) * adt),
-        kv_to_gpu=np.concatenate([[0.0], h2d(b * setting.decode_contexts * kv_token)]),
+        # a host layer's filled slots, a sliding layer's window at most (executor/kv_cache.py)
+        kv_to_gpu=np.concatenate(
+            [[0.0], h2d(b * arch.mean_keys(setting.decode_contexts) * kv_token)]
+        ),
         kv_to_cpu=steps_of(d2h, b * s_pre * kv_token, b * kv_token),
         # two all-reduces of the micro-batch's hidden states per layer (Megatron: after the O
         # projection and after the expert FFN), prefill over all its prompt tokens

@@ -83,8 +83,10 @@ class MemoryTerms:
 
 def kv_cache_bytes(arch: ModelArch, workload: Workload, batch_size, kv_dtype: str):
     """KV = N * C * 2 * L * nkv * d * dt: a rectangular cache, every sequence sized for the
-    longest context (the paper's artifact does the same; the executor allocates [N, C])."""
-    return batch_size * workload.max_context_len * arch.kv_bytes_per_token(kv_dtype)
+    longest context (the paper's artifact does the same; the executor allocates [N, C]), a
+    sliding layer's for its window (the executor keeps it as a ring: ModelArch.mean_keys)."""
+    slots = arch.mean_keys(workload.max_context_len)  # per layer, on average
+    return batch_size * slots * arch.kv_bytes_per_token(kv_dtype)
 
 
 def workspace_bytes(arch: ModelArch, workload: Workload, micro_batch_size: int) -> float:

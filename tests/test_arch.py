@@ -98,12 +98,22 @@ def test_qwen2_moe_and_olmoe_parse():
         # leaves out the embedding (a lookup, 201088 x 2880), ours counts it
         ("gpt-oss-120b", 116.83e9, 5.13e9 + 201088 * 2880),
         ("gpt-oss-20b", 20.91e9, 3.61e9 + 201088 * 2880),
+        # Z.ai's card: 106B / 12B, its active count without the embedding and LM head
+        ("glm-4.5-air", 106e9, 12e9 + 2 * 151552 * 4096),
     ],
 )
 def test_bundled_families_count_the_parameters_their_cards_publish(name, total, active):
     arch = resolve_model(name)
     assert arch.total_params == pytest.approx(total, rel=0.015)
     assert arch.active_params == pytest.approx(active, rel=0.03)
+
+
+def test_glm_routes_in_groups_with_a_dense_first_layer_and_half_a_head_rotating():
+    arch = resolve_model("glm-4.5-air")
+    assert arch.routing == "sigmoid_groups" and arch.router_bias and not arch.shared_expert_gate
+    assert arch.dense_layers == (0,) and arch.dense_intermediate_size == 10944
+    assert arch.rotary_dim == 64 and arch.shared_expert_intermediate_size == 1408
+    assert arch.layer_arch(0).shared_expert_intermediate_size == 0  # the dense layer's MLP only
 
 
 def test_gpt_oss_slides_every_other_layer_and_reads_no_more_than_its_window():

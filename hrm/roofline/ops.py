@@ -222,18 +222,20 @@ def layer_ops(
 
 
 def shared_expert_op(arch: ModelArch, *, tokens: float, weight_dtype: str) -> Op:
-    """Qwen2-MoE's shared expert, a dense FFN every token runs, as the executor runs it: w1, w3,
-    w2 and its sigmoid gate, four GEMMs at every token; its passes: silu(a)*b (5*si), the gate's
-    sigmoid and scale (2*h + 3), the add to the routed output (3*h)."""
+    """The shared expert, a dense FFN every token runs, as the executor runs it: w1, w3, w2 and
+    (Qwen2-MoE) its sigmoid gate, four GEMMs at every token; its passes: silu(a)*b (5*si), the
+    gate's sigmoid and scale (2*h + 3), the add to the routed output (3*h)."""
     h, si = arch.hidden_size, arch.shared_expert_intermediate_size
+    gated = arch.shared_expert_gate
     op = _linear(
         "shared_expert",
         tokens,
-        ((h, si), (h, si), (si, h), (h, 1)),
+        ((h, si), (h, si), (si, h), (h, 1))[: 4 if gated else 3],
         dtype_bytes(weight_dtype),
         dtype_bytes(ACTIVATION_DTYPE),
     )
-    return dataclasses.replace(op, elementwise_elements=tokens * (5.0 * si + 5.0 * h + 3.0))
+    passes = 5.0 * si + 3.0 * h + (2.0 * h + 3.0) * gated
+    return dataclasses.replace(op, elementwise_elements=tokens * passes)
 
 
 def lm_head_op(arch: ModelArch, *, batch: float, weight_dtype: str = "bfloat16") -> Op:

@@ -58,7 +58,8 @@ def dense_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
     if arch.shared_expert_intermediate_size:
         si = arch.shared_expert_intermediate_size
         shapes |= {"shared_w1": (si, h), "shared_w3": (si, h), "shared_w2": (h, si)}
-        shapes |= {"shared_gate": (1, h)}
+        if arch.shared_expert_gate:
+            shapes |= {"shared_gate": (1, h)}
     return shapes
 
 

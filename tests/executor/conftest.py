@@ -125,6 +125,40 @@ def save_gpt_oss(path: Path, seed: int) -> Path:
     return path
 
 
+def _glm4_moe_config(**overrides):
+    """GLM-4.5 at the tiny shape: 8 experts in 2 groups, one group kept, top-3, scaled by 2.5;
+    rotary over half of each head of 32; q/k norms; layer 0 dense; a shared expert."""
+    from transformers import Glm4MoeConfig
+
+    fields = _TINY | dict(
+        moe_intermediate_size=EXPERT_WIDTH, intermediate_size=128, head_dim=32,
+        n_routed_experts=8, n_group=2, topk_group=1, num_experts_per_tok=3,
+        routed_scaling_factor=2.5, norm_topk_prob=True, n_shared_experts=1,
+        first_k_dense_replace=1, use_qk_norm=True, attention_bias=True, pad_token_id=None,
+        rope_parameters={"rope_theta": 10000.0, "rope_type": "default",
+                         "partial_rotary_factor": 0.5},
+    )  # fmt: skip
+    return Glm4MoeConfig(**(fields | overrides))
+
+
+def save_with_random_extras(config, path: Path, seed: int) -> Path:
+    """save_model, with what transformers initialises to constants drawn instead (biases,
+    norms, a router's choice-only bias), so that every term of the family counts."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            if name.endswith("norm.weight"):
+                t.copy_(1 + 0.1 * torch.randn(t.shape, generator=g))
+            elif name.endswith(("bias", "e_score_correction_bias")):
+                t.copy_(0.2 * torch.randn(t.shape, generator=g))
+    model.save_pretrained(path)
+    return path
+
+
 def fuse_experts(src: Path, dst: Path, old: str = "mlp.experts.", new: str = "mlp.experts.",
                  names=("gate_proj", "up_proj", "down_proj")) -> Path:  # fmt: skip
     """Rewrite a checkpoint's per-expert tensors ({old}{e}.{gate, up, down}.weight under each
@@ -218,6 +252,7 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     gpt_oss = save_gpt_oss(root / "gpt_oss", seed=11)
     return {
         "gpt_oss": gpt_oss,
+        "glm4_moe": save_with_random_extras(_glm4_moe_config(), root / "glm4_moe", seed=12),
         **dense,
         "mixtral-single": single,
         "mixtral-sharded": sharded,

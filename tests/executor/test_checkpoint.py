@@ -100,7 +100,8 @@ from executor.api import peak_rss_bytes
 from executor.checkpoint import open_checkpoint
 before = peak_rss_bytes()
 w = open_checkpoint(sys.argv[1], sys.argv[2]).weights
-tensors = [w.embed, w.lm_head] + [t for l in w.layers for e in l.experts for t in vars(e).values() if t is not None]
+experts = [t for l in w.layers for e in l.experts for t in vars(e).values() if t is not None]
+tensors = [w.embed, w.lm_head] + experts
 sum(float(t.sum(dtype=torch.float32)) for t in tensors)
 print(int(before), int(peak_rss_bytes()))
 """

@@ -23,9 +23,10 @@ MIXTRAL = ("mixtral-single", "mixtral-sharded", "mixtral-fused")
 # per-expert and fused layouts; 64 experts top-8), OLMoE (q/k norms over the projection), and
 # dense layers among sparse ones (Qwen2-MoE's mlp_only_layers, Qwen3-MoE's decoder_sparse_step)
 DENSE = ("qwen2_moe-dense", "qwen3_moe-dense", "qwen3_moe-dense-fused")
-# gpt-oss: sinks, sliding layers, YaRN, biases everywhere, the clamped GLU, MXFP4 experts
+# gpt-oss: sinks, sliding layers, YaRN, biases everywhere, the clamped GLU; GLM-4.5: sigmoid
+# routing in groups with a choice-only bias, partial rotary, an ungated shared expert, layer 0 dense
 FAMILIES = ("qwen2_moe", "qwen3_moe", "qwen3_moe-fused", "qwen3_moe-64x8", "olmoe", *DENSE,
-            "gpt_oss")  # fmt: skip
+            "gpt_oss", "glm4_moe")  # fmt: skip
 ALL = (*MIXTRAL, "dbrx", *FAMILIES)
 # Logits against transformers' in the same dtype, per step (relative to the largest logit): on
 # the 2026-12-04 checkpoints at most 1.2e-2 in bfloat16 and 1.5e-3 in float16, over both
@@ -133,6 +134,7 @@ def test_layouts_load_the_same_weights(checkpoints, names):
                 "qwen2_moe-dense",
                 "qwen3_moe-dense",
                 "gpt_oss",
+                "glm4_moe",
             )  # fmt: skip
         ),
     ],

@@ -88,7 +88,8 @@ def resident_tokens(checkpoints):
     return tokens
 
 
-FAMILIES = ("mixtral-single", "mixtral-fused", "dbrx", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss")
+FAMILIES = ("mixtral-single", "mixtral-fused", "dbrx", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss",
+            "glm4_moe")  # fmt: skip
 DENSE = ("qwen2_moe-dense", "qwen3_moe-dense")  # dense layers among sparse ones
 
 
