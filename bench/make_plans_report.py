@@ -10,6 +10,7 @@ from pathlib import Path
 
 from plan_settings import (
     EXAMPLE_PRICES,
+    FAMILIES,
     HOST_MEMORY,
     MACHINES,
     SCALING_GPUS,
@@ -36,25 +37,30 @@ REPORTS = Path(__file__).resolve().parent.parent / "reports"
 
 def run_all() -> list[dict]:
     rows = []
-    for model, name in MACHINES:
+    settings = [(m, n, None) for m, n in MACHINES] + list(FAMILIES)
+    for model, name, weights in settings:
         arch, hw = resolve_model(model), resolve_hardware(name)
         machine = name
         if (model, name) in HOST_MEMORY:
             hw = hw.with_resources(cpu_memory_bytes=HOST_MEMORY[(model, name)])
             machine = f"{name} ({HOST_MEMORY[(model, name)] / 1e9:.0f} GB host)"
         dtype = hw.half_dtype
+        weights = weights or dtype
+        if weights != dtype:
+            machine = f"{machine}, {weights} weights"
         for named in workloads():
-            row = {"model": model, "hardware": machine, "workload": named.name, "dtype": dtype}
+            row = {"model": model, "hardware": machine, "workload": named.name, "dtype": weights}
             try:
                 result = search(
-                    arch, hw, named.workload, weight_dtype=dtype, kv_dtype=dtype, top_k=3
+                    arch, hw, named.workload, weight_dtype=weights, kv_dtype=dtype, top_k=3
                 )
             except HrmError as exc:
                 rows.append({**row, "error": str(exc)})
                 continue
             setting = Setting(
-                arch=arch, hardware=hw, workload=named.workload, weight_dtype=dtype, kv_dtype=dtype
-            )
+                arch=arch, hardware=hw, workload=named.workload, weight_dtype=weights,
+                kv_dtype=dtype,
+            )  # fmt: skip
             rows.append(
                 {
                     **row,
@@ -104,7 +110,8 @@ def markdown(rows: list[dict]) -> str:
         "# Best plans: predicted throughput (hrm plan)",
         "",
         "Made by `bench/make_plans_report.py` (data: `reports/plans.json`). Datasheet profiles "
-        "(`hardware_profiles/`), 16-bit weights and KV cache (float16 on T4s), schedule cgopipe, "
+        "(`hardware_profiles/`), 16-bit weights (unless the hardware column names another format) "
+        "and KV cache (float16 on T4s), schedule cgopipe, "
         "the search of `planner/search.py`. Throughput = generated tokens / (prefill + decode) of "
         "one batch. Baselines are policies chosen by those systems' own rules and evaluated with "
         "the same model (schedule gpu-attention): upper bounds on what their implementations "

@@ -16,6 +16,16 @@ MACHINES = (
     ("qwen3-30b-a3b", "l4"),
     ("qwen3-235b-a22b", "4xt4"),
 )
+# Families beyond the paper's (issue 36), with the weight format each row plans: gpt-oss-120b
+# (233 GB in 16 bits) and GLM-4.5-Air (214 GB) do not fit an L4 machine's 192 GB host in 16
+# bits, so their L4 rows stream int4 weights (gpt-oss is released in MXFP4, 4.25 bits a weight;
+# int4 is the compact format hrm streams, 4.5); on an H100 machine's 1 TB host, 16 bits.
+FAMILIES = (
+    ("gpt-oss-120b", "l4", "int4"),
+    ("gpt-oss-120b", "h100-sxm", "bfloat16"),
+    ("glm-4.5-air", "l4", "int4"),
+    ("glm-4.5-air", "h100-sxm", "bfloat16"),
+)
 # Host memory beyond the bundled profile's, by (model, machine): Qwen3-235B-A22B is 470 GB in
 # 16 bits, more than 4xt4.yaml's 416 GB host; a 4xT4 cloud machine is offered with 624 GB
 # (GCP n1-highmem-96), which its row assumes, as `hrm plan --cpu-mem 624GB` does.
