@@ -89,6 +89,8 @@ class PartialOutput:
             raise HrmError(f"--resume: {self.path} does not exist; run without --resume")
         with open(self.path, "rb") as f:
             lines = f.read().split(b"\n")
+        if lines == [b""]:  # a kill before the header was written: nothing done yet
+            return
         try:
             header = json.loads(lines[0])["hrm_partial"] if lines[0] else None
         except (ValueError, KeyError, TypeError):
@@ -115,6 +117,7 @@ class PartialOutput:
         return [b for b in batches if not all(i in self.done for i in b.indices)]
 
     def append(self, indices: Sequence[int], rows: Sequence[dict[str, Any]]) -> None:
+        # a header first in a new file, or in an empty one (a kill before its header)
         new = not self.path.exists() or not self.done and self.path.stat().st_size == 0
         with open(self.path, "a") as f:
             if new:

@@ -1,4 +1,4 @@
-"""Open a local Mixtral, DBRX, Qwen2-MoE, Qwen3-MoE, OLMoE or gpt-oss checkpoint into one
+"""Open a local Mixtral, DBRX, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss or GLM-4.5 checkpoint into one
 canonical set of per-layer weights.
 
 Three on-disk layouts (docs/architecture.md) become the same `ModelWeights`: every tensor is a
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from executor.safetensors_mmap import SafetensorsFile
-from executor.stored_formats import MXFP4_BLOCK, check_stored_format, decode_mxfp4
+from executor.checkpoint_files import Tensors, open_shards
+from executor.stored_formats import check_stored_format
 from hrm.arch import ModelArch
 from hrm.errors import HrmError
 from hrm.hf_config import eos_token_ids
@@ -79,89 +79,7 @@ class ModelWeights:
     lm_head: torch.Tensor  # [V, H]; the embedding itself when tied
 
 
-class _Tensors:
-    """Name -> tensor across the shards, checked against the shapes config.json implies."""
-
-    def __init__(self, directory: Path, dtype: torch.dtype, device: str):
-        self.directory = directory
-        self.where = {name: f for f in _open_shards(directory) for name in f.keys()}
-        self.dtype = dtype
-        self.device = torch.device(device)
-
-    def has(self, name: str) -> bool:
-        return name in self.where
-
-    def release(self, name: str) -> None:
-        """Drop the file pages of a tensor that was copied out (a strided view made contiguous)."""
-        self.where[name].release(name)
-
-    def mxfp4(self, prefix: str, shape: tuple[int, int, int]):
-        """MXFP4 `prefix`_blocks and _scales of a weight [E, out, in]: a function of e giving
-        expert e's [out, in] in the run's dtype (decoded one expert at a time: executor/
-        stored_formats.py)."""
-        E, out, inp = shape
-        groups = inp // MXFP4_BLOCK
-        blocks = self.get(prefix + "_blocks", (E, out, groups, MXFP4_BLOCK // 2), as_stored=True)
-        if not self.has(prefix + "_scales"):
-            raise HrmError(
-                f"{self.directory}: tensor {prefix}_scales is missing; the MXFP4 blocks "
-                f"{prefix}_blocks cannot be decoded without their scales"
-            )
-        scales = self.get(prefix + "_scales", (E, out, groups), as_stored=True)
-        return lambda e: decode_mxfp4(blocks[e], scales[e], self.dtype).to(self.device)
-
-    def get(self, name: str, shape: tuple[int, ...], as_stored: bool = False) -> torch.Tensor:
-        """The tensor in the run's dtype (as_stored: in the file's, MXFP4 blocks and scales): a
-        view of the file, its pages read in now, or one copy when the dtype differs."""
-        f = self.where.get(name)
-        if f is None:
-            raise HrmError(
-                f"{self.directory}: tensor {name} is missing from the checkpoint; "
-                "it is incomplete or not a supported layout"
-            )
-        if f.shape(name) != shape:
-            raise HrmError(
-                f"{f.path}: tensor {name} has shape {list(f.shape(name))} but config.json implies "
-                f"{list(shape)}; the checkpoint does not match its config.json"
-            )
-        tensor = f.tensor(name)
-        if as_stored:
-            return tensor
-        if tensor.dtype == self.dtype and self.device.type == "cpu":
-            f.populate(name)
-            return tensor
-        converted = tensor.to(device=self.device, dtype=self.dtype)
-        f.release(name)
-        return converted
-
-
-def _open_shards(directory: Path) -> list[SafetensorsFile]:
-    index_path = directory / "model.safetensors.index.json"
-    if index_path.is_file():
-        index = load_json(index_path)
-        weight_map = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise HrmError(f"{index_path}: field 'weight_map' is missing or empty; fix the index")
-        names = sorted(set(weight_map.values()))
-        for name in names:
-            if not (directory / name).is_file():
-                raise HrmError(
-                    f"{directory / name}: shard named in {index_path.name} is missing; "
-                    "re-download the checkpoint"
-                )
-        return [SafetensorsFile(directory / name) for name in names]
-    single = directory / "model.safetensors"
-    if single.is_file():
-        return [SafetensorsFile(single)]
-    found = sorted(directory.glob("*.safetensors"))
-    if not found:
-        raise HrmError(
-            f"{directory}: no .safetensors files (only safetensors checkpoints are read)"
-        )
-    return [SafetensorsFile(p) for p in found]
-
-
-def _mixtral_layer(t: _Tensors, arch: ModelArch, layer: int) -> LayerWeights:
+def _mixtral_layer(t: Tensors, arch: ModelArch, layer: int) -> LayerWeights:
     p = f"model.layers.{layer}."
     if t.has(p + "mlp.experts.gate_up_proj"):  # the fused layout transformers 5.x can save
         experts, router = _fused_experts(t, arch, p + "mlp."), p + "mlp.gate.weight"
@@ -171,7 +89,7 @@ def _mixtral_layer(t: _Tensors, arch: ModelArch, layer: int) -> LayerWeights:
     return _layer(t, arch, p, router, experts)
 
 
-def _qwen_layer(t: _Tensors, arch: ModelArch, layer: int) -> LayerWeights:
+def _qwen_layer(t: Tensors, arch: ModelArch, layer: int) -> LayerWeights:
     """Qwen2-MoE, Qwen3-MoE, OLMoE and GLM-4.5: Mixtral's attention names, experts under mlp; a
     dense layer's MLP (mlp.gate_proj, up_proj, down_proj) read as its one expert; GLM's shared
     experts under mlp.shared_experts and its router's bias as mlp.gate.e_score_correction_bias."""
@@ -192,7 +110,7 @@ def _qwen_layer(t: _Tensors, arch: ModelArch, layer: int) -> LayerWeights:
     return _layer(t, kind, p, p + "mlp.gate.weight", experts, router_bias=bias, **shared)
 
 
-def _gpt_oss_layer(t: _Tensors, arch: ModelArch, layer: int) -> LayerWeights:
+def _gpt_oss_layer(t: Tensors, arch: ModelArch, layer: int) -> LayerWeights:
     """gpt-oss: Llama-style attention with biases and sinks, a biased router under mlp.router;
     experts fused as transformers keeps them (gate_up_proj [E, H, 2I], down_proj [E, I, H]:
     input-major, gate and up interleaved) or as released, in MXFP4 blocks (output-major). Each
@@ -226,7 +144,7 @@ def _gpt_oss_layer(t: _Tensors, arch: ModelArch, layer: int) -> LayerWeights:
 
 
 def _layer(
-    t: _Tensors, arch: ModelArch, p: str, router: str | None, experts, **renamed: str
+    t: Tensors, arch: ModelArch, p: str, router: str | None, experts, **renamed: str
 ) -> LayerWeights:
     """A layer under the Llama-style names, with what its family adds (dense_shapes); `renamed`:
     field -> tensor name where a family names one otherwise."""
@@ -248,7 +166,7 @@ def _layer(
 
 
 def _experts(
-    t: _Tensors, arch: ModelArch, prefix: str, names, experts=None
+    t: Tensors, arch: ModelArch, prefix: str, names, experts=None
 ) -> tuple[ExpertWeights, ...]:
     """Experts stored one tensor per projection: {prefix}{e}.{gate, up, down}.weight for e in
     `experts` (default 0 .. E-1)."""
@@ -264,7 +182,7 @@ def _experts(
     )
 
 
-def _fused_experts(t: _Tensors, arch: ModelArch, prefix: str) -> tuple[ExpertWeights, ...]:
+def _fused_experts(t: Tensors, arch: ModelArch, prefix: str) -> tuple[ExpertWeights, ...]:
     """The layout transformers 5.x writes for its fused experts: experts.gate_up_proj
     [E, 2I, H] and experts.down_proj [E, H, I]; each expert a view."""
     H, inter, E = arch.hidden_size, arch.intermediate_size, arch.num_experts
@@ -275,7 +193,7 @@ def _fused_experts(t: _Tensors, arch: ModelArch, prefix: str) -> tuple[ExpertWei
     )
 
 
-def _dbrx_layer(t: _Tensors, arch: ModelArch, layer: int) -> LayerWeights:
+def _dbrx_layer(t: Tensors, arch: ModelArch, layer: int) -> LayerWeights:
     p = f"transformer.blocks.{layer}."
     H, inter, E = arch.hidden_size, arch.intermediate_size, arch.num_experts
     Q, KV = arch.q_size, arch.kv_size
@@ -306,7 +224,7 @@ _GLOBAL_NAMES = {  # model_type -> (embedding, final norm)
     "gpt_oss": _LLAMA_NAMES,
     "glm4_moe": _LLAMA_NAMES,
 }
-_LAYER_READERS: dict[str, Callable[[_Tensors, ModelArch, int], LayerWeights]] = {
+_LAYER_READERS: dict[str, Callable[[Tensors, ModelArch, int], LayerWeights]] = {
     "mixtral": _mixtral_layer,
     "dbrx": _dbrx_layer,
     "qwen2_moe": _qwen_layer,
@@ -373,7 +291,7 @@ def read_arch(directory: str | os.PathLike) -> ModelArch:
 def stored_dtype(directory: Path, arch: ModelArch) -> str:
     """The dtype the embedding is stored in: a run's dtype when none is asked for."""
     embed_name = _GLOBAL_NAMES[arch.model_type][0]
-    for f in _open_shards(directory):
+    for f in open_shards(directory):
         if embed_name in f.keys():
             return str(f.dtype(embed_name)).removeprefix("torch.")
     raise HrmError(f"{directory}: tensor {embed_name} is missing from the checkpoint")
@@ -389,7 +307,9 @@ def open_checkpoint(
     if dtype not in TORCH_DTYPES:
         raise HrmError(f"unknown dtype {dtype!r}: use one of {', '.join(TORCH_DTYPES)}")
     embed_name, norm_name = _GLOBAL_NAMES[arch.model_type]
-    t = _Tensors(directory, TORCH_DTYPES[dtype], device)
+    config = directory / "config.json"
+    stored = check_stored_format(load_json(config), arch.model_type, str(config))
+    t = Tensors(directory, TORCH_DTYPES[dtype], device, fp8_block=stored and stored[1])
     H, V = arch.hidden_size, arch.vocab_size
     embed = t.get(embed_name, (V, H))
     weights = ModelWeights(

@@ -32,6 +32,7 @@ STORED_DTYPES = {
     "I8": torch.int8,
     "U8": torch.uint8,
     "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,  # FP8 checkpoints' weights (executor/stored_formats.py)
 }
 _MAX_HEADER_BYTES = 100 * 2**20  # the format's own limit
 # linux/mman-common.h (Linux 5.14+): read the range in and map it; Python 3.11's mmap lacks the name

@@ -47,7 +47,7 @@ def test_missing_config(run_cli, tmp_path, broken):
     run_expecting_error(run_cli, tmp_path, path, fragments=("config.json",))
 
 
-@pytest.mark.parametrize("model_type", ["gpt2", "glm4_moe", "deepseek_v3"])
+@pytest.mark.parametrize("model_type", ["gpt2", "deepseek_v2", "deepseek_v3"])
 def test_unsupported_model_type(run_cli, tmp_path, broken, model_type):
     """Named, with the families that do run, before any weight is read."""
     path = broken("mixtral-single")

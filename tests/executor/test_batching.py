@@ -56,6 +56,10 @@ def test_the_digest_names_the_prompts_and_the_settings():
     assert a != run_digest([[1, 2], [4]], {"gen_len": 4})
     assert a != run_digest([[1, 2], [3]], {"gen_len": 5})
     assert a != run_digest([[1], [2, 3]], {"gen_len": 4})
+    # the settings' order does not matter; the digest is what partial files already carry
+    two = {"gen_len": 4, "dtype": "bfloat16"}
+    assert run_digest([[1]], two) == run_digest([[1]], dict(reversed(two.items())))
+    assert len(a) == 16 and int(a, 16) >= 0
 
 
 def test_a_partial_file_resumes_what_it_holds_and_cuts_a_torn_line(tmp_path):
@@ -108,6 +112,21 @@ def test_a_partial_file_of_a_header_alone_holds_no_output(tmp_path):
     partial = PartialOutput(tmp_path / "out.jsonl", "run-a", resume=False)
     partial.append([], [])
     assert partial.path.read_text().count("\n") == 1 and partial.saved() == 0
+
+
+@pytest.mark.parametrize("held", ["", "header"])
+def test_a_resumed_file_gets_one_header_whatever_the_kill_left(tmp_path, held):
+    """A kill right after the file was made (empty) or after its header: --resume goes on, and
+    the file still starts with exactly one header, so a later resume reads it."""
+    out = tmp_path / "out.jsonl"
+    path = out.with_name("out.jsonl.partial")
+    path.write_text("" if held == "" else json.dumps({"hrm_partial": {"run": "run-a"}}) + "\n")
+    resumed = PartialOutput(out, "run-a", resume=True)
+    assert resumed.done == {}
+    resumed.append([0], [{"ids": [1]}])
+    lines = path.read_text().splitlines()
+    assert [("hrm_partial" in json.loads(line)) for line in lines] == [True, False]
+    assert PartialOutput(out, "run-a", resume=True).done == {0: {"ids": [1]}}
 
 
 def test_overwrite_discards_a_killed_runs_partial_file(tmp_path):

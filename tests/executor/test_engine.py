@@ -172,6 +172,34 @@ def test_with_a_seed_deferred_work_also_runs_early(monkeypatch):
     assert 0 < ran_before_the_step_ended("5") < 24
 
 
+def test_a_seed_replays_the_same_order_in_deferred_mode(monkeypatch):
+    """HRM_ENGINE_JITTER=SEED makes a failure found under one order reproducible: the same seed
+    runs the same order again, another seed another one."""
+
+    def order(seed: str) -> list[tuple[str, int]]:
+        monkeypatch.setenv("HRM_ENGINE_JITTER", seed)
+        engine = Engine(CPU, mode="deferred")
+        engine.trace = []
+        _run(engine, [(act(q, j), Task(lambda: None)) for j in range(12) for q in ("h2d", "gpu")])
+        return [(a.queue, a.micro_batch) for a in engine.trace]
+
+    assert order("5") == order("5")
+    assert order("5") != order("6")
+
+
+def test_deferred_on_cuda_records_each_device_task_and_the_host_waits_for_it():
+    """Deferred mode on a CUDA device (one stream): a device task's end event is kept, so the
+    CPU task that reads its output waits for that event, not for the whole device."""
+    cuda = FakeCuda()
+    engine = Engine(CPU, mode="deferred", cuda_api=cuda)
+    _run(engine, [
+        (act("d2h", op=Op.QKV_OUT), Task(lambda: cuda.note("copy"), writes=(stage_in(0),))),
+        (act("cpu", op=Op.ATTENTION), Task(lambda: cuda.note("attend"), reads=(stage_in(0),))),
+    ])  # fmt: skip
+    copy_end = next(e for e in cuda.log[cuda.log.index(("copy",)) :] if e[0] == "record")
+    assert cuda.log.index(("event_sync", copy_end[2])) < cuda.log.index(("attend",))
+
+
 def test_link_bytes_add_up_per_queue():
     engine = Engine(CPU, mode="inline")
     tasks = [(act("h2d", j), Task(lambda: None, nbytes=n)) for j, n in enumerate((3, 4, 5))]

@@ -18,7 +18,14 @@ from executor.checkpoint import open_checkpoint
 from executor.engine import Op
 from executor.generate import generate
 from executor.kv_cache import KVCache
-from executor.quant import dequantize_into, dequantize_rows, dequantized, quantize, quantize_rows
+from executor.quant import (
+    compute_dtype,
+    dequantize_into,
+    dequantize_rows,
+    dequantized,
+    quantize,
+    quantize_rows,
+)
 from executor.runtime import placed_runtime
 from hrm.formats import BITS, GROUP, bytes_per_weight, is_quantized, row_bytes, stored_bytes
 from hrm.policy import Policy
@@ -93,6 +100,38 @@ def test_what_the_format_leaves_in_16_bits():
     assert bytes_per_weight("int8") == 1.0625 and bytes_per_weight("int4") == 0.5625
     w = torch.randn(8, 64)
     assert dequantized(w, "router", "int8") is w
+
+
+@pytest.mark.parametrize("fmt", sorted(BITS))
+def test_a_cpu_dequantizes_in_float32_and_rounds_once(fmt):
+    """On a CPU the codes, scales and minima meet in float32 and the result is rounded to
+    bfloat16 once (bfloat16 arithmetic would round the float16 scales to 8 bits first)."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(16, 128, generator=g) * torch.logspace(-3, 1, 128)
+    stored = quantize_rows(w, fmt)
+    exact = dequantize_rows(stored, fmt, 128, torch.float32)
+    into = torch.empty(16, 128, dtype=torch.bfloat16)
+    dequantize_into(into, stored.view(-1), fmt)
+    assert torch.equal(dequantize_rows(stored, fmt, 128, torch.bfloat16), exact.bfloat16())
+    assert torch.equal(into, exact.bfloat16())
+
+
+@pytest.mark.parametrize(("capability", "dtype"), [((7, 5), "float16"), ((8, 0), "bfloat16"),
+                                                   ((9, 0), "bfloat16")])  # fmt: skip
+def test_a_compact_format_computes_in_the_gpus_fast_16_bit_float(monkeypatch, capability, dtype):
+    """bfloat16 from compute capability 8.0 (bf16 units) on, float16 before (a T4 is 7.5)."""
+    asked = []
+
+    def capability_of(device):
+        asked.append(device)
+        return capability
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", capability_of)
+    assert compute_dtype("int4", "cuda:0") == dtype
+    assert asked == [torch.device("cuda:0")]
+    assert (
+        compute_dtype("int8", "cpu") == "bfloat16" and compute_dtype("float16", "cuda") == "float16"
+    )
 
 
 def _run(path, fmt, pol, schedule="cgopipe", steps=STEPS):

@@ -1,5 +1,6 @@
-"""Checkpoints stored compressed (executor/stored_formats.py): gpt-oss's MXFP4 experts decoded at
-load as transformers decodes them, and the stored formats that are refused."""
+"""Checkpoints stored compressed (executor/stored_formats.py): gpt-oss's MXFP4 experts and FP8
+block-scaled weights (DeepSeek-V3's layout, Qwen3's and GLM's FP8 releases) decoded at load as
+transformers decodes them, and the stored formats that are refused."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from executor.checkpoint import open_checkpoint
 from executor.generate import generate
 from executor.model import MoEModel
-from executor.stored_formats import FP4_VALUES, decode_mxfp4
+from executor.stored_formats import FP4_VALUES, decode_fp8_blocks, decode_mxfp4
 from tests.executor.conftest import ragged_prompts, reference_model
 from tests.executor.test_bad_input import run_expecting_error
 
@@ -107,3 +108,102 @@ def test_blocks_without_their_scales_name_the_tensor(run_cli, tmp_path, mxfp4_pa
         run_cli, tmp_path, path,
         fragments=("model.layers.1.mlp.experts.down_proj_scales is missing", "MXFP4"),
     )  # fmt: skip
+
+
+FP8_BLOCK = [48, 48]  # 64 and 96 wide weights: whole blocks and a remainder of 16
+
+
+def encode_fp8_blocks(w: torch.Tensor, block) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [out, in] -> float8_e4m3fn weights and float32 scale_inv per block (each block's
+    largest magnitude to e4m3's 448), as FP8 checkpoints store them."""
+    (out, inp), (bo, bi) = w.shape, block
+    rows, cols = -(-out // bo), -(-inp // bi)
+    padded = torch.zeros(rows * bo, cols * bi)
+    padded[:out, :inp] = w.float()
+    amax = padded.view(rows, bo, cols, bi).abs().amax(dim=(1, 3)).clamp(min=1e-12)
+    scale_inv = amax / 448.0
+    full = scale_inv.repeat_interleave(bo, 0).repeat_interleave(bi, 1)[:out, :inp]
+    return (w.float() / full).to(torch.float8_e4m3fn), scale_inv
+
+
+def test_fp8_block_decoding_equals_transformers_dequantizer():
+    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+
+    g = torch.Generator().manual_seed(1)
+    weight = (torch.randn(100, 70, generator=g) * 50).to(torch.float8_e4m3fn)
+    scale_inv = torch.rand(4, 3, generator=g) * 1e-2  # blocks of 32 x 32, the last partial
+    for dtype in (torch.float32, torch.bfloat16):
+        theirs = _dequantize_fp8_weight(weight.clone(), scale_inv, [32, 32], dtype)
+        assert torch.equal(decode_fp8_blocks(weight, scale_inv, (32, 32), dtype), theirs)
+    with pytest.raises(ValueError, match="do not tile"):
+        decode_fp8_blocks(weight, scale_inv[:3], (32, 32), torch.float32)
+
+
+@pytest.fixture(scope="module")
+def fp8_pair(checkpoints, tmp_path_factory):
+    """(GLM-4.5 with its linear weights stored in FP8 blocks as FP8 releases store them - the
+    embedding, norms, routers and LM head left 16-bit - and the same model with those weights
+    decoded by transformers' own dequantizer, saved in 32 bits)."""
+    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+
+    src = checkpoints["glm4_moe"]
+    root = tmp_path_factory.mktemp("fp8")
+    fp8, twin = root / "glm4_moe-fp8", root / "glm4_moe-decoded"
+    for d in (fp8, twin):
+        shutil.copytree(src, d)
+    tensors = load_file(src / "model.safetensors")
+    stored, decoded = dict(tensors), dict(tensors)
+    for name, t in tensors.items():
+        keep = ("embed_tokens", "lm_head", "mlp.gate.weight", "norm")
+        if t.dim() == 2 and name.endswith(".weight") and not any(k in name for k in keep):
+            w, scale_inv = encode_fp8_blocks(t, FP8_BLOCK)
+            stored[name], stored[name + "_scale_inv"] = w, scale_inv
+            decoded[name] = _dequantize_fp8_weight(w.clone(), scale_inv, FP8_BLOCK, torch.float32)
+    save_file(stored, fp8 / "model.safetensors", metadata={"format": "pt"})
+    save_file(decoded, twin / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                     "activation_scheme": "dynamic",
+                                     "weight_block_size": FP8_BLOCK}  # fmt: skip
+    (fp8 / "config.json").write_text(json.dumps(config))
+    return fp8, twin
+
+
+def test_fp8_weights_give_transformers_tokens(fp8_pair):
+    from tests.executor.test_matches_transformers import reference_generate
+
+    path, twin = fp8_pair
+    prompts = ragged_prompts(LENGTHS, seed=3)
+    checkpoint = open_checkpoint(path, "float32")
+    assert checkpoint.weights.layers[1].experts[0].w1.dtype == torch.float32
+    ours = generate(MoEModel(checkpoint), prompts, STEPS)
+    theirs, _ = reference_generate(reference_model(twin), prompts, STEPS)
+    assert ours.output_token_ids == theirs
+
+
+@pytest.mark.parametrize(
+    ("quantization", "fragment"),
+    [
+        ({"quant_method": "fp8", "fmt": "e4m3"}, "fp8 without e4m3 blocks"),
+        ({"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}, "e4m3"),
+        ({"quant_method": "awq", "bits": 4}, "'awq'"),
+    ],
+)
+def test_other_fp8_layouts_are_refused_before_loading(run_cli, tmp_path, fp8_pair, quantization,
+                                                      fragment):  # fmt: skip
+    path = tmp_path / "other"
+    shutil.copytree(fp8_pair[0], path)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = quantization
+    (path / "config.json").write_text(json.dumps(config))
+    run_expecting_error(run_cli, tmp_path, path, fragments=(fragment,))
+
+
+def test_an_fp8_weight_without_its_scales_names_them(run_cli, tmp_path, fp8_pair):
+    path = tmp_path / "no-scales"
+    shutil.copytree(fp8_pair[0], path)
+    tensors = load_file(path / "model.safetensors")
+    del tensors["model.layers.1.self_attn.o_proj.weight_scale_inv"]
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    missing = "model.layers.1.self_attn.o_proj.weight_scale_inv is missing"
+    run_expecting_error(run_cli, tmp_path, path, fragments=(missing,))
