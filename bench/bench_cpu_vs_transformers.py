@@ -13,12 +13,15 @@ measures peak resident memory while the executor loads and touches every weight 
 checkpoint, in a fresh process.  Prints a table; the last line is JSON; the same JSON goes to
 reports/.
 
-    python bench/bench_cpu_vs_transformers.py [--quick] [--family mixtral|qwen3_moe]
+    python bench/bench_cpu_vs_transformers.py [--quick] [--family mixtral|qwen3_moe|gpt_oss]
         [--hardware PATH] [--repeats N]
 
 `--family qwen3_moe` runs Qwen3-30B-A3B's regime at the same hidden size: 64 experts of 384,
 top-8 renormalised, 16 query heads of 128 (q twice the hidden size) over 2 KV heads, q/k norms
-per head; Mixtral's is 8 experts of 3584, top-2.
+per head; Mixtral's is 8 experts of 3584, top-2. `--family gpt_oss` runs gpt-oss's: 32 experts
+as wide as the hidden size, top-4, biases, sinks, 16 query heads of 64 over 2 KV heads, every
+other layer sliding over 128 keys (the full run's 64 + 128 tokens pass it), YaRN; transformers
+runs it with its eager attention (gpt-oss has no SDPA path there).
 """
 
 from __future__ import annotations
@@ -64,6 +67,19 @@ def bench_config(family: str, hidden: int, width: int, layers: int):
             bos_token_id=None,
             pad_token_id=0,
         )
+    if family == "gpt_oss":
+        from transformers import GptOssConfig
+
+        return GptOssConfig(
+            vocab_size=32000, hidden_size=hidden, intermediate_size=hidden,
+            num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=2, head_dim=64,
+            num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
+            layer_types=["sliding_attention", "full_attention"] * (layers // 2),
+            max_position_embeddings=131072, eos_token_id=None, bos_token_id=None, pad_token_id=0,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                             "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                             "beta_slow": 1.0, "truncate": False},
+        )  # fmt: skip
     return mixtral_config(hidden, width, layers)
 
 
@@ -241,7 +257,10 @@ def main() -> None:
     )
     parser.add_argument("--skip-load-check", action="store_true", help="no 2 GB load check")
     parser.add_argument(
-        "--family", choices=("mixtral", "qwen3_moe"), default="mixtral", help="model family"
+        "--family",
+        choices=("mixtral", "qwen3_moe", "gpt_oss"),
+        default="mixtral",
+        help="model family",
     )
     parser.add_argument("--output", help="JSON to write (reports/bench_cpu_vs_transformers.json)")
     args = parser.parse_args()
