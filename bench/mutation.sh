@@ -7,9 +7,15 @@
 #                                          on 2 cores)
 #   bench/mutation.sh 'executor.batching.*'   batching and resume (about 10 minutes)
 #   bench/mutation.sh 'planner.memory.*'   the memory model, 'planner.milp.*' the MILP,
-#                                          'executor.quant.*' the int8/int4 codec (~15 minutes)
-#                                          (reports/mutation.md says how each was run)
+#                                          'executor.quant.*' the int8/int4 codec (~15 minutes),
+#                                          'executor.tasks.*', 'planner.search.*', and
+#                                          'executor.checkpoint*' 'executor.stored_formats.*'
+#                                          'executor.safetensors_mmap.*' the checkpoint reader
+#                                          (each an hour or more on 2 cores: reports/mutation.md
+#                                          says how each was run, some on a seeded sample)
 #                                          other modules: add them to only_mutate first
+# A timeout is a detection only if it is one again on a rerun of that mutant alone
+# (`python -m mutmut run NAME`): see reports/mutation.md's correction.
 # Needs `pip install mutmut` (not in the dev extra: CI does not run it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
