@@ -59,9 +59,7 @@ class _Vars:
         )
 
 
-def add_placement_constraints(
-    prob, x: _Vars, model: BatchModel, allowed: dict[str, bool | None]
-) -> None:
+def add_placement_constraints(prob, x: _Vars, allowed: dict[str, bool | None]) -> None:
     """What the model assumes and what the schedule or machine fixes."""
     # A_g <= F_g: attention on the GPU only beside the projections it feeds
     prob += x.att <= x.ffn, "attention_needs_gpu_layers"
@@ -110,7 +108,7 @@ def solve_placement(model: BatchModel, allowed: dict[str, bool | None]) -> MilpR
         rw=_variable(prob, "r_w", 0, 1),
         rc=_variable(prob, "r_c", 0, 1),
     )
-    add_placement_constraints(prob, x, model, allowed)
+    add_placement_constraints(prob, x, allowed)
     add_memory_constraints(prob, x, model)
     t = add_time_constraints(prob, x, model)
     layers = model.setting.arch.num_layers

@@ -12,8 +12,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from executor.checkpoint import open_checkpoint, read_arch
+from executor.checkpoint import INIT_STD, open_checkpoint, random_checkpoint, read_arch
 from executor.safetensors_mmap import SafetensorsFile
+from hrm.errors import HrmError
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -192,3 +193,26 @@ def test_the_initialisation_rule_is_transformers_own():
         elif p.numel() >= 4096:
             assert float(p.detach().std()) == pytest.approx(INIT_STD, rel=0.1), name
     assert kinds == {"ones", "zeros", "normal"}
+
+
+def test_random_weights_are_initialised_as_transformers_does():
+    """--random-weights: norms ones, biases zero, matrices drawn at INIT_STD; sinks only where
+    the family has them (a sink of every family's would change its attention)."""
+    from hrm.arch import resolve_model
+
+    oss = random_checkpoint(resolve_model("gpt-oss-20b").first_layers(1), "float32")
+    layer = oss.weights.layers[0]
+    assert torch.equal(layer.attn_norm, torch.ones_like(layer.attn_norm))
+    assert not layer.bq.any() and not layer.experts[0].b1.any()
+    assert layer.sinks.shape == (64,)
+    assert layer.wq.std().item() == pytest.approx(INIT_STD, rel=0.05)
+    mixtral = random_checkpoint(resolve_model("mixtral-8x7b").first_layers(1), "bfloat16")
+    assert mixtral.weights.layers[0].sinks is None
+
+
+def test_a_header_that_is_not_an_object_is_named(tmp_path):
+    path = tmp_path / "model.safetensors"
+    header = b"[]"
+    path.write_bytes(len(header).to_bytes(8, "little") + header)
+    with pytest.raises(HrmError, match=r"\(header is not a JSON object\); re-download it"):
+        SafetensorsFile(path)

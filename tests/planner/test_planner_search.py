@@ -10,6 +10,7 @@ import pytest
 from hrm.errors import HrmError
 from hrm.plan import Plan
 from hrm.policy import Policy
+from hrm.units import format_bytes
 from hrm.workload import Workload
 from planner import predict
 from planner.cost import queue_terms, schedule_terms
@@ -127,8 +128,25 @@ def test_workload_that_fits_nowhere_says_which_memory_and_how_much(arch, make_gp
                    kv_dtype="bfloat16")  # fmt: skip
     need = predict(arch, hw, wl, least, "cgopipe").memory.gpu_bytes
     short = f"{(need - 4.5e5) / 1e3:.4g} kB short"
-    with pytest.raises(HrmError, match=rf"GPU memory, 450 kB is usable.*{short}"):
+    needs = f"needs {format_bytes(need)} of GPU memory, 450 kB is usable"
+    with pytest.raises(HrmError, match=rf"{needs} \(90% of the total\), {short}; try --gpu-mem"):
         search(arch, hw, wl)
+
+
+def test_a_host_too_small_is_named_with_its_fix(arch, make_gpu_profile):
+    """The GPU holds the whole model; the host cannot hold even what stays there (embedding,
+    a sequence's hidden states): CPU memory is named, with what one sequence needs of it and the
+    flag that gives more."""
+    hw = make_gpu_profile(gpu_memory_bytes=1.5e6, cpu_memory_bytes=1e4)
+    wl = Workload(prompt_len_mean=16, prompt_len_max=32, gen_len=4)
+    with pytest.raises(HrmError) as err:
+        search(arch, hw, wl)
+    message = str(err.value)
+    assert "of CPU memory, 9 kB is usable (90% of the total)" in message
+    assert message.endswith("try --cpu-mem or more CPU memory, or shorter prompts")
+    need = float(message.split("needs ")[1].split(" kB")[0]) * 1e3
+    short = float(message.split("total), ")[1].split(" kB")[0]) * 1e3
+    assert need == pytest.approx(9e3 + short, rel=1e-3)
 
 
 def enumerated_best(setting: Setting, n: int, mu: int, steps: int = 11) -> float:
@@ -220,3 +238,14 @@ def test_the_milp_keeps_what_the_schedule_fixes(arch):
     assert cpu_attention.optimal and cpu_attention.ffn_on_gpu and not cpu_attention.attention_on_gpu
     on_cpu = solve_placement(model, {"attention_on_gpu": False, "ffn_on_gpu": False})
     assert on_cpu.optimal and not on_cpu.ffn_on_gpu and not on_cpu.attention_on_gpu
+
+
+def test_a_solvers_fraction_is_clipped_and_rounded_down():
+    """r_w and r_c as the MILP reports them: an unset or zero value is 0 (not 1: a plan with
+    nothing resident says so), values past [0, 1] are clipped, and rounding is down to 1e-9 so
+    that a placement never holds more than the memory the solver fitted."""
+    from planner.milp import _fraction
+
+    assert _fraction(None) == 0.0 and _fraction(0.0) == 0.0 and _fraction(-1e-12) == 0.0
+    assert _fraction(1.0 + 1e-9) == 1.0 and _fraction(0.5) == 0.5
+    assert _fraction(0.3 + 4e-10) == 0.3 and _fraction(0.7 - 1e-12) < 0.7
