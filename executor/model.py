@@ -1,5 +1,5 @@
-"""The forward pass of Mixtral, DBRX, Qwen2-MoE, Qwen3-MoE, OLMoE and gpt-oss, split into the
-paper's three stages.
+"""The forward pass of Mixtral, DBRX, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss and GLM-4.5, split into
+the paper's three stages.
 
 PreAttn (norm, QKV projection, rotary), Attn (KV append and attention) and PostAttn (O projection,
 residual, norm, router, experts) are separate methods so that a schedule can interleave them
@@ -56,9 +56,9 @@ def inverse_frequencies(arch) -> tuple[torch.Tensor, float]:
     """Rotary inverse frequencies [D/2] and the factor cos and sin are scaled by: plain, or
     rescaled by YaRN (arch.rope_scaling), as transformers' modeling_rope_utils computes them."""
     dim, base = arch.rotary_dim or arch.head_dim, arch.rope_theta
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
     if not arch.rope_scaling:
-        return inv_freq, 1.0
+        return 1.0 / pos_freqs, 1.0
     y = dict(arch.rope_scaling)
     factor, original = y["factor"], y["original_max_position_embeddings"]
 
@@ -84,7 +84,7 @@ def inverse_frequencies(arch) -> tuple[torch.Tensor, float]:
     high = high + 0.001 if low == high else high
     ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
     extrapolated = 1 - ramp  # the share of each frequency kept as it was
-    inv_freq = (inv_freq / factor) * (1 - extrapolated) + inv_freq * extrapolated
+    inv_freq = 1.0 / (factor * pos_freqs) * (1 - extrapolated) + 1.0 / pos_freqs * extrapolated
     return inv_freq, float(scaling)
 
 

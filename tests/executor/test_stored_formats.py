@@ -98,12 +98,18 @@ def test_an_unsupported_stored_format_is_refused_before_loading(run_cli, tmp_pat
     )
 
 
-def test_blocks_without_their_scales_name_the_tensor(run_cli, tmp_path, mxfp4_pair):
-    path = tmp_path / "no-scales"
-    shutil.copytree(mxfp4_pair[0], path)
+def without(src, tmp_path, name: str):
+    """A copy of checkpoint `src` with tensor `name` removed."""
+    path = tmp_path / "without"
+    shutil.copytree(src, path)
     tensors = load_file(path / "model.safetensors")
-    del tensors["model.layers.1.mlp.experts.down_proj_scales"]
+    del tensors[name]
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def test_blocks_without_their_scales_name_the_tensor(run_cli, tmp_path, mxfp4_pair):
+    path = without(mxfp4_pair[0], tmp_path, "model.layers.1.mlp.experts.down_proj_scales")
     run_expecting_error(
         run_cli, tmp_path, path,
         fragments=("model.layers.1.mlp.experts.down_proj_scales is missing", "MXFP4"),
@@ -200,10 +206,6 @@ def test_other_fp8_layouts_are_refused_before_loading(run_cli, tmp_path, fp8_pai
 
 
 def test_an_fp8_weight_without_its_scales_names_them(run_cli, tmp_path, fp8_pair):
-    path = tmp_path / "no-scales"
-    shutil.copytree(fp8_pair[0], path)
-    tensors = load_file(path / "model.safetensors")
-    del tensors["model.layers.1.self_attn.o_proj.weight_scale_inv"]
-    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    path = without(fp8_pair[0], tmp_path, "model.layers.1.self_attn.o_proj.weight_scale_inv")
     missing = "model.layers.1.self_attn.o_proj.weight_scale_inv is missing"
     run_expecting_error(run_cli, tmp_path, path, fragments=(missing,))
