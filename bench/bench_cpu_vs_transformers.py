@@ -291,7 +291,7 @@ def main() -> None:
             "family": args.family,
             "params": params,
             "dtype": "bfloat16",
-            "experts": config.num_experts if args.family == "qwen3_moe" else 8,
+            "experts": getattr(config, "num_local_experts", None) or config.num_experts,
             "top_k": config.num_experts_per_tok,
         },
         "repeats": repeats,
