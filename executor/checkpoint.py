@@ -265,7 +265,12 @@ def load_tokenizer(directory: Path):
 
 def read_arch(directory: str | os.PathLike) -> ModelArch:
     """The checkpoint's ModelArch, with the stop tokens of generation_config.json when present."""
-    directory = Path(directory)
+    return _read_config(Path(directory))[0]
+
+
+def _read_config(directory: Path):
+    """(ModelArch, stored format: check_stored_format's) of a checkpoint's config.json, read once
+    and refused in one line where the executor cannot run it."""
     if not directory.is_dir():
         raise HrmError(f"{directory}: no such checkpoint directory; check the path")
     config_path = directory / "config.json"
@@ -278,14 +283,14 @@ def read_arch(directory: str | os.PathLike) -> ModelArch:
             f"{config_path}: model_type {model_type!r} cannot be run; the executor runs "
             f"{', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    check_stored_format(config, model_type, str(config_path))
+    stored = check_stored_format(config, model_type, str(config_path))
     arch = ModelArch.from_hf_config(config, name=directory.name, where=str(config_path))
     generation_path = directory / "generation_config.json"
     if generation_path.is_file():
         stops = eos_token_ids(load_json(generation_path), where=str(generation_path))
         if stops:
             arch = dataclasses.replace(arch, eos_token_ids=stops)
-    return arch
+    return arch, stored
 
 
 def stored_dtype(directory: Path, arch: ModelArch) -> str:
@@ -302,13 +307,11 @@ def open_checkpoint(
 ) -> Checkpoint:
     """Map a checkpoint directory; `dtype` None keeps the dtype the embedding is stored in."""
     directory = Path(directory)
-    arch = read_arch(directory)
+    arch, stored = _read_config(directory)
     dtype = dtype or stored_dtype(directory, arch)
     if dtype not in TORCH_DTYPES:
         raise HrmError(f"unknown dtype {dtype!r}: use one of {', '.join(TORCH_DTYPES)}")
     embed_name, norm_name = _GLOBAL_NAMES[arch.model_type]
-    config = directory / "config.json"
-    stored = check_stored_format(load_json(config), arch.model_type, str(config))
     t = Tensors(directory, TORCH_DTYPES[dtype], device, fp8_block=stored and stored[1])
     H, V = arch.hidden_size, arch.vocab_size
     embed = t.get(embed_name, (V, H))

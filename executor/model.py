@@ -30,18 +30,20 @@ from hrm.rules.gemm_paths import WIDEN_SLICE_ELEMENTS, native_linear, widened_li
 from hrm.rules.host_memory import keep_freed_host_memory
 
 
+def _normalised(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x over its root mean square, in fp32: what both RMSNorms scale."""
+    xf = x.float()
+    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Mixtral's RMSNorm: normalise in fp32, round back, then scale (as transformers does)."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    return weight * _normalised(x, eps).to(x.dtype)
 
 
 def rms_norm_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """gpt-oss's RMSNorm: scaled in fp32, then rounded (transformers keeps its weight fp32)."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight.float() * xf).to(x.dtype)
+    return (weight.float() * _normalised(x, eps)).to(x.dtype)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -240,3 +240,36 @@ def test_resolve_paths(tmp_path):
     (tmp_path / "broken.json").write_text("{not json")
     with pytest.raises(HrmError, match="malformed JSON"):
         resolve_model(tmp_path / "broken.json")
+
+
+@pytest.mark.parametrize(
+    ("bundled", "changes", "fragment"),
+    [
+        ("gpt-oss-20b", {"layer_types": ["full_attention"] * 3}, "layer_types must list one of"),
+        ("gpt-oss-20b", {"layer_types": ["local"] * 24}, "layer_types must list one of"),
+        ("gpt-oss-20b", {"sliding_window": None}, "sliding_window"),
+        ("gpt-oss-20b", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+         "rope_type 'dynamic' is not supported; supported: default, yarn"),
+        ("gpt-oss-20b", {"rope_scaling": {"rope_type": "yarn"}},
+         "yarn needs factor and original_max_position_embeddings"),
+        ("glm-4.5-air", {"first_k_dense_replace": 46}, "first_k_dense_replace must be 0..45"),
+        ("glm-4.5-air", {"n_group": 3}, "the groups must divide the experts"),
+        ("glm-4.5-air", {"n_group": 4, "topk_group": 5}, "topk_group be 1..n_group"),
+        ("glm-4.5-air", {"n_group": 32, "topk_group": 1}, "8 experts per token from 1 groups of 4"),
+    ],
+)  # fmt: skip
+def test_what_gpt_oss_and_glm_configs_cannot_run_is_refused_by_name(bundled, changes, fragment):
+    config = json.loads((BUNDLED_DIR / f"{bundled}.json").read_text()) | changes
+    config.pop("rope_parameters", None)
+    with pytest.raises(HrmError, match=re.escape(fragment)):
+        ModelArch.from_hf_config(config, where="c.json")
+
+
+def test_a_bad_family_config_is_one_line_and_exit_2(run_cli, tmp_path):
+    from tests.conftest import assert_one_line_error
+
+    config = json.loads((BUNDLED_DIR / "glm-4.5-air.json").read_text()) | {"n_group": 3}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    status, out, err = run_cli("plan", "--model", tmp_path, "--hardware", "l4")
+    assert_one_line_error(status, err, "config.json", "the groups must divide the experts")
+    assert out == ""

@@ -103,26 +103,10 @@ def _gpt_oss_config(**overrides):
 
 
 def save_gpt_oss(path: Path, seed: int) -> Path:
-    """A random gpt-oss whose every term counts: transformers initialises biases to zero and
-    norms to one, so biases, sinks and norms are drawn here; the experts' pre-activations pass
-    the GLU's clamp of 7."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(_gpt_oss_config()).eval()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, t in model.named_parameters():
-            if name.endswith("norm.weight"):
-                t.copy_(1 + 0.1 * torch.randn(t.shape, generator=g))
-            elif name.endswith(("bias", "sinks")):
-                t.copy_(0.5 * torch.randn(t.shape, generator=g))
-            elif name.endswith("gate_up_proj"):
-                t.copy_(0.6 * torch.randn(t.shape, generator=g))
-            elif name.endswith("down_proj"):
-                t.copy_(0.05 * torch.randn(t.shape, generator=g))
-    model.save_pretrained(path)
-    return path
+    """A random gpt-oss whose every term counts: biases, sinks and norms drawn, and the experts'
+    pre-activations past the GLU's clamp of 7."""
+    draws = ((("bias", "sinks"), 0.5), (("gate_up_proj",), 0.6), (("down_proj",), 0.05))
+    return save_with_random_extras(_gpt_oss_config(), path, seed, draws)
 
 
 def _glm4_moe_config(**overrides):
@@ -141,9 +125,10 @@ def _glm4_moe_config(**overrides):
     return Glm4MoeConfig(**(fields | overrides))
 
 
-def save_with_random_extras(config, path: Path, seed: int) -> Path:
-    """save_model, with what transformers initialises to constants drawn instead (biases,
-    norms, a router's choice-only bias), so that every term of the family counts."""
+def save_with_random_extras(config, path: Path, seed: int, draws=((("bias",), 0.2),)) -> Path:
+    """save_model, with what transformers initialises to constants drawn instead, so that every
+    term of the family counts: norms 1 + N(0, 0.1^2), and each tensor whose name ends in one of
+    a draw's suffixes N(0, std^2) (default: biases, a router's choice-only bias among them)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -153,8 +138,10 @@ def save_with_random_extras(config, path: Path, seed: int) -> Path:
         for name, t in model.state_dict().items():
             if name.endswith("norm.weight"):
                 t.copy_(1 + 0.1 * torch.randn(t.shape, generator=g))
-            elif name.endswith(("bias", "e_score_correction_bias")):
-                t.copy_(0.2 * torch.randn(t.shape, generator=g))
+                continue
+            std = next((std for ends, std in draws if name.endswith(ends)), None)
+            if std is not None:
+                t.copy_(std * torch.randn(t.shape, generator=g))
     model.save_pretrained(path)
     return path
 
