@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from plan_settings import (
+    EIGHT_GPUS,
     EXAMPLE_PRICES,
     FAMILIES,
     HOST_MEMORY,
@@ -90,6 +91,46 @@ def scaling_rows() -> list[dict]:
         )
         rows += [{"model": model, **o.to_dict()} for o in options]
     return rows
+
+
+def eight_gpu_rows() -> list[dict]:
+    """EIGHT_GPUS: the best plan on 8 GPUs of each machine, or which memory is short."""
+    rows = []
+    for model, machine, dtype in EIGHT_GPUS:
+        (option,) = plan_options(
+            resolve_model(model), {machine: resolve_hardware(machine)}, MTBENCH_G128,
+            gpu_counts=(8,), dtype=dtype,
+        )  # fmt: skip
+        rows.append({"model": model, "dtype": dtype, **option.to_dict()})
+    return rows
+
+
+def eight_gpu_markdown(rows: list[dict]) -> str:
+    lines = [
+        "",
+        "## DeepSeek-V3 on 8 GPUs",
+        "",
+        "MTBench-like, 128 new tokens (`hrm plan --model deepseek-v3 --hardware H --gpus 8 "
+        "--dtype D`): 8 of the machine's GPU in tensor parallel, each with its own PCIe link (a "
+        "what-if of its one-GPU profile), the host the profile's. Latent attention caches 576 "
+        "values a token and layer, whole on every GPU. Where no policy fits, the planner's "
+        "message says which memory is short and by how much.",
+        "",
+        "| machine | weights | N | mu | attn | w | tok/s | binds |",
+        "|---|---|---:|---:|---|---:|---:|---|",
+    ]
+    for r in rows:
+        head = f"| 8x {r['machine']} | {r['dtype']} |"
+        if r["plan"] is None:
+            lines.append(f"{head} {r['why_not']} |" + " |" * 5)
+            continue
+        p = r["plan"]["policy"]
+        lines.append(
+            f"{head} {p['batch_size']} | {p['micro_batch_size']} | "
+            f"{_device(p['attention_on_gpu'])} | {p['weights_gpu_fraction']:.0%} | "
+            f"{r['throughput_tok_s']:.1f} | {r['plan']['bottleneck']} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def cost_rows() -> list[dict]:
@@ -204,11 +245,13 @@ def cost_markdown(rows: list[dict]) -> str:
 
 def main() -> None:
     rows = run_all()
-    scaling, costs = scaling_rows(), cost_rows()
-    atomic_write_json(REPORTS / "plans.json", {"plans": rows, "scaling": scaling, "cost": costs})
-    atomic_write_text(
-        REPORTS / "plans.md", markdown(rows) + scaling_markdown(scaling) + cost_markdown(costs)
+    scaling, costs, eight = scaling_rows(), cost_rows(), eight_gpu_rows()
+    atomic_write_json(
+        REPORTS / "plans.json",
+        {"plans": rows, "scaling": scaling, "cost": costs, "eight_gpus": eight},
     )
+    text = markdown(rows) + scaling_markdown(scaling) + eight_gpu_markdown(eight)
+    atomic_write_text(REPORTS / "plans.md", text + cost_markdown(costs))
     print(f"wrote {REPORTS / 'plans.md'} and plans.json")
 
 

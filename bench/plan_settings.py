@@ -26,6 +26,16 @@ FAMILIES = (
     ("glm-4.5-air", "l4", "int4"),
     ("glm-4.5-air", "h100-sxm", "bfloat16"),
 )
+# DeepSeek-V3 (671B) on 8 GPUs (issue 36): each machine's profile with 8 of its GPU (a what-if
+# where the profile has one: each GPU with its own link), in 16 bits and int4 weights
+EIGHT_GPUS = (
+    ("deepseek-v3", "h100-sxm", "bfloat16"),
+    ("deepseek-v3", "h100-sxm", "int4"),
+    ("deepseek-v3", "h200-sxm", "bfloat16"),
+    ("deepseek-v3", "a100-80g", "bfloat16"),
+    ("deepseek-v3", "l4", "int4"),
+)
+
 # Host memory beyond the bundled profile's, by (model, machine): Qwen3-235B-A22B is 470 GB in
 # 16 bits, more than 4xt4.yaml's 416 GB host; a 4xT4 cloud machine is offered with 624 GB
 # (GCP n1-highmem-96), which its row assumes, as `hrm plan --cpu-mem 624GB` does.

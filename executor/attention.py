@@ -19,25 +19,30 @@ import torch.nn.functional as F
 from executor.kv_cache import KVCache, packed_layout
 
 
-def sdpa_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask) -> torch.Tensor:
-    """torch's scaled_dot_product_attention with the groups as query rows: [B, nkv, G, D]."""
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+def sdpa_decode(q, keys, values, mask, scale: float | None = None) -> torch.Tensor:
+    """torch's scaled_dot_product_attention with the groups as query rows: [B, nkv, G, D]; the
+    scores scaled by `scale` (None: 1/sqrt(D))."""
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
 
 
-def matmul_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask) -> torch.Tensor:
+def _scale(q: torch.Tensor, scale: float | None) -> float:
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+
+
+def matmul_decode(q, keys, values, mask, scale: float | None = None) -> torch.Tensor:
     """Scores by one batched GEMM, softmax in fp32, then one batched GEMM with V: [B, nkv, G, D]."""
-    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * (1.0 / math.sqrt(q.shape[-1]))
+    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * _scale(q, scale)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(values.dtype)  # [B, nkv, G, S]
     return torch.matmul(probs, values)
 
 
-def sink_attention(q, keys, values, mask, sinks: torch.Tensor) -> torch.Tensor:
+def sink_attention(q, keys, values, mask, sinks: torch.Tensor, scale=None) -> torch.Tensor:
     """matmul_decode with a learned logit per query row in each softmax's denominator (gpt-oss's
     sinks, [nkv, rows]): the sink takes its share of the probability and adds no value. SDPA has
     no such term, so this path computes the scores itself, as transformers' eager one does."""
-    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * (1.0 / math.sqrt(q.shape[-1]))
+    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * _scale(q, scale)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     sink = sinks.to(scores.device, torch.float32)[None, :, :, None]
@@ -73,16 +78,18 @@ def attend_one_step(
     *,
     window: int | None = None,
     sinks: torch.Tensor | None = None,
+    scale: float | None = None,
 ) -> torch.Tensor:
-    """q [B, nq, D], keys and values [B, nkv, S, D], mask [B, 1, 1, S] or None -> [B, nq*D];
-    a sliding layer's `window` and gpt-oss's `sinks` [nq] where the layer has them."""
+    """q [B, nq, D], keys [B, nkv, S, D] and values [B, nkv, S, Dv], mask [B, 1, 1, S] or None
+    -> [B, nq*Dv]; a sliding layer's `window`, gpt-oss's `sinks` [nq] and the scores' `scale`
+    (None: 1/sqrt(D)) where the layer has them."""
     B, nkv, D = q.shape[0], keys.shape[1], q.shape[-1]
     keys, values, mask = last_window(keys, values, mask, window)
     q = q.view(B, nkv, -1, D)
     if sinks is not None:
-        out = sink_attention(q, keys, values, mask, sinks.view(nkv, -1))
+        out = sink_attention(q, keys, values, mask, sinks.view(nkv, -1), scale)
     else:
-        out = DECODE_KERNELS[kernel](q, keys, values, mask)  # [B, nkv, G, D]
+        out = DECODE_KERNELS[kernel](q, keys, values, mask, scale)  # [B, nkv, G, Dv]
     return out.reshape(B, -1)
 
 
@@ -110,10 +117,12 @@ def store_and_attend_prompts(
     *,
     window: int | None = None,
     sinks: torch.Tensor | None = None,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """The executor's prefill attention stage: store the packed prompts' K/V at (batch_idx,
-    slot_idx) and attend causally, packed q [T, nq, D] -> [T, nq*D]; a sliding layer's queries
-    see the last `window` slots, and gpt-oss's `sinks` [nq] join each softmax.
+    slot_idx) and attend causally, packed q [T, nq, D] -> [T, nq*Dv]; a sliding layer's queries
+    see the last `window` slots, gpt-oss's `sinks` [nq] join each softmax, and `scale` scales
+    the scores (None: 1/sqrt(D)).
 
     Grouped-query attention without repeating K/V: the G query heads that share a K/V head are
     stacked along the query axis ([B, nkv, G*L, D]) with the causal mask repeated per group, so
@@ -131,18 +140,18 @@ def store_and_attend_prompts(
         keys = k.new_zeros(B, nkv, L, D)
         values = torch.zeros_like(keys)
         keys[batch_idx, :, slot_idx] = cache.values(cache.stored(k))  # as the cache rounds them
-        values[batch_idx, :, slot_idx] = cache.values(cache.stored(v))
+        values[batch_idx, :, slot_idx] = cache.values(cache.stored(v))  # (no latent: no ring)
     else:
         keys, values = cache.view(layer, L)  # [B, nkv, L, D]
     mask = _prefill_mask(cache, G, keys.device, window)
     if sinks is not None:  # each of the G heads' sink on its L query rows
         rows = sinks.view(nkv, G, 1).expand(nkv, G, L).reshape(nkv, G * L)
-        out = sink_attention(q_pad, keys, values, mask, rows)
+        out = sink_attention(q_pad, keys, values, mask, rows, scale)
     else:
-        out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=mask)
-    # out: [B, nkv, G*L, D]
-    out = out.view(B, nkv, G, L, D).permute(0, 3, 1, 2, 4)  # [B, L, nkv, G, D]
-    return out[batch_idx, slot_idx].reshape(q.shape[0], -1)  # [T, nq*D]
+        out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=mask, scale=scale)
+    # out: [B, nkv, G*L, Dv]
+    out = out.view(B, nkv, G, L, -1).permute(0, 3, 1, 2, 4)  # [B, L, nkv, G, Dv]
+    return out[batch_idx, slot_idx].reshape(q.shape[0], -1)  # [T, nq*Dv]
 
 
 def _prefill_mask(
@@ -191,6 +200,7 @@ def measure_attention_curve(
 
     torch_dtype = getattr(torch, dtype)
     nq, nkv, d = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
+    dv = arch.cached_value_dim
     g = torch.Generator().manual_seed(0)
     points = []
     with torch.inference_mode():
@@ -201,8 +211,8 @@ def measure_attention_curve(
                 arch, batch_size=batch, max_len=context, dtype=torch_dtype, num_layers=layers,
                 kv_format=kv_format,
             )  # fmt: skip
-            for t in (*cache.k, *cache.v):
-                t.copy_(cache.stored(torch.randn(*t.shape[:-1], d, generator=g)))
+            for t, width in [*((t, d) for t in cache.k), *((t, dv) for t in cache.v)]:
+                t.copy_(cache.stored(torch.randn(*t.shape[:-1], width, generator=g)))
             prompt_lens = torch.full((batch,), context - 1)
             prompt_lens[: max(1, batch // 4)] = (context - 1) // 2
             cache.start(prompt_lens, context - 1)  # each call appends at the last slot
@@ -210,7 +220,7 @@ def measure_attention_curve(
             def tensor(*size):
                 return torch.randn(size, generator=g).to(torch_dtype)
 
-            step = (tensor(batch, nq, d), tensor(batch, nkv, d), tensor(batch, nkv, d))
+            step = (tensor(batch, nq, d), tensor(batch, nkv, d), tensor(batch, nkv, dv))
             points.append((float(nbytes), nbytes / _seconds_per_call(cache, step)))
     return Curve(points=tuple(points))
 
@@ -272,10 +282,13 @@ def measure_prefill_attention_curve(arch, dtype: str = "bfloat16", *, quick: boo
             def tensor(*size):
                 return torch.randn(size, generator=g).to(torch_dtype)
 
-            step = (tensor(tokens, nq, d), tensor(tokens, nkv, d), tensor(tokens, nkv, d))
+            dv = arch.cached_value_dim
+            step = (tensor(tokens, nq, d), tensor(tokens, nkv, d), tensor(tokens, nkv, dv))
 
             def call(cache=cache, step=step, batch_idx=batch_idx, slot_idx=slot_idx) -> None:
-                store_and_attend_prompts(cache, 0, *step, batch_idx, slot_idx)
+                store_and_attend_prompts(
+                    cache, 0, *step, batch_idx, slot_idx, scale=arch.softmax_scale
+                )
 
             flops = prefill_attention_flops(arch, batch=batch, length=length)
             points.append((flops, flops / _median_seconds(call, 3 if quick else 5)))

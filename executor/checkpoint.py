@@ -45,10 +45,10 @@ class ExpertWeights:
 @dataclass(frozen=True, kw_only=True)
 class LayerWeights:
     attn_norm: torch.Tensor  # [H]
-    wq: torch.Tensor  # [nq*D, H]
-    wk: torch.Tensor  # [nkv*D, H]
-    wv: torch.Tensor  # [nkv*D, H]
-    wo: torch.Tensor  # [H, nq*D]
+    wq: torch.Tensor  # [nq*D, H] (latent attention: [nq*(nope+rope), H or q_lora_rank])
+    wk: torch.Tensor | None = None  # [nkv*D, H]; None in latent attention
+    wv: torch.Tensor | None = None  # [nkv*D, H]; None in latent attention
+    wo: torch.Tensor  # [H, nq*D] (latent attention: [H, nq*v_head_dim])
     ffn_norm: torch.Tensor  # [H]
     experts: tuple[ExpertWeights, ...]  # a dense layer's MLP is its one expert
     router: torch.Tensor | None = None  # [E, H]; None in a dense layer (all tokens, weight 1)
@@ -69,6 +69,14 @@ class LayerWeights:
     # [nq] a learned logit per head in each softmax's denominator (gpt-oss): the model's attention
     # state (MoEModel keeps it where attention runs), not among the weights a store places
     sinks: torch.Tensor | None = None
+    # latent attention (DeepSeek; hrm.rules.placement._latent_attention_shapes): q's low rank
+    # [q_lora, H] and its norm, the latent and rotary key [kv_lora + rope, H], the latent's norm
+    # [kv_lora] and its up-projection to each head's key and value [nq*(nope + v), kv_lora]
+    wq_a: torch.Tensor | None = None
+    q_a_norm: torch.Tensor | None = None
+    wkv_a: torch.Tensor | None = None
+    kv_a_norm: torch.Tensor | None = None
+    wkv_b: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,25 +97,26 @@ def _mixtral_layer(t: Tensors, arch: ModelArch, layer: int) -> LayerWeights:
     return _layer(t, arch, p, router, experts)
 
 
-def _qwen_layer(t: Tensors, arch: ModelArch, layer: int) -> LayerWeights:
+def _qwen_layer(t: Tensors, arch: ModelArch, layer: int, **renamed: str) -> LayerWeights:
     """Qwen2-MoE, Qwen3-MoE, OLMoE and GLM-4.5: Mixtral's attention names, experts under mlp; a
     dense layer's MLP (mlp.gate_proj, up_proj, down_proj) read as its one expert; GLM's shared
-    experts under mlp.shared_experts and its router's bias as mlp.gate.e_score_correction_bias."""
+    experts under mlp.shared_experts and its router's bias as mlp.gate.e_score_correction_bias;
+    `renamed` as _layer's (DeepSeek's attention)."""
     p = f"model.layers.{layer}."
     kind = arch.layer_arch(layer)
     if kind.ffn_is_dense:
         mlp = _experts(t, kind, p, ("gate_proj", "up_proj", "down_proj"), ["mlp"])
-        return _layer(t, kind, p, None, mlp)
+        return _layer(t, kind, p, None, mlp, **renamed)
     if t.has(p + "mlp.experts.gate_up_proj"):
         experts = _fused_experts(t, kind, p + "mlp.")
     else:
         experts = _experts(t, kind, p + "mlp.experts.", ("gate_proj", "up_proj", "down_proj"))
-    if arch.model_type != "glm4_moe":
+    if arch.model_type not in ("glm4_moe", "deepseek_v2", "deepseek_v3"):
         return _layer(t, kind, p, p + "mlp.gate.weight", experts)
     shared = {f"shared_{w}": f"{p}mlp.shared_experts.{n}_proj.weight"
               for w, n in (("w1", "gate"), ("w3", "up"), ("w2", "down"))}  # fmt: skip
     bias = p + "mlp.gate.e_score_correction_bias"
-    return _layer(t, kind, p, p + "mlp.gate.weight", experts, router_bias=bias, **shared)
+    return _layer(t, kind, p, p + "mlp.gate.weight", experts, router_bias=bias, **shared, **renamed)
 
 
 def _gpt_oss_layer(t: Tensors, arch: ModelArch, layer: int) -> LayerWeights:
@@ -141,6 +150,18 @@ def _gpt_oss_layer(t: Tensors, arch: ModelArch, layer: int) -> LayerWeights:
     w = _layer(t, arch, p, p + "mlp.router.weight", tuple(experts))
     sinks = t.get(p + "self_attn.sinks", (arch.num_attention_heads,))
     return dataclasses.replace(w, sinks=sinks)
+
+
+def _deepseek_layer(t: Tensors, arch: ModelArch, layer: int) -> LayerWeights:
+    """DeepSeek-V2/V3: latent attention under self_attn (q_proj, or q_a_proj, q_a_layernorm and
+    q_b_proj; kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj), then Qwen's MLP names with GLM's
+    shared experts and (V3) router bias."""
+    a = f"model.layers.{layer}.self_attn."
+    names = {"wq_a": a + "q_a_proj.weight", "q_a_norm": a + "q_a_layernorm.weight",
+             "wq": a + ("q_b_proj.weight" if arch.q_lora_rank else "q_proj.weight"),
+             "wkv_a": a + "kv_a_proj_with_mqa.weight", "kv_a_norm": a + "kv_a_layernorm.weight",
+             "wkv_b": a + "kv_b_proj.weight"}  # fmt: skip
+    return _qwen_layer(t, arch, layer, **names)
 
 
 def _layer(
@@ -223,6 +244,8 @@ _GLOBAL_NAMES = {  # model_type -> (embedding, final norm)
     "olmoe": _LLAMA_NAMES,
     "gpt_oss": _LLAMA_NAMES,
     "glm4_moe": _LLAMA_NAMES,
+    "deepseek_v2": _LLAMA_NAMES,
+    "deepseek_v3": _LLAMA_NAMES,
 }
 _LAYER_READERS: dict[str, Callable[[Tensors, ModelArch, int], LayerWeights]] = {
     "mixtral": _mixtral_layer,
@@ -232,6 +255,8 @@ _LAYER_READERS: dict[str, Callable[[Tensors, ModelArch, int], LayerWeights]] = {
     "olmoe": _qwen_layer,
     "gpt_oss": _gpt_oss_layer,
     "glm4_moe": _qwen_layer,
+    "deepseek_v2": _deepseek_layer,
+    "deepseek_v3": _deepseek_layer,
 }
 SUPPORTED_MODEL_TYPES = tuple(_LAYER_READERS)  # what the executor reads (the planner: hf_config)
 

@@ -13,6 +13,10 @@ A sliding layer (gpt-oss) keeps only its window: W slots used as a ring, absolut
 so each decode step overwrites the one key that left the window. Its slots are read in ring order
 (attention does not care) with the padding mask gathered to match (`mask`).
 
+Latent attention (DeepSeek) caches one row a token, the latent and the rotary key; its values are
+that row's first columns, so V stores nothing (rows of width 0, which every copy above moves as
+the nothing they are) and `view` gives them from K.
+
 A compact cache (`int8`, `int4`: hrm/formats.py) holds each (token, head) row as its codes
 then its groups' scales and minima, uint8 [..., row bytes] in place of [..., D]: every layout,
 copy and prefetch above moves those bytes as they are. Writes quantize; `view` gives the rows
@@ -47,37 +51,42 @@ class KVCache:
         slot_major: frozenset[int] = frozenset(),
         kv_format: str | None = None,
         windows: dict[int, int] | None = None,
+        value_dim: int | None = None,
     ):
         """layer_devices: where each layer's K and V live (default: all on `device`, which also
         holds the padding mask); an offloaded run keeps some layers on the GPU. slot_major: the
         host layers stored slot-major (see the module docstring). kv_format: a compact format
         the rows are stored in (None: `dtype`). windows: layer -> the keys its queries see; a
-        window shorter than max_len makes the layer a ring of that many slots."""
+        window shorter than max_len makes the layer a ring of that many slots. value_dim: latent
+        attention's values, K's first value_dim columns (V then stores nothing)."""
         self.format, self.dtype, self.head_dim = kv_format, dtype, head_dim
+        self.value_dim = value_dim
         row = head_dim
         if kv_format is not None:
             row, dtype = row_bytes(head_dim, kv_format), torch.uint8
+        v_row = 0 if value_dim is not None else row
         self.rings = {i: w for i, w in (windows or {}).items() if w < max_len}  # layer -> W
         devices = layer_devices or [torch.device(device)] * num_layers
         self.slots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> [S, B, nkv, D]
         self.k, self.v = [], []
         for layer, d in enumerate(devices):
             shape = (batch_size, kv_heads, self.rings.get(layer, max_len), row)
+            v_shape = (*shape[:3], v_row)
             if layer in slot_major:
-                k, v = (_slot_major(shape, dtype) for _ in "kv")
+                k, v = (_slot_major(s, dtype) for s in (shape, v_shape))
                 self.slots[layer] = (k, v)
                 k, v = k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)
             else:
                 # Zeros, not empty: padding slots are masked out of attention, but a NaN left in
                 # uninitialised memory would still poison the weighted sum (0 * NaN = NaN).
-                k, v = (torch.zeros(shape, dtype=dtype, device=d) for _ in "kv")
+                k, v = (torch.zeros(s, dtype=dtype, device=d) for s in (shape, v_shape))
             self.k.append(k)
             self.v.append(v)
         self.key_valid = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)  # [B, S]
         self._valid_on: dict[torch.device, torch.Tensor] = {}
         self.has_padding = False
         self.length = 0  # slots filled, the same for every sequence
-        self.token_bytes = kv_heads * row * dtype.itemsize  # K (or V) of a token in one layer
+        self.token_bytes = kv_heads * (row + v_row) * dtype.itemsize  # K and V, a token, a layer
 
     @classmethod
     def for_model(
@@ -97,6 +106,7 @@ class KVCache:
             max_len=max_len,
             head_dim=arch.head_dim,
             dtype=dtype,
+            value_dim=arch.kv_lora_rank or None,
             windows={i: arch.window(i) for i in arch.sliding_layers} if windowed else None,
             **kw,
         )
@@ -182,8 +192,12 @@ class KVCache:
         self.v[layer][:, :, at] = self.stored(v)
 
     def stored(self, x: torch.Tensor) -> torch.Tensor:
-        """K or V [..., D] as this cache stores its rows."""
-        return x if self.format is None else quantize_rows(x, self.format)
+        """K or V [..., D] as this cache stores its rows (latent attention's V, [..., 0]: none)."""
+        if self.format is None:
+            return x
+        if not x.shape[-1]:
+            return x.new_empty(x.shape, dtype=torch.uint8)
+        return quantize_rows(x, self.format)
 
     def values(self, rows: torch.Tensor) -> torch.Tensor:
         """Stored rows [..., row] as K or V [..., D] in the model's dtype."""
@@ -195,7 +209,15 @@ class KVCache:
         """K and V of slots [0, end) as [B, nkv, end, D] (a ring: its filled slots, in ring
         order): views (no copy), or a compact cache's rows dequantized."""
         n = self.filled(layer, end)
-        return self.values(self.k[layer][:, :, :n]), self.values(self.v[layer][:, :, :n])
+        return self.keys_and_values(self.k[layer][:, :, :n], self.v[layer][:, :, :n])
+
+    def keys_and_values(self, k_rows: torch.Tensor, v_rows: torch.Tensor):
+        """Stored K and V rows (of this cache, or a prefetch of it) as K and V in the model's
+        dtype; latent attention's V is K's first value_dim columns, a view."""
+        keys = self.values(k_rows)
+        if self.value_dim is not None:
+            return keys, keys[..., : self.value_dim]
+        return keys, self.values(v_rows)
 
     def valid_on(self, device: torch.device) -> torch.Tensor:
         """The padding mask [B, S] on `device` (copied once per batch; it is fixed after start)."""
@@ -221,8 +243,9 @@ class KVCache:
         return valid[:, None, None, absolute]
 
     def slot_major_tensors(self) -> list[torch.Tensor]:
-        """The slot-major layers' storage (what a CUDA run pins)."""
-        return [t for pair in self.slots.values() for t in pair]
+        """The slot-major layers' storage (what a CUDA run pins; latent attention's empty V is
+        nothing to pin)."""
+        return [t for pair in self.slots.values() for t in pair if t.numel()]
 
     @property
     def nbytes(self) -> dict[str, float]:

@@ -1,5 +1,6 @@
-"""The forward pass of Mixtral, DBRX, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss and GLM-4.5, split into
-the paper's three stages.
+"""The forward pass of Mixtral, DBRX, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss, GLM-4.5 and
+DeepSeek-V2/V3 (whose latent attention is executor/latent_attention.py), split into the paper's
+three stages.
 
 PreAttn (norm, QKV projection, rotary), Attn (KV append and attention) and PostAttn (O projection,
 residual, norm, router, experts) are separate methods so that a schedule can interleave them
@@ -14,7 +15,6 @@ E = experts, K = experts per token, I = expert width, A = token-expert assignmen
 
 from __future__ import annotations
 
-import math
 import time
 from collections import Counter
 
@@ -24,88 +24,12 @@ import torch.nn.functional as F
 from executor.attention import append_and_attend, store_and_attend_prompts
 from executor.checkpoint import Checkpoint, LayerWeights
 from executor.kv_cache import KVCache
+from executor.latent_attention import latent_queries_and_keys, latent_values
+from executor.layer_math import NORMS, apply_rotary, inverse_frequencies, rms_norm, rotary_tables
 from hrm.errors import HrmError
 from hrm.rules.cpu_gemm import CpuGemmChoice
 from hrm.rules.gemm_paths import WIDEN_SLICE_ELEMENTS, native_linear, widened_linear
 from hrm.rules.host_memory import keep_freed_host_memory
-
-
-def _normalised(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x over its root mean square, in fp32: what both RMSNorms scale."""
-    xf = x.float()
-    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Mixtral's RMSNorm: normalise in fp32, round back, then scale (as transformers does)."""
-    return weight * _normalised(x, eps).to(x.dtype)
-
-
-def rms_norm_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """gpt-oss's RMSNorm: scaled in fp32, then rounded (transformers keeps its weight fp32)."""
-    return (weight.float() * _normalised(x, eps)).to(x.dtype)
-
-
-def layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """DBRX's LayerNorm without bias."""
-    return F.layer_norm(x, (x.shape[-1],), weight, None, eps)
-
-
-NORMS = {"rmsnorm": rms_norm, "rmsnorm_fp32": rms_norm_fp32, "layernorm": layer_norm}
-
-
-def inverse_frequencies(arch) -> tuple[torch.Tensor, float]:
-    """Rotary inverse frequencies [D/2] and the factor cos and sin are scaled by: plain, or
-    rescaled by YaRN (arch.rope_scaling), as transformers' modeling_rope_utils computes them."""
-    dim, base = arch.rotary_dim or arch.head_dim, arch.rope_theta
-    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
-    if not arch.rope_scaling:
-        return 1.0 / pos_freqs, 1.0
-    y = dict(arch.rope_scaling)
-    factor, original = y["factor"], y["original_max_position_embeddings"]
-
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-    scaling = y["attention_factor"]
-    if scaling is None:
-        both = y["mscale"] and y["mscale_all_dim"]
-        scaling = (
-            mscale(factor, y["mscale"]) / mscale(factor, y["mscale_all_dim"])
-            if both
-            else mscale(factor)
-        )
-
-    def correction(rotations: float) -> float:  # the dimension that turns `rotations` times
-        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-    low, high = correction(y["beta_fast"]), correction(y["beta_slow"])
-    if y["truncate"]:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    high = high + 0.001 if low == high else high
-    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
-    extrapolated = 1 - ramp  # the share of each frequency kept as it was
-    inv_freq = 1.0 / (factor * pos_freqs) * (1 - extrapolated) + 1.0 / pos_freqs * extrapolated
-    return inv_freq, float(scaling)
-
-
-def rotary_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype, scaling: float = 1.0):
-    """cos and sin [T, D] for integer positions [T], computed in fp32 as transformers does."""
-    freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]  # [T, D/2]
-    emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
-    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, n, D] rotated by the half-split convention of Mixtral and DBRX; where cos is
-    narrower than a head (GLM's partial rotary), its leading dims only, the rest passed on."""
-    dim = cos.shape[-1]
-    if dim < x.shape[-1]:
-        return torch.cat((apply_rotary(x[..., :dim], cos, sin), x[..., dim:]), dim=-1)
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
 class MoEModel:
@@ -214,8 +138,9 @@ class MoEModel:
         return rotary_tables(positions, self._inv_freq, self.dtype, self._rope_scaling)
 
     def attention_terms(self, layer: int, device: torch.device) -> dict:
-        """What a layer's attention adds to causal attention: its window and sinks (on `device`)."""
-        terms: dict = {"window": self.arch.window(layer)}
+        """What a layer's attention adds to causal attention: its window, sinks (on `device`) and
+        the scores' scale where the family sets its own."""
+        terms: dict = {"window": self.arch.window(layer), "scale": self.arch.softmax_scale}
         if layer in self._sinks:
             key = (layer, torch.device(device))
             if key not in self._sinks_on:
@@ -228,9 +153,12 @@ class MoEModel:
     def pre_attention(self, w: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Norm, QKV projection (+ bias), q/k norm, clip, rotary: h [T, H] -> q [T, nq, D], k and
         v [T, nkv, D]. OLMoE normalises the whole projection before its clip, Qwen3-MoE each
-        head after the reshape; both before rotary, as transformers does."""
+        head after the reshape; both before rotary, as transformers does. Latent attention:
+        executor/latent_attention.py."""
         a = self.arch
         x = self._norm(h, w.attn_norm, a.norm_eps)  # [T, H]
+        if a.kv_lora_rank:
+            return latent_queries_and_keys(self, w, x, cos, sin)
         q = self.linear(x, w.wq)  # [T, nq*D]
         k, v = self.linear(x, w.wk), self.linear(x, w.wv)  # [T, nkv*D]
         if w.bq is not None:
@@ -276,7 +204,9 @@ class MoEModel:
 
     def post_attention(self, w: LayerWeights, attn: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """O projection, residual, norm, router, experts and the shared expert where the family
-        has one: [T, nq*D], [T, H] -> [T, H]."""
+        has one: [T, nq*Dv], [T, H] -> [T, H] (latent attention: the value up-projection first)."""
+        if self.arch.kv_lora_rank:
+            attn = latent_values(self.arch, w, attn)
         o = self.linear(attn, w.wo)
         h = h + (o if w.bo is None else o + w.bo)  # [T, H]
         x = self._norm(h, w.ffn_norm, self.arch.norm_eps)  # [T, H]
@@ -298,7 +228,7 @@ class MoEModel:
         if w.router is None:  # a dense layer: every token to its MLP, the one expert, weight 1
             ones = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)
             return ones, torch.zeros(x.shape[0], 1, dtype=torch.long, device=x.device)
-        if a.routing == "sigmoid_groups":
+        if a.routing in ("sigmoid_groups", "softmax_groups"):
             return self._route_in_groups(w, x)
         logits = self.linear(x, w.router)  # [T, E]
         if w.router_bias is not None:
@@ -319,16 +249,20 @@ class MoEModel:
         return top_w, top_i
 
     def _route_in_groups(self, w: LayerWeights, x: torch.Tensor):
-        """DeepSeek-V3's and GLM-4.5's router, in fp32 as transformers runs it: sigmoid scores;
-        the bias moves the choice, not the weights; each group ranked by its two best scores,
-        the top k taken from the best topk_group groups; weights renormalised (norm_topk_prob)
-        and scaled by routed_scaling_factor."""
+        """DeepSeek's and GLM-4.5's routers, in fp32 as transformers runs them. V3 and GLM:
+        sigmoid scores, the bias moving the choice, not the weights, each group ranked by its two
+        best scores; V2: softmax scores, each group ranked by its best. The top k taken from the
+        best topk_group groups; weights renormalised (norm_topk_prob) and scaled by
+        routed_scaling_factor."""
         a, T = self.arch, x.shape[0]
-        scores = torch.sigmoid(F.linear(x.float(), w.router.float()))  # [T, E]
+        logits = F.linear(x.float(), w.router.float())  # [T, E]
+        sigmoid = a.routing == "sigmoid_groups"
+        scores = torch.sigmoid(logits) if sigmoid else torch.softmax(logits, dim=-1)
         choice = scores if w.router_bias is None else scores + w.router_bias.float()
         if a.n_group > 1:
             grouped = choice.view(T, a.n_group, -1)  # [T, groups, E / groups]
-            best = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+            ranked_by = min(2, grouped.shape[-1]) if sigmoid else 1
+            best = grouped.topk(ranked_by, dim=-1).values.sum(-1)
             kept = torch.topk(best, a.topk_group, dim=-1, sorted=False).indices
             mask = torch.zeros_like(best, dtype=torch.bool).scatter_(1, kept, True)
             choice = choice.masked_fill(~mask.repeat_interleave(grouped.shape[-1], 1), -torch.inf)

@@ -53,14 +53,19 @@ def miniature(arch: ModelArch, layers: int) -> ModelArch:
     """The model's structure (experts, top-k, norms, head grouping) at hidden size 64."""
     group = arch.num_attention_heads // arch.num_key_value_heads
     kv_heads = min(arch.num_key_value_heads, 2)
+    heads = dict(num_attention_heads=kv_heads * group, num_key_value_heads=kv_heads,
+                 head_dim=MINI_HIDDEN // (kv_heads * group) or 1)  # fmt: skip
+    if arch.kv_lora_rank:  # latent attention's own passes, at a latent of 32 and heads of 16
+        quarter = MINI_HIDDEN // 4
+        heads = dict(num_attention_heads=min(arch.num_attention_heads, 4), head_dim=48,
+                     kv_lora_rank=32, rotary_dim=quarter, qk_nope_head_dim=quarter,
+                     v_head_dim=quarter, q_lora_rank=arch.q_lora_rank and 2 * quarter)  # fmt: skip
     return dataclasses.replace(
         arch,
         num_layers=layers,
         hidden_size=MINI_HIDDEN,
         intermediate_size=MINI_HIDDEN,
-        num_attention_heads=kv_heads * group,
-        num_key_value_heads=kv_heads,
-        head_dim=MINI_HIDDEN // (kv_heads * group) or 1,
+        **heads,
         vocab_size=256,
         shared_expert_intermediate_size=0,
         dense_layers=(),

@@ -26,7 +26,9 @@ def page_aligned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     holes that the next run's, of other sizes, fitted only in part. At Mixtral 8x7B's shape (2
     layers) `hrm validate --quick` peaked at 21.5 GB where its largest run holds 12
     (docs/decisions.md, 2026-12-05)."""
-    buffer = mmap.mmap(-1, max(numel * dtype.itemsize, 1))
+    if not numel:  # (latent attention's V rows: nothing to map)
+        return torch.zeros(0, dtype=dtype)
+    buffer = mmap.mmap(-1, numel * dtype.itemsize)
     return torch.frombuffer(buffer, dtype=dtype, count=numel)
 
 

@@ -211,8 +211,8 @@ class Runtime:
             return torch.empty(shape, dtype=dtype, pin_memory=pin)
 
         return [
-            {"q": host(mu, nq, D), "k": host(mu, nkv, D), "v": host(mu, nkv, D)}
-            | {"out": host(mu, nq * D)}
+            {"q": host(mu, nq, D), "k": host(mu, nkv, D), "v": host(mu, nkv, a.cached_value_dim)}
+            | {"out": host(mu, a.attention_output_size)}
             for _ in range(TURNS)
         ]
 
@@ -222,12 +222,14 @@ class Runtime:
         a = self.arch
         if not (self.offloaded and self.attention_on_gpu and self.kv_gpu_layers < a.num_layers):
             return []
-        kv_format, dtype, row = self.model.kv_format, self.model.dtype, a.head_dim
+        kv_format, dtype = self.model.kv_format, self.model.dtype
+        rows = {"k": a.head_dim, "v": a.cached_value_dim}
         if kv_format is not None:  # the cache's compact rows, prefetched as they are
-            dtype, row = torch.uint8, row_bytes(a.head_dim, kv_format)
-        numel = mu * a.num_key_value_heads * max_len * row
+            dtype = torch.uint8
+            rows = {n: row and row_bytes(row, kv_format) for n, row in rows.items()}
+        numel = {n: mu * a.num_key_value_heads * max_len * row for n, row in rows.items()}
         return [
-            {n: torch.zeros(numel, dtype=dtype, device=self.device) for n in "kv"}
+            {n: torch.zeros(numel[n], dtype=dtype, device=self.device) for n in "kv"}
             for _ in range(TURNS)
         ]
 

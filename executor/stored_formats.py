@@ -32,7 +32,7 @@ SCALE_BIAS = 127  # E8M0: the byte s means 2^(s - 127)
 # quantization_config.quant_method -> the model types whose checkpoints this reader decodes in it
 STORED_FORMATS = {
     "mxfp4": ("gpt_oss",),
-    "fp8": ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe"),
+    "fp8": ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "deepseek_v2", "deepseek_v3"),
 }
 FP8_SCALES = "_scale_inv"  # a weight's block scales: its name with this appended
 

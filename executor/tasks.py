@@ -221,8 +221,9 @@ class TaskBuilder:
                 fetched_k, fetched_v = _fetched(st, turn, mb)  # [S, b, nkv, D] (stored rows)
                 at, n = cache.position(layer, end), cache.filled(layer, end + 1)
                 fetched_k[at], fetched_v[at] = cache.stored(k), cache.stored(v)
-                keys = cache.values(fetched_k[:n].permute(1, 2, 0, 3))  # [b, nkv, n, D]
-                values = cache.values(fetched_v[:n].permute(1, 2, 0, 3))
+                keys, values = cache.keys_and_values(  # [b, nkv, n, D]
+                    fetched_k[:n].permute(1, 2, 0, 3), fetched_v[:n].permute(1, 2, 0, 3)
+                )
                 mask = mb.cache.mask(end + 1, self.device, layer)
                 terms = self.model.attention_terms(layer, self.device)
                 mb.buffers["attn"] = attend_one_step(q, keys, values, mask, **terms)
@@ -289,7 +290,7 @@ class TaskBuilder:
                 fetched[:n].copy_(host[:n], non_blocking=self.pinned)
 
         n = mb.cache.filled(layer, mb.cache.length)
-        nbytes = 2 * mb.size * n * mb.cache.token_bytes
+        nbytes = mb.size * n * mb.cache.token_bytes
         return Task(
             run, reads=(buf.kv(mb.index, layer),), writes=(buf.prefetch(turn),), nbytes=nbytes
         )
@@ -305,7 +306,7 @@ class TaskBuilder:
                     _record_stream(t)
                 cache.write_prompt_slots(layer, *device_kv, non_blocking=self.pinned)
 
-            nbytes = 2 * mb.size * cache.filled(layer, mb.padded_len) * cache.token_bytes
+            nbytes = mb.size * cache.filled(layer, mb.padded_len) * cache.token_bytes
             return Task(
                 run_prompt, reads=(buf.kv_device(j),), writes=(buf.kv(j, layer),), nbytes=nbytes
             )
@@ -316,7 +317,7 @@ class TaskBuilder:
             for fetched, host in zip(_fetched(st, turn, mb), cache.slots[layer], strict=True):
                 host[at].copy_(fetched[at], non_blocking=self.pinned)
 
-        nbytes = 2 * mb.size * cache.token_bytes
+        nbytes = mb.size * cache.token_bytes
         return Task(
             run_step, reads=(buf.prefetch(turn),), writes=(buf.kv(j, layer),), nbytes=nbytes
         )
@@ -400,11 +401,14 @@ assert set(TaskBuilder.BUILDERS) == set(Op)
 
 
 def _fetched(st: StepState, turn: int, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """The micro-batch's slot-major K and V [S, b, nkv, D] in a prefetch buffer's front."""
-    cache = mb.cache
-    shape = (cache.max_len, mb.size, cache.k[0].shape[1], cache.k[0].shape[3])
-    flat = st.batch.prefetch[turn]
-    return tuple(flat[n][: math.prod(shape)].view(shape) for n in "kv")
+    """The micro-batch's slot-major K and V [S, b, nkv, D] in a prefetch buffer's front (rows as
+    the cache stores them: latent attention's V has none)."""
+    cache, flat = mb.cache, st.batch.prefetch[turn]
+    out = []
+    for n, rows in zip("kv", (cache.k[0], cache.v[0]), strict=True):
+        shape = (cache.max_len, mb.size, rows.shape[1], rows.shape[3])
+        out.append(flat[n][: math.prod(shape)].view(shape))
+    return out[0], out[1]
 
 
 def _chunked(fn, rows: int) -> tuple[torch.Tensor, ...]:

@@ -35,8 +35,12 @@ NORMS = ("rmsnorm", "rmsnorm_fp32", "layernorm")
 # "softmax_topk": softmax over every expert, then the top k (Mixtral, Qwen, DBRX); "topk_softmax":
 # the top k logits, then a softmax over those k (gpt-oss); "sigmoid_groups": sigmoid scores, the
 # router's bias added for the choice only, the top k within the best topk_group of n_group
-# groups, weights renormalised and scaled by routed_scaling_factor (DeepSeek-V3, GLM-4.5)
-ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_groups")
+# groups, weights renormalised and scaled by routed_scaling_factor (DeepSeek-V3, GLM-4.5);
+# "softmax_groups": softmax scores in fp32, each group ranked by its best score, the top k within
+# the best topk_group groups, weights scaled by routed_scaling_factor (DeepSeek-V2)
+ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_groups", "softmax_groups")
+GROUP_ROUTINGS = ("sigmoid_groups", "softmax_groups")
+LATENT_FIELDS = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "v_head_dim", "rotary_dim")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,6 +96,18 @@ class ModelArch:
     n_group: int = 1  # sigmoid_groups routing's groups of experts, the best topk_group kept
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    # multi-head latent attention (DeepSeek-V2/V3): each token's K and V come from one latent of
+    # kv_lora_rank (RMS-normalised) and one rotary key of rotary_dim that every head shares. The
+    # cache holds those two per token, as one key/value head of head_dim = kv_lora_rank +
+    # rotary_dim whose values are its first kv_lora_rank columns; queries absorb the key
+    # up-projection (per head, qk_nope_head_dim -> kv_lora_rank) and the attention output the
+    # value one (kv_lora_rank -> v_head_dim) before the O projection. 0: not MLA
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0  # queries through a low-rank projection and its RMSNorm; 0: direct
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # rotary over interleaved pairs (x0, x1), (x2, x3), ...
+    softmax_scale: float | None = None  # None: 1/sqrt(head_dim)
 
     def __post_init__(self) -> None:
         for name in COUNTS:
@@ -128,6 +144,19 @@ class ModelArch:
                 f"{self.num_experts} experts"
             )
         self._check_routing()
+        self._check_latent_attention()
+
+    def _check_latent_attention(self) -> None:
+        if not self.kv_lora_rank:
+            return
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "rotary_dim"):
+            positive_int(getattr(self, name), where=f"{self.name}: {name}")
+        if self.num_key_value_heads != 1 or self.head_dim != self.kv_lora_rank + self.rotary_dim:
+            raise HrmError(
+                f"{self.name}: latent attention caches one head of kv_lora_rank + rotary_dim "
+                f"({self.kv_lora_rank} + {self.rotary_dim}), not {self.num_key_value_heads} of "
+                f"{self.head_dim}"
+            )
 
     def first_layers(self, layers: int | None) -> ModelArch:
         """The model cut to its first `layers` layers (`--layers`; None: all of them), as `hrm
@@ -143,7 +172,7 @@ class ModelArch:
 
     def _check_routing(self) -> None:
         groups, kept, e = self.n_group, self.topk_group, self.num_experts
-        if self.routing != "sigmoid_groups" or self.ffn_is_dense:
+        if self.routing not in GROUP_ROUTINGS or self.ffn_is_dense:
             return
         if e % groups or not 1 <= kept <= groups:
             raise HrmError(
@@ -249,8 +278,47 @@ class ModelArch:
         return self.num_key_value_heads * self.head_dim
 
     @property
+    def value_dim(self) -> int:
+        """What one head's attention returns per query: a head's V (latent attention: the latent,
+        which the value up-projection then widens to v_head_dim)."""
+        return self.kv_lora_rank or self.head_dim
+
+    @property
+    def attention_output_size(self) -> int:
+        return self.num_attention_heads * self.value_dim
+
+    @property
+    def cached_value_dim(self) -> int:
+        """A V row the cache stores (latent attention: none; its values are its key row's first
+        kv_lora_rank columns)."""
+        return 0 if self.kv_lora_rank else self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        """Elements of K and V one token stores in one layer."""
+        return self.num_key_value_heads * (self.head_dim + self.cached_value_dim)
+
+    def attention_linears(self) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]:
+        """(in, out) of the GEMMs before attention (Q, K, V) and after it (O), as the executor
+        runs them. Latent attention: q (through its low rank where it has one), the latent and
+        rotary key, the key up-projection the queries absorb (nq of nope -> kv_lora, priced as
+        one GEMM of as many weights and FLOPs); after: the value up-projection, then O."""
+        h, nq = self.hidden_size, self.num_attention_heads
+        if not self.kv_lora_rank:
+            return ((h, self.q_size), (h, self.kv_size), (h, self.kv_size)), ((self.q_size, h),)
+        q_out = nq * (self.qk_nope_head_dim + self.rotary_dim)
+        r, c = self.q_lora_rank, self.kv_lora_rank
+        q = ((h, r), (r, q_out)) if r else ((h, q_out),)
+        absorb = (nq * self.qk_nope_head_dim, c)
+        values = nq * self.v_head_dim
+        return (*q, (h, self.head_dim), absorb), ((c, values), (values, h))
+
+    @property
     def attention_params(self) -> int:
         """Q, K, V and O projections (+ biases and q/k norms where the family has them)."""
+        if self.kv_lora_rank:  # + the RMSNorms of the latent and of q's low rank
+            before, after = self.attention_linears()
+            return sum(i * o for i, o in (*before, *after)) + self.kv_lora_rank + self.q_lora_rank
         h = self.hidden_size
         params = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
         if self.attention_bias:
@@ -353,6 +421,8 @@ class ModelArch:
                 "sliding_layers": list(self.sliding_layers),
                 "sliding_window": self.sliding_window,
             }
+        if self.kv_lora_rank:
+            geometry |= {name: getattr(self, name) for name in LATENT_FIELDS}
         return geometry
 
     def weight_bytes(self, dtype: str) -> float:
@@ -361,9 +431,10 @@ class ModelArch:
     def kv_token_bytes(self, dtype: str) -> float:
         """K and V of one token in one layer, in `dtype` (a compact format: its codes, scales
         and minima, hrm.formats.row_bytes)."""
+        rows = (self.head_dim, self.cached_value_dim)
         if is_compact(dtype):
-            return 2 * self.num_key_value_heads * row_bytes(self.head_dim, dtype)
-        return 2 * self.kv_size * dtype_bytes(dtype)
+            return self.num_key_value_heads * sum(row_bytes(r, dtype) for r in rows if r)
+        return self.kv_width * dtype_bytes(dtype)
 
     def kv_bytes_per_token(self, dtype: str) -> float:
         """K and V of one token across all layers."""

@@ -2,17 +2,20 @@
 
 The one place that knows them (docs/architecture.md): each parser returns the keyword arguments
 of hrm.arch.ModelArch for one model_type. Supported: mixtral, dbrx, qwen2_moe, qwen3_moe, olmoe,
-gpt_oss, glm4_moe.
+gpt_oss, glm4_moe, deepseek_v2, deepseek_v3.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
 from hrm.errors import HrmError
+from hrm.schema import positive_int
 
-MODEL_TYPES = ("mixtral", "dbrx", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "glm4_moe")
+MODEL_TYPES = ("mixtral", "dbrx", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "glm4_moe",
+               "deepseek_v2", "deepseek_v3")  # fmt: skip
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # the rope_scaling fields YaRN reads (transformers' _compute_yarn_parameters), with its defaults
 YARN_FIELDS = {"factor": None, "original_max_position_embeddings": None, "beta_fast": 32.0,
@@ -193,12 +196,6 @@ def _glm4_moe(c: Mapping[str, Any]) -> dict[str, Any]:
     past num_hidden_layers are not part of greedy generation and are not read."""
     experts = c.get("n_routed_experts") or _num_experts(c)
     fields = _llama_like(c, "moe_intermediate_size", experts)
-    layers, first = c["num_hidden_layers"], c.get("first_k_dense_replace", 0)
-    if isinstance(first, bool) or not isinstance(first, int) or not 0 <= first < layers:
-        raise HrmError(
-            f"first_k_dense_replace must be 0..{layers - 1} (a layer must stay sparse), "
-            f"got {first!r}"
-        )
     params = c.get("rope_parameters") or {}
     partial = params.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
     fields.update(
@@ -217,11 +214,91 @@ def _glm4_moe(c: Mapping[str, Any]) -> dict[str, Any]:
         shared_expert_intermediate_size=c["moe_intermediate_size"] * c.get("n_shared_experts", 0),
         shared_expert_gate=False,
     )
-    if first:
-        fields.update(
-            dense_layers=tuple(range(first)), dense_intermediate_size=c["intermediate_size"]
+    return fields | _first_dense(c)
+
+
+def _first_dense(c: Mapping[str, Any]) -> dict[str, Any]:
+    """GLM's and DeepSeek's dense layers: the first first_k_dense_replace, of intermediate_size."""
+    layers, first = c["num_hidden_layers"], c.get("first_k_dense_replace", 0)
+    if isinstance(first, bool) or not isinstance(first, int) or not 0 <= first < layers:
+        raise HrmError(
+            f"first_k_dense_replace must be 0..{layers - 1} (a layer must stay sparse), "
+            f"got {first!r}"
         )
-    return fields
+    if not first:
+        return {}
+    return {"dense_layers": tuple(range(first)), "dense_intermediate_size": c["intermediate_size"]}
+
+
+def _deepseek(c: Mapping[str, Any]) -> dict[str, Any]:
+    """What DeepSeek-V2 and -V3 share: multi-head latent attention (hrm.arch.ModelArch's
+    kv_lora_rank), YaRN rotary over qk_rope_head_dim with the softmax scaled by its mscale
+    squared, shared experts without a gate, the first first_k_dense_replace layers dense. The
+    multi-token-prediction layers V3 carries past num_hidden_layers are not part of greedy
+    generation and are not read."""
+    for flag in ("attention_bias", "mlp_bias"):
+        if c.get(flag):
+            raise HrmError(f"{flag} true is not supported for {c['model_type']}")
+    for name in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
+        positive_int(c[name], where=name)
+    rope, latent, nope = c["qk_rope_head_dim"], c["kv_lora_rank"], c["qk_nope_head_dim"]
+    scaling = rope_scaling(c)
+    fields = _llama_like({**c, "num_key_value_heads": 1, "head_dim": latent + rope},
+                         "moe_intermediate_size", c["n_routed_experts"])  # fmt: skip
+    fields.update(
+        norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(_rope_theta(c, 10000.0)),
+        rope_scaling=scaling,
+        rotary_dim=rope,
+        kv_lora_rank=latent,
+        q_lora_rank=c.get("q_lora_rank") or 0,
+        qk_nope_head_dim=nope,
+        v_head_dim=c["v_head_dim"],
+        softmax_scale=(nope + rope) ** -0.5 * _mscale_all_dim(dict(scaling)) ** 2,
+        routed_scaling_factor=float(c.get("routed_scaling_factor", 1.0)),
+        shared_expert_intermediate_size=c["moe_intermediate_size"] * c.get("n_shared_experts", 0),
+        shared_expert_gate=False,
+    )
+    return fields | _first_dense(c)
+
+
+def _mscale_all_dim(y: dict) -> float:
+    """YaRN's mscale at mscale_all_dim, which DeepSeek folds into its softmax scale twice
+    (transformers' yarn_apply_mscale); 1 without YaRN or that field."""
+    factor, m = y.get("factor") or 1.0, y.get("mscale_all_dim")
+    return 0.1 * m * math.log(factor) + 1.0 if m and factor > 1 else 1.0
+
+
+def _deepseek_v2(c: Mapping[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V2: softmax router in fp32, top k (topk_method greedy) or top k within the best
+    topk_group of n_group groups (group_limited_greedy), scaled, not renormalised (transformers
+    reads no norm_topk_prob for V2); rotary over interleaved pairs."""
+    method = c.get("topk_method", "greedy")
+    if method not in ("greedy", "group_limited_greedy"):
+        raise HrmError(
+            f"topk_method {method!r} is not supported; supported: greedy, group_limited_greedy"
+        )
+    grouped = method == "group_limited_greedy"
+    return _deepseek(c) | dict(
+        routing="softmax_groups",
+        renormalize_top_k=False,
+        n_group=(c.get("n_group") or 1) if grouped else 1,
+        topk_group=(c.get("topk_group") or 1) if grouped else 1,
+        rope_interleave=True,
+    )
+
+
+def _deepseek_v3(c: Mapping[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V3: GLM-4.5's router (sigmoid, e_score_correction_bias for the choice, groups by
+    their two best, renormalised, scaled); rotary interleaved unless rope_interleave is false."""
+    return _deepseek(c) | dict(
+        routing="sigmoid_groups",
+        router_bias=True,
+        n_group=c.get("n_group") or 1,
+        topk_group=c.get("topk_group") or 1,
+        renormalize_top_k=bool(c.get("norm_topk_prob", True)),
+        rope_interleave=bool(c.get("rope_interleave", True)),
+    )
 
 
 def rope_scaling(c: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
@@ -269,5 +346,7 @@ PARSERS = {
     "olmoe": _olmoe,
     "gpt_oss": _gpt_oss,
     "glm4_moe": _glm4_moe,
+    "deepseek_v2": _deepseek_v2,
+    "deepseek_v3": _deepseek_v3,
 }
 assert set(PARSERS) == set(MODEL_TYPES)

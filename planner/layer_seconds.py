@@ -98,7 +98,7 @@ def _phase_ops(setting: Setting, b: float) -> tuple[dict, dict]:
         if is_compact(setting.kv_dtype):  # read through a 16-bit copy, written then read
             att = out["attention"]
             keys = setting.arch.mean_keys(context) if new_tokens == 1 else context
-            copy = 2 * 2.0 * b * keys * setting.arch.kv_size * dtype_bytes(ACTIVATION_DTYPE)
+            copy = 2.0 * b * keys * setting.arch.kv_width * dtype_bytes(ACTIVATION_DTYPE)
             out["attention"] = dataclasses.replace(
                 att, activation_bytes=att.activation_bytes + copy
             )
@@ -196,8 +196,8 @@ def _kind_seconds(setting: Setting, b: float) -> MicroBatchSeconds:
         cpu_dense=cpu["dense"],
         cpu_ffn=cpu["ffn"],
         cpu_attention=cpu["attention"],
-        activations_to_gpu=steps_of(h2d, hidden_page, b * arch.q_size * adt),
-        activations_to_cpu=steps_of(d2h, hidden_page, b * (arch.q_size + 2 * arch.kv_size) * adt),
+        activations_to_gpu=steps_of(h2d, hidden_page, b * arch.attention_output_size * adt),
+        activations_to_cpu=steps_of(d2h, hidden_page, b * (arch.q_size + arch.kv_width) * adt),
         # a host layer's filled slots, a sliding layer's window at most (executor/kv_cache.py)
         kv_to_gpu=np.concatenate(
             [[0.0], h2d(b * arch.mean_keys(setting.decode_contexts) * kv_token)]

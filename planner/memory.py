@@ -98,7 +98,7 @@ def workspace_bytes(arch: ModelArch, workload: Workload, micro_batch_size: int) 
     adt = dtype_bytes(ACTIVATION_DTYPE)
     chunk = min(micro_batch_size * workload.prompt_len_max, PREFILL_CHUNK_TOKENS)
     per_token = max(
-        (2 * arch.q_size + 2 * arch.kv_size) * adt,
+        (arch.q_size + arch.attention_output_size + arch.kv_width) * adt,
         *(
             (2 * k.experts_per_token * k.hidden_size + 3 * k.intermediate_size) * adt
             for k, _ in arch.layer_kinds()
@@ -112,17 +112,20 @@ def prefill_tensors_bytes(
     arch: ModelArch, workload: Workload, micro_batch_size: int, gpu_count: int = 1
 ) -> float:
     """What one micro-batch's prefill holds whole (T = mu * S tokens; chunking bounds only the
-    GEMMs' transients), per device: its hidden states (h), Q/K/V (q + 2 kv, kept until the next
-    layer), and at the peak of one of three moments:
+    GEMMs' transients), per device: its hidden states (h), Q/K/V (q + kv, ModelArch.kv_width,
+    kept until the next layer), and at the peak of one of three moments:
     - pre-attention's chunks and their concatenation: a second Q/K/V;
-    - attention: the padded queries, SDPA's output and the output gathered back (3 q);
+    - attention: the padded queries, SDPA's output and the output gathered back (q + 2 out,
+      ModelArch.attention_output_size);
     - post-attention: the attention output, and the new hidden states' chunks and concatenation
-      (q + 2 h).
-    Over g GPUs in tensor parallel each holds its 1/g of the heads and the whole h."""
+      (out + 2 h).
+    Over g GPUs in tensor parallel each holds its 1/g of the heads and the whole h (and the whole
+    latent of latent attention, which every head reads)."""
     h, g = arch.hidden_size, gpu_count
-    q, kv = arch.q_size / g, arch.kv_size / g
-    held = h + q + 2 * kv
-    peak = max(q + 2 * kv, 3 * q, q + 2 * h)
+    q, out = arch.q_size / g, arch.attention_output_size / g
+    kv = arch.kv_width / (1 if arch.kv_lora_rank else g)
+    held = h + q + kv
+    peak = max(q + kv, q + 2 * out, out + 2 * h)
     tokens = micro_batch_size * workload.prompt_len_max
     return tokens * (held + peak) * dtype_bytes(ACTIVATION_DTYPE)
 
@@ -156,7 +159,7 @@ def memory_terms(
     activations = activations_of(1)
     workspace = workspace_bytes(arch, workload, micro_batch_size)
     # D1 (QKV to the CPU) and D2 (attention output back), double-buffered per micro-batch
-    staging = 2 * mu * (2 * arch.q_size + 2 * arch.kv_size) * adt
+    staging = 2 * mu * (arch.q_size + arch.attention_output_size + arch.kv_width) * adt
     prefetch = (
         2 * mu * workload.max_context_len * arch.kv_bytes_per_token(kv_dtype) / arch.num_layers
     )
@@ -164,20 +167,21 @@ def memory_terms(
     cpu_attention_scores = mu * arch.num_attention_heads * workload.max_context_len * 4.0
     # a compact KV cache is attended through a 16-bit copy of one micro-batch's K and V of a
     # layer (executor/kv_cache.py, view): on the device that attends
-    kv_copy = 2 * mu * workload.max_context_len * arch.kv_size * adt if is_compact(kv_dtype) else 0
+    kv_copy = mu * workload.max_context_len * arch.kv_width * adt if is_compact(kv_dtype) else 0
     v = placement_vector
+    kv_copies = gpu_count if arch.kv_lora_rank else 1
     gpu = {
         # r_w * L * W_l: the resident part of every layer
         "resident weights": v(rw=layers) * np.ones_like(n),
         # 2 * (1 - r_w) * S when the GPU runs the layers: current and next layer's pages
         "paged buffer": v(ffn=2 * w.slot, rw=-2 * w.slot) * np.ones_like(n),
         "lm head": v(ffn=w.head) * np.ones_like(n),
-        # r_c * KV
-        "kv cache": v(rc=1.0) * kv,
+        # r_c * KV; latent attention's on each of g GPUs, whose heads all read the whole latent
+        "kv cache": v(rc=kv_copies) * kv,
         # A_g * 2 * mu * C * 2 * nkv * d * dt: under GPU attention, two (layer, micro-batch)
         # slices of the host part of the cache being copied in. Needed whenever r_c < 1, so the
         # affine form counts it always; a plan at r_c = 1 reports 0 (planner/evaluate.footprint)
-        "kv prefetch": v(att=prefetch) * np.ones_like(n),
+        "kv prefetch": v(att=prefetch * kv_copies) * np.ones_like(n),
         "activations": v(ffn=gpu_count) * activations_of(gpu_count),
         "workspace": v(ffn=workspace + kv_copy) * np.ones_like(n),
     }

@@ -70,7 +70,7 @@ MU_GRID = (
     6144,
     8192,
 )
-MAX_BATCH_SIZE = 16384
+MAX_BATCH_SIZE = 131072
 # Two throughputs closer than this (relative) are equal: the solver's tolerance.
 REL_TOL = 1e-7
 

@@ -44,11 +44,11 @@ def check_tensor_parallel(arch: ModelArch, hardware: HardwareProfile) -> None:
     g = hardware.gpu_count
     if g <= 1:
         return
-    for field, value in (
-        ("num_attention_heads", arch.num_attention_heads),
-        ("num_key_value_heads", arch.num_key_value_heads),
-        ("intermediate_size", arch.intermediate_size),
-    ):
+    checked = [("num_attention_heads", arch.num_attention_heads),
+               ("intermediate_size", arch.intermediate_size)]  # fmt: skip
+    if not arch.kv_lora_rank:  # latent attention's one latent is whole on every GPU
+        checked.append(("num_key_value_heads", arch.num_key_value_heads))
+    for field, value in checked:
         if value % g:
             raise HrmError(
                 f"{arch.name}: {field} = {value} does not divide by {g} GPUs for tensor "

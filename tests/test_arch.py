@@ -1,4 +1,5 @@
 import json
+import math
 import re
 
 import pytest
@@ -100,6 +101,10 @@ def test_qwen2_moe_and_olmoe_parse():
         ("gpt-oss-20b", 20.91e9, 3.61e9 + 201088 * 2880),
         # Z.ai's card: 106B / 12B, its active count without the embedding and LM head
         ("glm-4.5-air", 106e9, 12e9 + 2 * 151552 * 4096),
+        # DeepSeek's cards: 15.7B / 2.4B (V2-Lite) and 671B / 37B (V3), the active counts
+        # without the embedding; V3's weights README gives 36.6B active with its LM head
+        ("deepseek-v2-lite", 15.7e9, 2.4e9 + 102400 * 2048),
+        ("deepseek-v3", 671e9, 36.6e9 + 129280 * 7168),
     ],
 )
 def test_bundled_families_count_the_parameters_their_cards_publish(name, total, active):
@@ -114,6 +119,23 @@ def test_glm_routes_in_groups_with_a_dense_first_layer_and_half_a_head_rotating(
     assert arch.dense_layers == (0,) and arch.dense_intermediate_size == 10944
     assert arch.rotary_dim == 64 and arch.shared_expert_intermediate_size == 1408
     assert arch.layer_arch(0).shared_expert_intermediate_size == 0  # the dense layer's MLP only
+
+
+def test_deepseek_caches_one_latent_row_a_token_several_times_smaller_than_k_and_v():
+    """MLA's point: V2-Lite caches 512 + 64 values a token and layer, where its 16 heads' keys
+    (128 + 64) and values (128) would be 5120; V3's 128 heads would be 40960."""
+    lite, v3 = resolve_model("deepseek-v2-lite"), resolve_model("deepseek-v3")
+    for arch, heads in ((lite, 16), (v3, 128)):
+        assert (arch.num_key_value_heads, arch.head_dim, arch.value_dim) == (1, 576, 512)
+        assert arch.kv_token_bytes("bfloat16") == 576 * 2
+        assert heads * (192 + 128) / 576 == pytest.approx(arch.num_attention_heads * 320 / 576)
+    assert lite.kv_token_bytes("int8") == 576 + 9 * 4  # codes, and a scale and minimum a group
+    assert lite.routing == "softmax_groups" and lite.n_group == 1 and lite.q_lora_rank == 0
+    assert v3.routing == "sigmoid_groups" and (v3.n_group, v3.topk_group) == (8, 4)
+    assert v3.dense_layers == (0, 1, 2) and v3.q_lora_rank == 1536
+    # YaRN's mscale at mscale_all_dim, squared, scales the softmax (1 + 0.1 ln 40 at V3's 1.0)
+    assert v3.softmax_scale == pytest.approx(192**-0.5 * (1 + 0.1 * math.log(40)) ** 2)
+    assert v3.geometry()["kv_lora_rank"] == 512
 
 
 def test_gpt_oss_slides_every_other_layer_and_reads_no_more_than_its_window():
@@ -256,9 +278,13 @@ def test_resolve_paths(tmp_path):
         ("glm-4.5-air", {"n_group": 3}, "the groups must divide the experts"),
         ("glm-4.5-air", {"n_group": 4, "topk_group": 5}, "topk_group be 1..n_group"),
         ("glm-4.5-air", {"n_group": 32, "topk_group": 1}, "8 experts per token from 1 groups of 4"),
+        ("deepseek-v2-lite", {"topk_method": "noaux_tc"}, "topk_method 'noaux_tc' is not supp"),
+        ("deepseek-v2-lite", {"attention_bias": True}, "attention_bias true is not supported"),
+        ("deepseek-v3", {"kv_lora_rank": 0}, "kv_lora_rank: must be a positive integer, got 0"),
+        ("deepseek-v3", {"n_group": 3}, "the groups must divide the experts"),
     ],
 )  # fmt: skip
-def test_what_gpt_oss_and_glm_configs_cannot_run_is_refused_by_name(bundled, changes, fragment):
+def test_what_the_newer_families_configs_cannot_run_is_refused_by_name(bundled, changes, fragment):
     config = json.loads((BUNDLED_DIR / f"{bundled}.json").read_text()) | changes
     config.pop("rope_parameters", None)
     with pytest.raises(HrmError, match=re.escape(fragment)):

@@ -95,16 +95,18 @@ def attention_op(
     the keys each reads (ModelArch.mean_keys), what the executor's decode attention reads.
     """
     adt = dtype_bytes(ACTIVATION_DTYPE)
-    nq, d = arch.num_attention_heads, arch.head_dim
+    # a key row of d and a value row of dv (latent attention: the latent and rotary key, and the
+    # latent alone, one head of them read by every query head: ModelArch.kv_lora_rank)
+    nq, d, dv = arch.num_attention_heads, arch.head_dim, arch.value_dim
     # keys a query reads in decode; a prefill reads and writes every slot of its prompts
     keys = arch.mean_keys(context) if new_tokens == 1 else context
     keys_per_query = keys if new_tokens == 1 else (new_tokens + 1) / 2.0
     pairs = batch * new_tokens * keys_per_query  # (query, key) pairs per head
     return Op(
         name="attention",
-        flops=4.0 * pairs * nq * d + 5.0 * pairs * nq,
+        flops=2.0 * pairs * nq * (d + dv) + 5.0 * pairs * nq,
         kv_bytes=batch * keys * arch.kv_token_bytes(kv_dtype),
-        activation_bytes=2.0 * batch * new_tokens * nq * d * adt,
+        activation_bytes=batch * new_tokens * nq * (d + dv) * adt,
     )
 
 
@@ -115,11 +117,8 @@ def prefill_attention_flops(arch: ModelArch, *, batch: float, length: float) -> 
     per MAC) + 5*b*L^2*nq for the softmax, as attention_op counts a pair. The causal count
     attention_op gives is about half of this at uniform prompts, and a ragged batch pads to its
     longest prompt."""
-    pairs = batch * length * length
-    return (
-        4.0 * pairs * arch.num_attention_heads * arch.head_dim
-        + 5.0 * pairs * arch.num_attention_heads
-    )
+    pairs, nq = batch * length * length, arch.num_attention_heads
+    return 2.0 * pairs * nq * (arch.head_dim + arch.value_dim) + 5.0 * pairs * nq
 
 
 def expert_ffn_op(
@@ -197,6 +196,9 @@ def layer_ops(
     # products, a sum: 12 per element), and where the family has them q/k RMSNorms (11 per
     # element of q and k) and q/k/v bias adds (3 per element)
     qk = arch.q_size + arch.kv_size
+    # rotary's elements: q and k whole, or latent attention's rotary parts only
+    rotated = (arch.num_attention_heads + 1) * arch.rotary_dim if arch.kv_lora_rank else qk
+    before, after = arch.attention_linears()
     ops = [
         Op(
             name="norms",
@@ -204,14 +206,15 @@ def layer_ops(
             weight_bytes=(arch.norm_params + arch.qk_norm_params) * wdt,
             activation_bytes=2 * 2.0 * t * h * adt,
             elementwise_elements=28.0 * t * h
-            + 12.0 * t * qk
+            + 12.0 * t * rotated
             + (11.0 * t * qk if arch.qk_norm else 0.0)
             + (3.0 * t * (qk + arch.kv_size) if arch.attention_bias else 0.0),
         ),
-        # q, k and v are three GEMMs in the executor (executor/model.py, pre_attention)
-        _linear("qkv_proj", t, ((h, arch.q_size), (h, arch.kv_size), (h, arch.kv_size)), wdt, adt),
+        # q, k and v are three GEMMs in the executor (executor/model.py, pre_attention); latent
+        # attention's own (ModelArch.attention_linears)
+        _linear("qkv_proj", t, before, wdt, adt),
         attention_op(arch, batch=batch, new_tokens=new_tokens, context=context, kv_dtype=kv_dtype),
-        _linear("o_proj", t, ((arch.q_size, h),), wdt, adt),
+        _linear("o_proj", t, after, wdt, adt),
         expert_ffn_op(arch, tokens=t, weight_dtype=weight_dtype, group_tokens=ffn_group_tokens),
     ]
     if not arch.ffn_is_dense:  # a dense layer's MLP is its one expert, taken without a router

@@ -41,7 +41,10 @@ def dense_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
     LayerWeights fields this family has (executor/checkpoint.py). `arch` is of one kind of layer
     (ModelArch.layer_arch)."""
     h, q, kv = arch.hidden_size, arch.q_size, arch.kv_size
-    shapes = {"attn_norm": (h,), "wq": (q, h), "wk": (kv, h), "wv": (kv, h), "wo": (h, q)}
+    if arch.kv_lora_rank:
+        shapes = _latent_attention_shapes(arch)
+    else:
+        shapes = {"attn_norm": (h,), "wq": (q, h), "wk": (kv, h), "wv": (kv, h), "wo": (h, q)}
     if arch.attention_bias:
         shapes |= {"bq": (q,), "bk": (kv,), "bv": (kv,)}
     if arch.output_bias:
@@ -61,6 +64,24 @@ def dense_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
         if arch.shared_expert_gate:
             shapes |= {"shared_gate": (1, h)}
     return shapes
+
+
+def _latent_attention_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
+    """Latent attention's (DeepSeek): q directly or through its low rank and RMSNorm (wq_a,
+    q_a_norm, then wq), the latent and rotary key (wkv_a) with the latent's RMSNorm, the
+    up-projection of the latent to each head's key and value (wkv_b), and O."""
+    h, nq, c, r = arch.hidden_size, arch.num_attention_heads, arch.kv_lora_rank, arch.q_lora_rank
+    shapes: dict[str, tuple[int, ...]] = {"attn_norm": (h,)}
+    if r:
+        shapes |= {"wq_a": (r, h), "q_a_norm": (r,)}
+    q_out = nq * (arch.qk_nope_head_dim + arch.rotary_dim)
+    return shapes | {
+        "wq": (q_out, r or h),
+        "wkv_a": (arch.head_dim, h),
+        "kv_a_norm": (c,),
+        "wkv_b": (nq * (arch.qk_nope_head_dim + arch.v_head_dim), c),
+        "wo": (h, nq * arch.v_head_dim),
+    }
 
 
 def expert_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:

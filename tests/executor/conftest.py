@@ -125,6 +125,47 @@ def _glm4_moe_config(**overrides):
     return Glm4MoeConfig(**(fields | overrides))
 
 
+# DeepSeek at the tiny shape: latent attention (a latent of 32, rotary keys of 8, key heads of
+# 16 + 8, values of 24), YaRN with its mscale, layer 0 dense, shared experts, 8 experts in groups
+_DEEPSEEK = dict(
+    kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, n_routed_experts=8,
+    moe_intermediate_size=EXPERT_WIDTH, intermediate_size=128, first_k_dense_replace=1,
+    num_experts_per_tok=3, pad_token_id=None, max_position_embeddings=163840,
+    num_key_value_heads=4,  # as the released configs: transformers repeats K/V by nq / this
+)  # fmt: skip
+
+
+def _deepseek_config(model_type: str, **overrides):
+    """DeepSeek-V2: q projected directly, softmax routing limited to the best 2 of 4 groups,
+    scaled by 2, values of 24; YaRN with mscale 0.707 in both places (the released V2-Lite's).
+    DeepSeek-V3: q through a rank of 24, sigmoid routing in 2 groups, one kept, renormalised and
+    scaled by 2.5, values of 16; YaRN with mscale_all_dim 1 (the released V3's), which scales
+    the softmax."""
+    from transformers import AutoConfig
+
+    yarn = {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 40.0,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+    }
+    fields = _TINY | _DEEPSEEK | {
+        "deepseek_v2": dict(
+            q_lora_rank=None, v_head_dim=24, n_shared_experts=2, topk_method="group_limited_greedy",
+            n_group=4, topk_group=2, routed_scaling_factor=2.0,
+            rope_parameters=yarn | {"mscale": 0.707, "mscale_all_dim": 0.707},
+        ),
+        "deepseek_v3": dict(
+            q_lora_rank=24, v_head_dim=16, n_shared_experts=1, n_group=2, topk_group=1,
+            routed_scaling_factor=2.5, norm_topk_prob=True,
+            rope_parameters=yarn | {"mscale": 1.0, "mscale_all_dim": 1.0},
+        ),
+    }[model_type]  # fmt: skip
+    return AutoConfig.for_model(model_type, **(fields | overrides))
+
+
 def save_with_random_extras(config, path: Path, seed: int, draws=((("bias",), 0.2),)) -> Path:
     """save_model, with what transformers initialises to constants drawn instead, so that every
     term of the family counts: norms 1 + N(0, 0.1^2), and each tensor whose name ends in one of
@@ -240,6 +281,10 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     return {
         "gpt_oss": gpt_oss,
         "glm4_moe": save_with_random_extras(_glm4_moe_config(), root / "glm4_moe", seed=12),
+        **{
+            name: save_with_random_extras(_deepseek_config(name), root / name, seed=seed)
+            for seed, name in enumerate(("deepseek_v2", "deepseek_v3"), start=13)
+        },
         **dense,
         "mixtral-single": single,
         "mixtral-sharded": sharded,

@@ -47,7 +47,7 @@ def test_missing_config(run_cli, tmp_path, broken):
     run_expecting_error(run_cli, tmp_path, path, fragments=("config.json",))
 
 
-@pytest.mark.parametrize("model_type", ["gpt2", "deepseek_v2", "deepseek_v3"])
+@pytest.mark.parametrize("model_type", ["gpt2", "jamba", "phimoe"])
 def test_unsupported_model_type(run_cli, tmp_path, broken, model_type):
     """Named, with the families that do run, before any weight is read."""
     path = broken("mixtral-single")
@@ -59,12 +59,15 @@ def test_unsupported_model_type(run_cli, tmp_path, broken, model_type):
     )
 
 
-def test_a_family_field_missing_is_named(run_cli, tmp_path, broken):
-    path = broken("qwen3_moe")
+@pytest.mark.parametrize(
+    ("name", "field"), [("qwen3_moe", "moe_intermediate_size"), ("deepseek_v2", "kv_lora_rank")]
+)
+def test_a_family_field_missing_is_named(run_cli, tmp_path, broken, name, field):
+    path = broken(name)
     config = json.loads((path / "config.json").read_text())
-    del config["moe_intermediate_size"]
+    del config[field]
     (path / "config.json").write_text(json.dumps(config))
-    run_expecting_error(run_cli, tmp_path, path, fragments=("'moe_intermediate_size'",))
+    run_expecting_error(run_cli, tmp_path, path, fragments=(f"'{field}'",))
 
 
 @pytest.mark.parametrize(

@@ -89,7 +89,7 @@ def resident_tokens(checkpoints):
 
 
 FAMILIES = ("mixtral-single", "mixtral-fused", "dbrx", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss",
-            "glm4_moe")  # fmt: skip
+            "glm4_moe", "deepseek_v2", "deepseek_v3")  # fmt: skip
 DENSE = ("qwen2_moe-dense", "qwen3_moe-dense")  # dense layers among sparse ones
 
 
@@ -267,9 +267,9 @@ def test_the_prefill_attention_curve_times_the_executors_stage(monkeypatch):
 
     seen = []
 
-    def stage(cache, layer, q, k, v, batch_idx, slot_idx):
+    def stage(cache, layer, q, k, v, batch_idx, slot_idx, **terms):
         seen.append((cache.length, cache.has_padding, q.shape[0], int(slot_idx.min())))
-        return real_stage(cache, layer, q, k, v, batch_idx, slot_idx)
+        return real_stage(cache, layer, q, k, v, batch_idx, slot_idx, **terms)
 
     real_stage = attention.store_and_attend_prompts
     monkeypatch.setattr(attention, "store_and_attend_prompts", stage)

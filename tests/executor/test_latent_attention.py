@@ -1,0 +1,114 @@
+"""DeepSeek's multi-head latent attention (executor/latent_attention.py): the absorbed form equals
+attention over keys and values decompressed as the definition writes them, the cache holds one
+latent row a token and no values, and the planner counts what the runtime allocates."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from executor.checkpoint import open_checkpoint
+from executor.latent_attention import LATENT_NORM_EPS, latent_values
+from executor.model import MoEModel
+from hrm.rules.cpu_gemm import CpuGemmChoice
+from hrm.workload import Workload
+from planner.memory import memory_terms
+from tests.executor.test_quant import _run, policy
+
+NATIVE = CpuGemmChoice(dtype="float32", buckets=((0.0, "native"),), source="test")
+
+
+def _rms(x, weight, eps):
+    return weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def _rotated_pairs(x, angles):
+    """Interleaved pairs (x0, x1), ... rotated as complex numbers by `angles` [T, r/2]."""
+    pairs = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2).contiguous())
+    return torch.view_as_real(pairs * torch.polar(torch.ones_like(angles), angles)).flatten(-2)
+
+
+def _decompressed(model, w, h, positions):
+    """The layer's attention as DeepSeek-V2's paper writes it: every head's keys [W_k c, k_rope]
+    and values W_v c, then causal softmax attention and each head's output [T, nq*v]."""
+    a = model.arch
+    nq, n, r, c, v = (a.num_attention_heads, a.qk_nope_head_dim, a.rotary_dim, a.kv_lora_rank,
+                      a.v_head_dim)  # fmt: skip
+    x = _rms(h, w.attn_norm, a.norm_eps)
+    if w.wq_a is not None:
+        x_q = _rms(x @ w.wq_a.T, w.q_a_norm, LATENT_NORM_EPS)
+    else:
+        x_q = x
+    q = (x_q @ w.wq.T).view(-1, nq, n + r)
+    kv_a = x @ w.wkv_a.T
+    latent, k_rope = _rms(kv_a[:, :c], w.kv_a_norm, LATENT_NORM_EPS), kv_a[:, c:]
+    angles = positions[:, None].float() * model._inv_freq[None, :]
+    q_rope = _rotated_pairs(q[..., n:], angles[:, None])
+    k_rope = _rotated_pairs(k_rope, angles)
+    kv = (latent @ w.wkv_b.T).view(-1, nq, n + v)
+    keys = torch.cat((kv[..., :n], k_rope[:, None].expand(-1, nq, -1)), dim=-1)
+    queries = torch.cat((q[..., :n], q_rope), dim=-1)
+    scores = torch.einsum("ihd,jhd->hij", queries, keys) * a.softmax_scale
+    T = h.shape[0]
+    scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+    return torch.einsum("hij,jhd->ihd", scores.softmax(-1), kv[..., n:]).reshape(T, -1)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v2", "deepseek_v3"])
+def test_absorbed_attention_equals_the_decompressed_definition(checkpoints, name):
+    """q direct (V2) or through its low rank (V3): the queries absorb W_k, attend over the
+    cached latent rows, and W_v follows; the result equals decompressing every key and value."""
+    model = MoEModel(open_checkpoint(checkpoints[name], "float32"), NATIVE)
+    a, w = model.arch, model.weights.layers[1]
+    T = 7
+    h = torch.randn(T, a.hidden_size, generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(T)
+    q, k, v = model.pre_attention(w, h, *model.rotary(positions))
+    assert (q.shape, k.shape, v.shape) == ((T, 4, 40), (T, 1, 40), (T, 1, 0))
+    cache = model.new_cache(1, T)
+    cache.start(torch.tensor([T]), T)
+    attn = model.prefill_attention(1, q, k, v, cache, torch.zeros(T, dtype=torch.long), positions)
+    ours = latent_values(a, w, attn)
+    torch.testing.assert_close(ours, _decompressed(model, w, h, positions), rtol=1e-5, atol=1e-5)
+    # the cache holds the latent rows, and no values of their own
+    assert torch.equal(cache.k[1][0, :, :T], k.transpose(0, 1))
+    assert cache.v[1].numel() == 0
+
+
+@pytest.mark.parametrize("kv", ["bfloat16", "int8"])
+def test_the_planner_counts_the_latent_cache_the_runtime_allocates(checkpoints, monkeypatch, kv):
+    """Prompts of one length: each layer holds C = 9 + 4 latent rows of kv_lora_rank + rope a
+    sequence, nothing for V, and the planner's KV term is that."""
+    import tests.executor.test_quant as quant_tests
+
+    monkeypatch.setattr(quant_tests, "ragged_prompts", lambda lens, seed: [[3] * 9] * len(lens))
+    pol = dataclasses.replace(policy("bfloat16", attn=False), kv_dtype=kv)
+    _, _, runtime = _run(checkpoints["deepseek_v2"], "bfloat16", pol, "cgopipe", steps=4)
+    arch = runtime.arch
+    allocated = runtime.allocated_bytes()["cpu"]["kv cache"]
+    row = {"bfloat16": 40 * 2, "int8": 40 + 4}[kv]  # 32 + 8 values; int8: codes, scale, min
+    assert arch.kv_token_bytes(kv) == row
+    assert allocated == 7 * 13 * arch.num_layers * row
+    wl = Workload(prompt_len_mean=9, prompt_len_max=9, gen_len=4)
+    terms = memory_terms(arch, wl, batch_size=7, micro_batch_size=3, weight_dtype="bfloat16",
+                         kv_dtype=kv)  # fmt: skip
+    assert float(terms.cpu["kv cache"][..., 0]) == pytest.approx(allocated)
+
+
+@pytest.mark.parametrize("kv", ["bfloat16", "int8"])
+@pytest.mark.parametrize(("schedule", "attn", "rc"),
+                         [("cgopipe", False, 0.0), ("gpu-attention", True, 0.5)])  # fmt: skip
+def test_latent_rows_on_the_host_and_on_the_gpu_give_the_resident_tokens(
+    checkpoints, kv, schedule, attn, rc
+):
+    """Latent rows read by CPU attention, or prefetched to the GPU and written back a step at a
+    time, in 16 bits and int8: the tokens of a resident run."""
+    path = checkpoints["deepseek_v3"]
+    pol = dataclasses.replace(policy("bfloat16", attn=attn, rc=rc), kv_dtype=kv)
+    resident = dataclasses.replace(pol, weights_gpu_fraction=1.0, attention_on_gpu=True,
+                                   kv_gpu_fraction=1.0)  # fmt: skip
+    ours, *_ = _run(path, "bfloat16", pol, schedule, steps=8)
+    theirs, *_ = _run(path, "bfloat16", resident, schedule, steps=8)
+    assert ours.output_token_ids == theirs.output_token_ids
