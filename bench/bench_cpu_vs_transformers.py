@@ -13,7 +13,8 @@ measures peak resident memory while the executor loads and touches every weight 
 checkpoint, in a fresh process.  Prints a table; the last line is JSON; the same JSON goes to
 reports/.
 
-    python bench/bench_cpu_vs_transformers.py [--quick] [--family mixtral|qwen3_moe|gpt_oss]
+    python bench/bench_cpu_vs_transformers.py [--quick]
+        [--family mixtral|qwen3_moe|gpt_oss|deepseek_v2]
         [--hardware PATH] [--repeats N]
 
 `--family qwen3_moe` runs Qwen3-30B-A3B's regime at the same hidden size: 64 experts of 384,
@@ -21,7 +22,9 @@ top-8 renormalised, 16 query heads of 128 (q twice the hidden size) over 2 KV he
 per head; Mixtral's is 8 experts of 3584, top-2. `--family gpt_oss` runs gpt-oss's: 32 experts
 as wide as the hidden size, top-4, biases, sinks, 16 query heads of 64 over 2 KV heads, every
 other layer sliding over 128 keys (the full run's 64 + 128 tokens pass it), YaRN; transformers
-runs it with its eager attention (gpt-oss has no SDPA path there).
+runs it with its eager attention (gpt-oss has no SDPA path there). `--family deepseek_v2` runs
+DeepSeek-V2-Lite's: its latent attention as released (16 heads, a latent of 512 + 64), 64
+experts of 704, top-6, two shared, layer 0 dense.
 """
 
 from __future__ import annotations
@@ -80,7 +83,29 @@ def bench_config(family: str, hidden: int, width: int, layers: int):
                              "original_max_position_embeddings": 4096, "beta_fast": 32.0,
                              "beta_slow": 1.0, "truncate": False},
         )  # fmt: skip
+    if family == "deepseek_v2":
+        return deepseek_v2_lite_config(hidden, layers)
     return mixtral_config(hidden, width, layers)
+
+
+def deepseek_v2_lite_config(hidden: int, layers: int):
+    """DeepSeek-V2-Lite's attention as released (16 heads, a latent of 512, keys of 128 + 64,
+    values of 128, q direct, YaRN with mscale 0.707) at `hidden`, its FFN scaled with it (64
+    experts of 1408 * hidden / 2048, top-6, two shared, layer 0 dense)."""
+    from transformers import DeepseekV2Config
+
+    return DeepseekV2Config(
+        vocab_size=32000, hidden_size=hidden, intermediate_size=10944 * hidden // 2048,
+        moe_intermediate_size=1408 * hidden // 2048, num_hidden_layers=layers,
+        num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=None,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64,
+        n_shared_experts=2, num_experts_per_tok=6, first_k_dense_replace=1,
+        topk_method="greedy", routed_scaling_factor=1.0, max_position_embeddings=163840,
+        eos_token_id=None, bos_token_id=None, pad_token_id=0,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                         "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707},
+    )  # fmt: skip
 
 
 def mixtral_config(hidden: int, width: int, layers: int):
@@ -258,7 +283,7 @@ def main() -> None:
     parser.add_argument("--skip-load-check", action="store_true", help="no 2 GB load check")
     parser.add_argument(
         "--family",
-        choices=("mixtral", "qwen3_moe", "gpt_oss"),
+        choices=("mixtral", "qwen3_moe", "gpt_oss", "deepseek_v2"),
         default="mixtral",
         help="model family",
     )

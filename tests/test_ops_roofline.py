@@ -40,6 +40,26 @@ def test_decode_attention_intensity_mixtral_context_512_fp16():
     assert (op.flops / 2) / op.bytes == pytest.approx(2.0, rel=0.01)
 
 
+def test_latent_attention_reads_one_row_a_key_for_every_head():
+    """DeepSeek-V3 decode at context 512, as the executor attends: 128 query heads, each against
+    the cached row of 576 (QK^T) and its first 512 columns (PV), the row read once for all of
+    them: an intensity of about the heads' count, not a grouped-query model's few FLOP/B."""
+    v3 = resolve_model("deepseek-v3")
+    op = attention_op(v3, batch=1, new_tokens=1, context=512, kv_dtype="bfloat16")
+    assert op.flops == 2 * 512 * 128 * (576 + 512) + 5 * 512 * 128
+    assert op.kv_bytes == 512 * 576 * 2
+    assert op.activation_bytes == 128 * (576 + 512) * 2  # the absorbed query and the output
+    assert op.intensity == pytest.approx(165, rel=0.01)
+    # the layer's GEMMs are the executor's: q's low rank, the latent and rotary key, the
+    # absorbed key up-projection; after attention the value up-projection, then O
+    sparse = v3.layer_arch(3)
+    ops = {op.name: op for op in layer_ops(sparse, batch=1, new_tokens=1, context=512)}
+    h = 7168
+    assert ops["qkv_proj"].gemm_shapes == ((h, 1536), (1536, 128 * 192), (h, 576),
+                                           (128 * 128, 512))  # fmt: skip
+    assert ops["o_proj"].gemm_shapes == ((512, 128 * 128), (128 * 128, h))
+
+
 def test_attention_intensity_does_not_depend_on_batch_and_grows_with_smaller_kv():
     one = attention_op(MIXTRAL, batch=1, new_tokens=1, context=512, kv_dtype="bfloat16")
     many = attention_op(MIXTRAL, batch=256, new_tokens=1, context=512, kv_dtype="bfloat16")
