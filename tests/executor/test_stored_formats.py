@@ -145,16 +145,16 @@ def test_fp8_block_decoding_equals_transformers_dequantizer():
         decode_fp8_blocks(weight, scale_inv[:3], (32, 32), torch.float32)
 
 
-@pytest.fixture(scope="module")
-def fp8_pair(checkpoints, tmp_path_factory):
-    """(GLM-4.5 with its linear weights stored in FP8 blocks as FP8 releases store them - the
-    embedding, norms, routers and LM head left 16-bit - and the same model with those weights
-    decoded by transformers' own dequantizer, saved in 32 bits)."""
+@pytest.fixture(scope="module", params=["glm4_moe", "deepseek_v3"])
+def fp8_pair(checkpoints, tmp_path_factory, request):
+    """(GLM-4.5 or DeepSeek-V3 with its linear weights stored in FP8 blocks as FP8 releases
+    store them - the embedding, norms, routers and LM head left 16-bit - and the same model with
+    those weights decoded by transformers' own dequantizer, saved in 32 bits)."""
     from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
 
-    src = checkpoints["glm4_moe"]
+    src = checkpoints[request.param]
     root = tmp_path_factory.mktemp("fp8")
-    fp8, twin = root / "glm4_moe-fp8", root / "glm4_moe-decoded"
+    fp8, twin = root / f"{request.param}-fp8", root / f"{request.param}-decoded"
     for d in (fp8, twin):
         shutil.copytree(src, d)
     tensors = load_file(src / "model.safetensors")
