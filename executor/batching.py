@@ -67,11 +67,15 @@ def run_digest(prompts: Sequence[Sequence[int]], settings: dict[str, Any]) -> st
 class PartialOutput:
     """OUT.jsonl.partial: a header naming the run, then one line per finished prompt."""
 
-    def __init__(self, output: Path, digest: str, *, resume: bool, overwrite: bool = False):
+    def __init__(
+        self, output: Path, digest: str, *, resume: bool, overwrite: bool = False, part=None
+    ):
         """resume: continue the file; overwrite: discard it; neither: refuse one that exists
-        (it holds finished work of a killed run)."""
+        (it holds finished work of a killed run). part: a data-parallel group's own file,
+        OUT.partial.PART (executor/world.py)."""
         self.output = output
-        self.path = output.with_name(output.name + ".partial")
+        suffix = ".partial" if part is None else f".partial.{part}"
+        self.path = output.with_name(output.name + suffix)
         self.digest = digest
         self.done: dict[int, dict[str, Any]] = {}
         if resume:

@@ -107,6 +107,8 @@ class RunResult:
     batches: list[tuple[int, ...]]  # input indices of each batch that ran, for the prediction
     environment: dict[str, Any]
     cpu_gemm: CpuGemmChoice | None  # the GEMM path the layers took on a CPU, else None
+    # a data-parallel run's batches by group (executor/world.py combined), which ran side by side
+    groups: list[list[tuple[int, ...]]] | None = None
 
 
 def execute(
@@ -123,6 +125,7 @@ def execute(
     quiet: bool = False,
     on_batch: Callable[[list[int], list[dict[str, Any]]], None] | None = None,
     warn: Callable[[str], None] = lambda message: None,
+    shard: tuple[int, int] = (0, 1),
 ) -> RunResult:
     """Run every pending batch of `spec`'s prompts under `policy` and `schedule` on its device.
 
@@ -132,11 +135,13 @@ def execute(
     the opened checkpoint that chooses it (so a broken checkpoint fails before a probe, which
     times its weights). staged: weights cross the link through a pinned staging ring (the plan's
     "weight staging"). on_batch(indices, rows) hears each finished batch; `warn` hears when other
-    processes took enough of the CPU that the measurement is not comparable."""
+    processes took enough of the CPU that the measurement is not comparable. shard (g, n): this
+    process runs batches g, g + n, ... (data-parallel group g of n, executor/world.py)."""
     device = torch.device(spec.device)
     runtime = _placed(spec, policy, schedule, checkpoint, cpu_gemm, staged, quiet)
     weights = _weights_held(runtime.store)  # read now: closing unpins them
     batches = plan_batches(spec.prompt_lens, policy.batch_size, policy.micro_batch_size)
+    batches = batches[shard[0] :: shard[1]]
     pending = partial.pending(batches) if partial is not None else batches
     done: dict[int, dict[str, Any]] = {}
     totals = {"prefill_s": 0.0, "decode_s": 0.0, "generated_tokens": 0}

@@ -15,7 +15,7 @@ from typing import Any
 from hrm.errors import HrmError
 from hrm.io import atomic_write_json, load_json
 from hrm.policy import Policy
-from hrm.schema import check_keys, dataclass_keys
+from hrm.schema import check_keys, dataclass_keys, positive_int
 from hrm.workload import Workload
 
 SCHEDULES = ("cgopipe", "serial", "overlap", "gpu-attention")
@@ -125,9 +125,12 @@ class Plan:
     bottleneck: str  # the binding roof or queue, e.g. "h2d" or "cpu attention"
     binding_memory: str  # the memory constraint closest to its capacity, e.g. "gpu"
     geometry: Mapping[str, Any] = field(default_factory=dict)  # ModelArch.geometry() planned for
+    # GPUs the layers are sharded over (Megatron-style); a plan written before this field is 1
+    tensor_parallel: int = 1
 
     def __post_init__(self) -> None:
         check_schedule(self.schedule)
+        positive_int(self.tensor_parallel, where="plan: tensor_parallel")
 
     @property
     def stages_weights(self) -> bool:
@@ -152,6 +155,7 @@ class Plan:
             "bottleneck": self.bottleneck,
             "binding_memory": self.binding_memory,
             "geometry": dict(self.geometry),
+            "tensor_parallel": self.tensor_parallel,
         }
 
     @classmethod
@@ -170,6 +174,7 @@ class Plan:
             bottleneck=str(data["bottleneck"]),
             binding_memory=str(data["binding_memory"]),
             geometry=dict(data.get("geometry") or {}),
+            tensor_parallel=data.get("tensor_parallel", 1),
         )
 
     def save(self, path: str | os.PathLike) -> Path:

@@ -37,12 +37,35 @@ def run_record(spec, result, *, policy, schedule: str, profile=None, plan=None):
 
 
 def _predict_batches(spec, result, policy, schedule, profile) -> dict:
-    """The planner's prediction summed over the batches that ran, and each resource's busy time."""
+    """The planner's prediction summed over the batches that ran, and each resource's busy time;
+    a data-parallel run's groups ran side by side: its time is its slowest group's, its tokens
+    and busy time all of theirs (as executor/world.py combines the measurement)."""
+    if result.groups is None:
+        return _predict_group(spec, result.batches, result.cpu_gemm, policy, schedule, profile)
+    groups = [_predict_group(spec, g, result.cpu_gemm, policy, schedule, profile)
+              for g in result.groups if g]  # fmt: skip
+    slowest = max(groups, key=lambda p: p["prefill_s"] + p["decode_s"])
+    busy: dict[str, float] = {}
+    for p in groups:
+        for q, s in p["busy_s"].items():
+            busy[q] = busy.get(q, 0.0) + s
+    tokens = sum(p["generated_tokens"] for p in groups)
+    total_s = slowest["prefill_s"] + slowest["decode_s"]
+    return {
+        **slowest,
+        "generated_tokens": tokens,
+        "throughput_tok_s": tokens / total_s if total_s else 0.0,
+        "busy_s": busy,
+    }
+
+
+def _predict_group(spec, batches, cpu_gemm, policy, schedule, profile) -> dict:
+    """The planner's prediction of `batches` run one after another."""
     from planner import predict
 
     totals = {"prefill_s": 0.0, "decode_s": 0.0, "generated_tokens": 0}
     busy: dict[str, float] = {}
-    for indices in result.batches:
+    for indices in batches:
         n = len(indices)
         at_batch = dataclasses.replace(
             policy, batch_size=n, micro_batch_size=min(n, policy.micro_batch_size)
@@ -53,7 +76,7 @@ def _predict_batches(spec, result, policy, schedule, profile) -> dict:
             spec.workload(indices),
             at_batch,
             schedule,
-            cpu_gemm=result.cpu_gemm,
+            cpu_gemm=cpu_gemm,
             padded_kv_cache=True,
         )
         for key in totals:

@@ -9,6 +9,7 @@ planner's prediction for the same run to the measurement.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 from hrm.plan import SCHEDULES
@@ -122,6 +123,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"hrm run: {message}", file=sys.stderr)
 
     job, result = run_job(args, warn)
+    if result is None:  # a data-parallel rank other than 0: rank 0 reports the job
+        return 0
     from hrm.cli.records import format_summary, run_record
 
     record = run_record(
@@ -138,8 +141,14 @@ def run(args: argparse.Namespace) -> int:
 def run_job(args: argparse.Namespace, warn):
     """(job, result) of `hrm run ARGS`: the job settled before any weight is loaded, then run by
     the one run driver into OUTPUT (resumable) or, with no --output, onto stdout in input order
-    (not with --json, nor from the Python API, which sets args.requests: hrm.api.generate)."""
+    (not with --json, nor from the Python API, which sets args.requests: hrm.api.generate).
+    Started by torchrun, each data-parallel group runs its share of the batches and rank 0
+    writes the output and returns the job's result; the other ranks return None
+    (executor/world.py)."""
+    from executor.batching import PartialOutput, run_digest
+    from executor.world import join, world_from_env
     from hrm.cli.run_plan import settle_job
+    from hrm.errors import HrmError
     from hrm.hardware import resolve_hardware
     from hrm.io import check_writable
 
@@ -148,14 +157,37 @@ def run_job(args: argparse.Namespace, warn):
     output = check_writable(args.output) if args.output else None
     hardware = resolve_hardware(args.hardware) if args.hardware else None
     job = settle_job(args, hardware, random_arch, planner_args, warn)
-    partial = None
-    if output is not None:
-        from executor.batching import PartialOutput, run_digest
-
-        digest = run_digest(job.spec.prompts, _settings(args, job))
-        partial = PartialOutput(output, digest, resume=args.resume, overwrite=args.overwrite)
+    world = world_from_env(job.plan.tensor_parallel if job.plan is not None else 1)
+    if job.plan is None and world.data_parallel > 1:  # a resident run's prompts, a batch a group
+        n = -(-len(job.spec.prompts) // world.data_parallel)
+        p = job.policy
+        job = dataclasses.replace(job, policy=dataclasses.replace(p, batch_size=n,
+                                                                  micro_batch_size=n))  # fmt: skip
+    digest = run_digest(job.spec.prompts, _settings(args, job, world.data_parallel))
+    if world.distributed:
+        join(world, job.spec.device, digest)
     try:
-        result = _execute(args, job, hardware, partial, warn)
+        part = world.group if world.data_parallel > 1 else None
+        partial, problem = None, None
+        if output is not None:
+            try:
+                partial = PartialOutput(
+                    output, digest, resume=args.resume, overwrite=args.overwrite, part=part
+                )
+            except HrmError as exc:
+                problem = str(exc)
+        world.agree(problem)  # a group that cannot resume stops every group
+        result = _run_shard(args, job, hardware, partial, warn, world)
+    finally:
+        world.close()
+    return job, result
+
+
+def _run_shard(args, job, hardware, partial, warn, world):
+    """This process's batches; a world of one finishes its output itself, a data-parallel rank
+    hands its rows to rank 0 (_gathered)."""
+    try:
+        result = _execute(args, job, hardware, partial, warn, world)
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (hrm.cli.Terminated)
         saved = partial.saved() if partial is not None else 0
         if not saved:
@@ -164,14 +196,42 @@ def run_job(args: argparse.Namespace, warn):
             f"{saved} of {len(job.spec.prompts)} outputs are in {partial.path}: run the "
             "same command with --resume to go on"
         ) from None
+    if world.distributed:
+        return _gathered(args, job, result, partial, world)
     if partial is not None:
         partial.finish(len(job.spec.prompts))
-    return job, result
+    return result
 
 
-def _settings(args, job) -> dict:
-    """What a resumed run must share with the run it continues, beside its prompts."""
-    return {
+def _gathered(args, job, result, partial, world):
+    """Every group's rows (resumed and run now) and results at rank 0, which writes the output
+    once in input order and returns the combined result; each group then removes its partial
+    file. None on the other ranks."""
+    import sys
+
+    from executor.world import combined
+    from hrm.io import atomic_write_text
+
+    rows = partial.done if partial is not None else result.outputs
+    pieces = world.gather((rows, result))
+    if pieces is not None:
+        done = {i: row for r, _ in pieces for i, row in r.items()}
+        text = "".join(json.dumps(done[i]) + "\n" for i in range(len(job.spec.prompts)))
+        if partial is not None:
+            atomic_write_text(partial.output, text)
+        elif not args.json:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+    world.barrier()  # the output is whole before any partial file goes
+    if partial is not None:
+        partial.path.unlink(missing_ok=True)
+    return combined([r for _, r in pieces], world) if pieces is not None else None
+
+
+def _settings(args, job, data_parallel: int = 1) -> dict:
+    """What a resumed run must share with the run it continues, beside its prompts (and, run
+    data-parallel, its group count: a group's partial file holds its share of the batches)."""
+    return ({"data_parallel": data_parallel} if data_parallel > 1 else {}) | {
         "plan": {"policy": job.policy.to_dict(), "schedule": job.schedule},
         "geometry": job.spec.arch.geometry(),
         "gen_len": job.spec.gen_len,
@@ -185,7 +245,7 @@ def _settings(args, job) -> dict:
     }
 
 
-def _execute(args, job, hardware, partial, warn):
+def _execute(args, job, hardware, partial, warn, world):
     """Run the job with the one run driver: the CPU GEMM path chosen once the checkpoint has
     opened, at the run's own thread count (from a CPU-only --hardware profile of this host, or a
     probe), each finished batch written to stdout in input order when there is no --output."""
@@ -199,6 +259,7 @@ def _execute(args, job, hardware, partial, warn):
 
     spec = job.spec
     to_stdout = partial is None and not args.json and getattr(args, "requests", None) is None
+    to_stdout = to_stdout and not world.distributed  # rank 0 writes a data-parallel run's
     stream = InOrder(sys.stdout) if to_stdout else None
     choose = cpu_gemm_chooser(
         spec.arch,
@@ -221,6 +282,7 @@ def _execute(args, job, hardware, partial, warn):
             quiet=args.quiet,
             on_batch=stream.add if stream is not None else None,
             warn=lambda message: warn(f"warning: {message}"),
+            shard=(world.group, world.data_parallel),
         )
 
 

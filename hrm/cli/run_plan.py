@@ -147,17 +147,20 @@ def plan_machine(plan):
 
 
 def _check_one_gpu(plan, where: str) -> None:
-    """A plan for several GPUs (tensor parallel) needs several devices, which a run cannot use
-    yet: refused rather than run on one device against a prediction for several."""
+    """A plan that shards the layers over several GPUs (its tensor_parallel, or the machine a
+    plan older than that field names) is refused: a run runs each layer on one device, and
+    would be measured against a prediction for several. Several one-GPU processes run
+    data-parallel under torchrun (executor/world.py)."""
     from hrm.errors import HrmError
 
     machine = plan_machine(plan)
-    gpus = machine.gpu_count if machine is not None else 1
+    gpus = max(plan.tensor_parallel, machine.gpu_count if machine is not None else 1)
     if gpus > 1:
         name = plan.hardware.partition("@")[0]
         raise HrmError(
             f"{where}: the plan is for {gpus} GPUs in tensor parallel ({plan.hardware}), and a "
-            f"run uses one device; plan for one: hrm plan --hardware {name} --gpus 1 -o plan.json"
+            f"run runs each layer on one device; plan for one: hrm plan --hardware {name} "
+            "--gpus 1 -o plan.json, and start one process a GPU with torchrun for data parallel"
         )
 
 

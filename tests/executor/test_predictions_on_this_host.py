@@ -92,4 +92,20 @@ def test_plan_with_one_gpu_count_writes_a_plan_for_that_many(run_cli, tmp_path):
     status, _, err = run_cli("plan", "--model", "mixtral-8x7b", "--hardware", "2xt4", "--gpus",
                              "1", "--prompt-len", "8", "--gen-len", "4", "-o", out)  # fmt: skip
     assert status == 0, err
-    assert json.loads(out.read_text())["hardware"] == "2xt4@1gpu"
+    plan = json.loads(out.read_text())
+    assert (plan["hardware"], plan["tensor_parallel"]) == ("2xt4@1gpu", 1)
+    status, _, err = run_cli("plan", "--model", "mixtral-8x7b", "--hardware", "4xt4", "--gpus",
+                             "2", "--prompt-len", "8", "--gen-len", "4", "-o", out)  # fmt: skip
+    assert status == 0, err
+    plan = json.loads(out.read_text())
+    assert (plan["hardware"], plan["tensor_parallel"]) == ("4xt4@2gpu", 2)
+
+
+def test_a_plan_that_says_it_is_tensor_parallel_is_refused(checkpoints, tmp_path, run_cli):
+    """Its tensor_parallel decides, whatever machine it names."""
+    checkpoint = checkpoints["mixtral-single"]
+    path = _plan(checkpoint, tmp_path, "l4")
+    data = json.loads(path.read_text()) | {"tensor_parallel": 2}
+    path.write_text(json.dumps(data))
+    status, _, err = _run(run_cli, checkpoint, path)
+    assert_one_line_error(status, err, "the plan is for 2 GPUs in tensor parallel (l4)")

@@ -1,0 +1,170 @@
+"""Data-parallel runs on torch.distributed (executor/world.py): torchrun's processes on this CPU,
+gloo between them, each group its share of the batches, rank 0 writing the output once."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from executor.world import World, combined, world_from_env
+from hrm.errors import HrmError
+from tests.executor.conftest import ragged_prompts
+from tests.executor.test_run_plan import run_args
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+def torchrun(n: int, *args, **popen):
+    """`torchrun --nproc-per-node n -m hrm ARGS` on a free local port."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={n}",
+           f"--master-port={_free_port()}", "-m", "hrm", *map(str, args)]  # fmt: skip
+    if popen:
+        return subprocess.Popen(cmd, env=ENV, cwd=ROOT, text=True, **popen)
+    return subprocess.run(cmd, env=ENV, cwd=ROOT, text=True, capture_output=True, timeout=300)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def hrm(*args):
+    cmd = [sys.executable, "-m", "hrm", *map(str, args)]
+    return subprocess.run(cmd, env=ENV, cwd=ROOT, text=True, capture_output=True, timeout=300)
+
+
+def test_two_resident_groups_write_the_one_process_output_once(checkpoints, tmp_path):
+    """A resident run's prompts split in two batches, one a group; the output file in input
+    order equals one process's; the record is rank 0's, with both ranks' figures."""
+    path = checkpoints["mixtral-single"]
+    prompts = tmp_path / "prompts.jsonl"
+    lines = ragged_prompts([1 + i % 9 for i in range(11)], seed=9)
+    prompts.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in lines))
+    one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
+    common = ("run", "--checkpoint", path, "--prompts", prompts, "--gen-len", 4, "--quiet")
+    assert hrm(*common, "--output", one).returncode == 0
+    done = torchrun(2, *common, "--output", two, "--json")
+    assert done.returncode == 0, done.stderr
+    assert two.read_text() == one.read_text()
+    assert not list(tmp_path.glob("*.partial*"))
+    record = json.loads(done.stdout)  # rank 0's alone: one JSON document
+    env = record["environment"]
+    assert (env["world_size"], env["data_parallel"], env["tensor_parallel"]) == (2, 2, 1)
+    assert [(r["rank"], r["batches_run"]) for r in env["ranks"]] == [(0, 1), (1, 1)]
+    assert record["measured"]["generated_tokens"] == 4 * 11
+    assert sum(r["generated_tokens"] for r in env["ranks"]) == 4 * 11
+
+
+def test_three_planned_groups_print_the_one_process_output(files):
+    """A paging plan (N=3, mu=2, the CPU standing in) over ten prompts: four batches over three
+    groups, the lines on rank 0's stdout in input order, as one process prints them."""
+    path, prompts, plan = files
+    one = hrm(*run_args(path, prompts, plan))
+    assert one.returncode == 0, one.stderr
+    done = torchrun(3, *run_args(path, prompts, plan))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == one.stdout and len(done.stdout.splitlines()) == 10
+
+
+def test_a_killed_group_resumes_to_the_one_process_output(files, tmp_path):
+    """SIGTERM to torchrun once group 1 has written a batch: each group's partial file keeps
+    what it finished, and --resume ends as an uninterrupted run (each group skips its own)."""
+    path, _, plan = files
+    prompts = tmp_path / "many.jsonl"
+    lines = ragged_prompts([1 + i % 9 for i in range(240)], seed=9)
+    prompts.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in lines))
+    whole, out = tmp_path / "whole.jsonl", tmp_path / "out.jsonl"
+    assert hrm(*run_args(path, prompts, plan, "--output", whole)).returncode == 0
+    proc = torchrun(2, *run_args(path, prompts, plan, "--output", out),
+                    stderr=subprocess.PIPE, start_new_session=True)  # fmt: skip
+    second = tmp_path / "out.jsonl.partial.1"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if second.exists() and len(second.read_text().splitlines()) > 1:
+            break
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.communicate(timeout=120)
+    assert not out.exists() and second.exists()
+    done = torchrun(2, *run_args(path, prompts, plan, "--output", out, "--resume", "--json"))
+    assert done.returncode == 0, done.stderr
+    assert out.read_text() == whole.read_text()
+    assert json.loads(done.stdout)["environment"]["batches_resumed"] >= 1
+    assert not list(tmp_path.glob("out.jsonl.partial*"))
+
+
+def test_ranks_started_with_other_prompts_stop_in_one_line(checkpoints, tmp_path):
+    """Two ranks of one world (as two nodes would start them), each given its own prompts
+    file: both stop before loading, one line each naming the rank that differs, exit 2."""
+    path = checkpoints["mixtral-single"]
+    port, procs = _free_port(), []
+    for rank, lengths in enumerate(((3, 5), (3, 6))):
+        prompts = tmp_path / f"prompts{rank}.jsonl"
+        prompts.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n"
+                                   for p in ragged_prompts(lengths, seed=1)))  # fmt: skip
+        env = {**ENV, "WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": "0",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
+        cmd = [sys.executable, "-m", "hrm", "run", "--checkpoint", str(path), "--prompts",
+               str(prompts), "--gen-len", "4", "--quiet"]  # fmt: skip
+        procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))  # fmt: skip
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        lines = err.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in err, err
+        assert "rank 1 was started with other prompts, plan or settings" in lines[0]
+        assert out == ""
+
+
+def test_a_resume_with_another_group_count_is_refused(files, tmp_path):
+    path, prompts, plan = files
+    out = tmp_path / "out.jsonl"
+    for part in (0, 1):  # what two groups of a killed run left
+        header = {"hrm_partial": {"run": "0123456789abcdef"}}
+        (tmp_path / f"out.jsonl.partial.{part}").write_text(json.dumps(header) + "\n")
+    done = torchrun(2, *run_args(path, prompts, plan, "--output", out, "--resume"))
+    assert done.returncode != 0 and "is from a different run" in done.stderr
+    assert not out.exists()
+
+
+def test_the_world_comes_from_torchruns_environment(monkeypatch):
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    assert world_from_env(1) == World()
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    monkeypatch.setenv("RANK", "5")
+    world = world_from_env(2)
+    assert (world.data_parallel, world.group, world.distributed) == (3, 2, True)
+    with pytest.raises(HrmError, match="6 processes do not make groups of the plan's "
+                                       "tensor_parallel 4"):  # fmt: skip
+        world_from_env(4)
+
+
+def test_the_job_takes_its_slowest_groups_time_and_every_groups_tokens():
+    from executor.run import RunResult
+    from hrm.record import Measurement
+
+    def result(prefill, decode, tokens, busy):
+        return RunResult(
+            outputs={tokens: {}}, batches=[(tokens,)], cpu_gemm=None,
+            measured=Measurement(prefill_s=prefill, decode_s=decode, generated_tokens=tokens,
+                                 link_bytes={"h2d": 1.0, "d2h": 2.0}),
+            environment={"busy_s": {"cpu": busy}, "batches_run": 1, "batches_resumed": 0},
+        )  # fmt: skip
+
+    job = combined([result(1.0, 3.0, 10, 2.0), result(2.0, 1.0, 30, 3.0)], World(2, 0, 0, 1))
+    m = job.measured
+    assert (m.prefill_s, m.decode_s, m.generated_tokens) == (1.0, 3.0, 40)
+    assert m.busy_fraction == {"cpu": (2.0 + 3.0) / (2 * 4.0)}
+    assert m.link_bytes == {"h2d": 2.0, "d2h": 4.0}
+    assert job.groups == [[(10,)], [(30,)]] and set(job.outputs) == {10, 30}
