@@ -76,6 +76,7 @@ class PartialOutput:
         self.output = output
         suffix = ".partial" if part is None else f".partial.{part}"
         self.path = output.with_name(output.name + suffix)
+        self.part = part
         self.digest = digest
         self.done: dict[int, dict[str, Any]] = {}
         if resume:
@@ -90,6 +91,8 @@ class PartialOutput:
 
     def _read(self) -> None:
         if not self.path.exists():
+            if self.part is not None:  # a group the kill stopped before its first batch
+                return
             raise HrmError(f"--resume: {self.path} does not exist; run without --resume")
         with open(self.path, "rb") as f:
             lines = f.read().split(b"\n")

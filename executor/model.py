@@ -42,12 +42,16 @@ class MoEModel:
         *,
         device: torch.device | None = None,
         kv_format: str | None = None,
+        reduce=None,
+        gather=None,
     ):
         """kv_format: a compact format its KV caches store (hrm/formats.py; None: the model's
         dtype). device: where the layers run (default: where the checkpoint's weights are; a placed
         run loads them on the host and runs them on the GPU). cpu_gemm: the GEMM path per token
         count when that is a CPU (hrm.rules.cpu_gemm); without one a CPU model probes this host for
-        it (about a second). A GPU runs every GEMM native."""
+        it (about a second). A GPU runs every GEMM native. reduce: the sum over a
+        tensor-parallel group of a rank's partial outputs, gather: its ranks' logits side by side
+        (executor/tensor_parallel.py; None: one rank)."""
         keep_freed_host_memory()  # large temporaries reuse freed memory, not fresh pages
         self.arch = checkpoint.arch
         self.kv_format = kv_format
@@ -73,6 +77,8 @@ class MoEModel:
         elif cpu_gemm.dtype != dtype_name:
             raise HrmError(f"the CPU GEMM choice is for {cpu_gemm.dtype}, the run is {dtype_name}")
         self.cpu_gemm = cpu_gemm
+        self.reduce = reduce if reduce is not None else (lambda t: t)
+        self.gather = gather if gather is not None else (lambda t: t)
         self.gemm_calls: Counter[str] = Counter()  # GEMMs run per path: what the record reports
         # weights stay stored in the run's dtype; one scratch buffer, reused, holds a widened slice
         widens = cpu_gemm is not None and "widened" in cpu_gemm.paths
@@ -207,7 +213,7 @@ class MoEModel:
         has one: [T, nq*Dv], [T, H] -> [T, H] (latent attention: the value up-projection first)."""
         if self.arch.kv_lora_rank:
             attn = latent_values(self.arch, w, attn)
-        o = self.linear(attn, w.wo)
+        o = self.reduce(self.linear(attn, w.wo))  # a tensor-parallel rank's heads: a part
         h = h + (o if w.bo is None else o + w.bo)  # [T, H]
         x = self._norm(h, w.ffn_norm, self.arch.norm_eps)  # [T, H]
         out = self.experts(w, x)
@@ -218,7 +224,7 @@ class MoEModel:
             if w.shared_gate is not None:
                 shared = torch.sigmoid(self.linear(x, w.shared_gate)) * shared
             out = out + shared
-        return h + out
+        return h + self.reduce(out)
 
     def route(self, w: LayerWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Router softmax in fp32, top-k, and each family's normalisation: [T, K] weights (fp32,
@@ -326,4 +332,4 @@ class MoEModel:
         final_norm = self.weights.final_norm if final_norm is None else final_norm
         lm_head = self.weights.lm_head if lm_head is None else lm_head
         x = self._norm(h, final_norm, self.arch.norm_eps)
-        return self.linear(x, lm_head).float()
+        return self.gather(self.linear(x, lm_head)).float()  # tensor parallel: a vocabulary share

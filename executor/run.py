@@ -23,6 +23,8 @@ from executor.checkpoint import Checkpoint
 from executor.generate import Limits, Sampling, generate
 from executor.quant import compute_dtype
 from executor.runtime import placed_runtime
+from executor.tensor_parallel import shard_checkpoint
+from executor.world import Share
 from hrm.arch import ModelArch
 from hrm.errors import HrmError
 from hrm.formats import kv_dtype_problem
@@ -125,7 +127,7 @@ def execute(
     quiet: bool = False,
     on_batch: Callable[[list[int], list[dict[str, Any]]], None] | None = None,
     warn: Callable[[str], None] = lambda message: None,
-    shard: tuple[int, int] = (0, 1),
+    share: Share | None = None,
 ) -> RunResult:
     """Run every pending batch of `spec`'s prompts under `policy` and `schedule` on its device.
 
@@ -135,13 +137,14 @@ def execute(
     the opened checkpoint that chooses it (so a broken checkpoint fails before a probe, which
     times its weights). staged: weights cross the link through a pinned staging ring (the plan's
     "weight staging"). on_batch(indices, rows) hears each finished batch; `warn` hears when other
-    processes took enough of the CPU that the measurement is not comparable. shard (g, n): this
-    process runs batches g, g + n, ... (data-parallel group g of n, executor/world.py)."""
+    processes took enough of the CPU that the measurement is not comparable. share: this
+    process's batches and share of each layer in a run torchrun started (executor/world.py)."""
     device = torch.device(spec.device)
-    runtime = _placed(spec, policy, schedule, checkpoint, cpu_gemm, staged, quiet)
+    share = share or Share()
+    runtime = _placed(spec, policy, schedule, checkpoint, cpu_gemm, staged, quiet, share)
     weights = _weights_held(runtime.store)  # read now: closing unpins them
     batches = plan_batches(spec.prompt_lens, policy.batch_size, policy.micro_batch_size)
-    batches = batches[shard[0] :: shard[1]]
+    batches = batches[share.group :: share.groups]
     pending = partial.pending(batches) if partial is not None else batches
     done: dict[int, dict[str, Any]] = {}
     totals = {"prefill_s": 0.0, "decode_s": 0.0, "generated_tokens": 0}
@@ -206,20 +209,23 @@ def _generate_batch(spec: RunSpec, runtime, batch, sampling, stop_token_ids, bar
     )
 
 
-def _placed(spec: RunSpec, policy: Policy, schedule: str, checkpoint, cpu_gemm, staged, quiet):
+def _placed(spec: RunSpec, policy: Policy, schedule: str, checkpoint, cpu_gemm, staged, quiet,
+            share: Share):  # fmt: skip
     """The run's runtime: its weights loaded for it unless given (onto a GPU that holds
-    everything, else into host memory, the store taking them over as it places them), the CPU
-    GEMM path chosen once they have opened."""
+    everything, else into host memory, the store taking them over as it places them), this
+    rank's share of them where it runs tensor-parallel, the CPU GEMM path chosen once they have
+    opened."""
     device = torch.device(spec.device)
     take_over = checkpoint is None
     if checkpoint is None:
         resident = policy.all_on_gpu and device.type == "cuda"
         checkpoint = load_weights(spec, spec.device if resident else "cpu")
+    checkpoint = shard_checkpoint(checkpoint, share.tp_rank, share.tp)
     if callable(cpu_gemm):
         cpu_gemm = cpu_gemm(checkpoint) if device.type == "cpu" else None
     return placed_runtime(
         checkpoint, policy, schedule, device, cpu_gemm, staged=staged, take_over=take_over,
-        quiet=quiet,
+        quiet=quiet, collectives=(share.reduce, share.gather),
     )  # fmt: skip
 
 

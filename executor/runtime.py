@@ -305,6 +305,7 @@ def placed_runtime(
     staged: bool = False,
     take_over: bool = False,
     quiet: bool = True,
+    collectives=(None, None),
 ) -> Runtime:
     """A host-loaded checkpoint placed as `policy` says, on `device` (CUDA, or the CPU standing
     in for a GPU): the weights hrm.rules.placement makes resident copied there, the rest packed into
@@ -314,7 +315,8 @@ def placed_runtime(
     checkpoint loaded for this run only). A policy that holds everything on a GPU the weights
     were loaded onto runs them there, with no store: a resident run (Policy.resident). A compact
     weight format (hrm/formats.py) streams its pages compact, and weights that never stream
-    are computed with the format's values; quiet: no progress bar while quantizing."""
+    are computed with the format's values; quiet: no progress bar while quantizing;
+    collectives: a tensor-parallel rank's (reduce, gather) over its group (MoEModel)."""
     on_gpu_already = device.type == "cuda" == checkpoint.weights.embed.device.type
     streams = policy.ffn_on_gpu and not (policy.all_on_gpu and on_gpu_already)
     fmt = policy.weight_dtype if is_compact(policy.weight_dtype) else None
@@ -323,8 +325,9 @@ def placed_runtime(
         checkpoint = dataclasses.replace(checkpoint, weights=weights)
     kv_format = policy.kv_dtype if is_compact(policy.kv_dtype) else None
     model = MoEModel(
-        checkpoint, cpu_gemm, device=device if policy.ffn_on_gpu else None, kv_format=kv_format
-    )
+        checkpoint, cpu_gemm, device=device if policy.ffn_on_gpu else None, kv_format=kv_format,
+        reduce=collectives[0], gather=collectives[1],
+    )  # fmt: skip
     store = None
     if streams:
         placement = place_model(model.arch, policy.weights_gpu_fraction, policy.weight_dtype)

@@ -14,10 +14,26 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
+from typing import Any
 
 from hrm.errors import HrmError
 from hrm.record import Measurement
+
+
+@dataclass(frozen=True)
+class Share:
+    """This process's share of a run: data-parallel group `group` of `groups` runs batches
+    group, group + groups, ...; tensor-parallel rank `tp_rank` of `tp` holds that share of every
+    layer, `reduce` summing the shares' outputs and `gather` joining their logits."""
+
+    group: int = 0
+    groups: int = 1
+    tp_rank: int = 0
+    tp: int = 1
+    reduce: Any = None
+    gather: Any = None
 
 
 @dataclass(frozen=True)
@@ -26,6 +42,9 @@ class World:
     rank: int = 0
     local_rank: int = 0
     tensor_parallel: int = 1
+    tp_group: Any = None  # this rank's tensor-parallel process group (join)
+    # all-reduces this rank ran and their seconds: what the record reports per rank
+    reduces: dict = field(default_factory=lambda: {"count": 0, "seconds": 0.0}, compare=False)
 
     @property
     def data_parallel(self) -> int:
@@ -39,6 +58,62 @@ class World:
     @property
     def distributed(self) -> bool:
         return self.size > 1
+
+    @property
+    def tp_rank(self) -> int:
+        """This rank's place in its tensor-parallel group: which share of the heads it holds."""
+        return self.rank % self.tensor_parallel
+
+    @property
+    def leads_group(self) -> bool:
+        """The first rank of its tensor-parallel group writes the group's partial file."""
+        return self.tp_rank == 0
+
+    def share(self) -> Share:
+        return Share(self.group, self.data_parallel, self.tp_rank, self.tensor_parallel,
+                     self.reducer(), self.gatherer())  # fmt: skip
+
+    def reducer(self):
+        """The sum of a tensor over this rank's tensor-parallel group (timed), or None."""
+        if self.tensor_parallel == 1:
+            return None
+        import torch.distributed as dist
+
+        def reduce(t):
+            start = time.perf_counter()
+            t = t.contiguous()
+            dist.all_reduce(t, group=self.tp_group)
+            self.reduces["count"] += 1
+            self.reduces["seconds"] += time.perf_counter() - start
+            return t
+
+        return reduce
+
+    def gatherer(self):
+        """Each rank's share of a tensor's last dimension, in rank order, on every rank of the
+        tensor-parallel group (the logits of a vocabulary-sharded LM head), or None."""
+        if self.tensor_parallel == 1:
+            return None
+        import torch
+        import torch.distributed as dist
+
+        def gather(t):
+            t = t.contiguous()
+            parts = [torch.empty_like(t) for _ in range(self.tensor_parallel)]
+            dist.all_gather(parts, t, group=self.tp_group)
+            return torch.cat(parts, dim=-1)
+
+        return gather
+
+    def share_in_group(self, obj):
+        """The group's first rank's `obj` on every rank of its tensor-parallel group."""
+        if self.tensor_parallel == 1:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.rank - self.tp_rank, group=self.tp_group)
+        return box[0]
 
     def gather(self, obj) -> list | None:
         """Every rank's `obj` at rank 0, in rank order; None on the other ranks."""
@@ -87,9 +162,10 @@ def world_from_env(tensor_parallel: int = 1) -> World:
     return World(size, int(env.get("RANK", "0")), int(env.get("LOCAL_RANK", "0")), tensor_parallel)
 
 
-def join(world: World, device: str, digest: str) -> None:
-    """Open the process group (gloo on a CPU, NCCL on CUDA with this rank on GPU LOCAL_RANK) and
-    check that every rank runs the same job: the digest of its prompts, plan and settings."""
+def join(world: World, device: str, digest: str) -> World:
+    """Open the process group (gloo on a CPU, NCCL on CUDA with this rank on GPU LOCAL_RANK),
+    check that every rank runs the same job (the digest of its prompts, plan and settings), and
+    make the tensor-parallel groups: `world` with its own."""
     import torch
     import torch.distributed as dist
 
@@ -112,6 +188,31 @@ def join(world: World, device: str, digest: str) -> None:
             f"rank {other} was started with other prompts, plan or settings than rank 0 (run "
             f"digests {digests[other]} and {digests[0]}); start every rank with the same arguments"
         )
+    tp, mine = world.tensor_parallel, None
+    if tp > 1:
+        for g in range(world.data_parallel):  # every rank makes every group, in one order
+            group = dist.new_group(list(range(g * tp, (g + 1) * tp)))
+            mine = group if g == world.group else mine
+    return dataclasses.replace(world, tp_group=mine)
+
+
+class FollowerPartial:
+    """A tensor-parallel rank's view of its group's partial file: the prompts the group's first
+    rank found done there (it runs the rest with it, and writes nothing)."""
+
+    path = None
+
+    def __init__(self, done):
+        self.done = dict.fromkeys(done)
+
+    def pending(self, batches):
+        return [b for b in batches if not all(i in self.done for i in b.indices)]
+
+    def append(self, indices, rows) -> None:
+        pass
+
+    def saved(self) -> int:
+        return 0
 
 
 def combined(results: list, world: World):
@@ -132,10 +233,10 @@ def combined(results: list, world: World):
         generated_tokens=sum(r.measured.generated_tokens for r in leads),
         busy_fraction={
             q: s / (world.data_parallel * total) if total else 0.0 for q, s in busy.items()
-        },  # fmt: skip
-        link_bytes={
-            k: sum(r.measured.link_bytes.get(k, 0.0) for r in leads) for k in m.link_bytes
-        },  # fmt: skip
+        },
+        link_bytes={  # every rank has its own link
+            k: sum(r.measured.link_bytes.get(k, 0.0) for r in results) for k in m.link_bytes
+        },
         peak_memory_bytes=_most(r.measured.peak_memory_bytes for r in leads),
     )
     ranks = [_rank_figures(rank, r) for rank, r in enumerate(results)]
@@ -168,6 +269,8 @@ def _rank_figures(rank: int, r) -> dict:
         "generated_tokens": m.generated_tokens,
         "busy_s": r.environment["busy_s"],
         "batches_run": r.environment["batches_run"],
+        "all_reduces": r.environment.get("all_reduces", 0),
+        "all_reduce_s": r.environment.get("all_reduce_s", 0.0),
     }
 
 

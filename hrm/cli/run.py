@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 
 from hrm.plan import SCHEDULES
 from hrm.policy import RUN_DTYPES
@@ -145,10 +146,9 @@ def run_job(args: argparse.Namespace, warn):
     Started by torchrun, each data-parallel group runs its share of the batches and rank 0
     writes the output and returns the job's result; the other ranks return None
     (executor/world.py)."""
-    from executor.batching import PartialOutput, run_digest
+    from executor.batching import run_digest
     from executor.world import join, world_from_env
     from hrm.cli.run_plan import settle_job
-    from hrm.errors import HrmError
     from hrm.hardware import resolve_hardware
     from hrm.io import check_writable
 
@@ -157,7 +157,10 @@ def run_job(args: argparse.Namespace, warn):
     output = check_writable(args.output) if args.output else None
     hardware = resolve_hardware(args.hardware) if args.hardware else None
     job = settle_job(args, hardware, random_arch, planner_args, warn)
-    world = world_from_env(job.plan.tensor_parallel if job.plan is not None else 1)
+    tp = job.plan.tensor_parallel if job.plan is not None else 1
+    if tp > 1 and "WORLD_SIZE" not in os.environ:
+        _launch(args, tp)  # one machine's ranks, started by torch's launcher
+    world = world_from_env(tp)
     if job.plan is None and world.data_parallel > 1:  # a resident run's prompts, a batch a group
         n = -(-len(job.spec.prompts) // world.data_parallel)
         p = job.policy
@@ -165,22 +168,57 @@ def run_job(args: argparse.Namespace, warn):
                                                                   micro_batch_size=n))  # fmt: skip
     digest = run_digest(job.spec.prompts, _settings(args, job, world.data_parallel))
     if world.distributed:
-        join(world, job.spec.device, digest)
+        world = join(world, job.spec.device, digest)
     try:
-        part = world.group if world.data_parallel > 1 else None
-        partial, problem = None, None
-        if output is not None:
-            try:
-                partial = PartialOutput(
-                    output, digest, resume=args.resume, overwrite=args.overwrite, part=part
-                )
-            except HrmError as exc:
-                problem = str(exc)
-        world.agree(problem)  # a group that cannot resume stops every group
+        partial = _partial(args, output, digest, world)
         result = _run_shard(args, job, hardware, partial, warn, world)
     finally:
         world.close()
     return job, result
+
+
+def _launch(args, tp: int) -> None:
+    """Start this very command as tp ranks on this machine (torchrun --standalone) and exit
+    with their status; the Python API, which cannot be started again, is refused."""
+    import subprocess
+    import sys
+
+    from hrm.errors import HrmError
+
+    if getattr(args, "requests", None) is not None:
+        raise HrmError(
+            f"the plan shards the layers over {tp} processes (tensor_parallel {tp}); run it "
+            f"with hrm run, or torchrun --nproc-per-node {tp} -m hrm run"
+        )
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={tp}", "-m", "hrm", *args.argv]  # fmt: skip
+    threads = str(args.threads or max(1, (os.cpu_count() or 1) // tp))  # each its share
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads)}
+    raise SystemExit(subprocess.run(cmd, env=env).returncode)
+
+
+def _partial(args, output, digest, world):
+    """This rank's partial output: its data-parallel group's file, which the group's first rank
+    opens (resuming it or not) and the group's other ranks follow (FollowerPartial); None
+    without --output. A problem any rank meets stops every rank."""
+    from executor.batching import PartialOutput
+    from executor.world import FollowerPartial
+    from hrm.errors import HrmError
+
+    if output is None:
+        return None
+    partial, problem = None, None
+    if world.leads_group:
+        part = world.group if world.data_parallel > 1 else None
+        try:
+            partial = PartialOutput(
+                output, digest, resume=args.resume, overwrite=args.overwrite, part=part
+            )
+        except HrmError as exc:
+            problem = str(exc)
+    world.agree(problem)
+    done = world.share_in_group(list(partial.done) if partial is not None else None)
+    return partial if world.leads_group else FollowerPartial(done)
 
 
 def _run_shard(args, job, hardware, partial, warn, world):
@@ -196,6 +234,9 @@ def _run_shard(args, job, hardware, partial, warn, world):
             f"{saved} of {len(job.spec.prompts)} outputs are in {partial.path}: run the "
             "same command with --resume to go on"
         ) from None
+    result.environment.update(
+        all_reduces=world.reduces["count"], all_reduce_s=world.reduces["seconds"]
+    )
     if world.distributed:
         return _gathered(args, job, result, partial, world)
     if partial is not None:
@@ -214,8 +255,8 @@ def _gathered(args, job, result, partial, world):
 
     rows = partial.done if partial is not None else result.outputs
     pieces = world.gather((rows, result))
-    if pieces is not None:
-        done = {i: row for r, _ in pieces for i, row in r.items()}
+    if pieces is not None:  # a tensor-parallel group's rows: its first rank's
+        done = {i: row for r, _ in pieces[:: world.tensor_parallel] for i, row in r.items()}
         text = "".join(json.dumps(done[i]) + "\n" for i in range(len(job.spec.prompts)))
         if partial is not None:
             atomic_write_text(partial.output, text)
@@ -223,7 +264,7 @@ def _gathered(args, job, result, partial, world):
             sys.stdout.write(text)
             sys.stdout.flush()
     world.barrier()  # the output is whole before any partial file goes
-    if partial is not None:
+    if partial is not None and partial.path is not None:
         partial.path.unlink(missing_ok=True)
     return combined([r for _, r in pieces], world) if pieces is not None else None
 
@@ -282,7 +323,7 @@ def _execute(args, job, hardware, partial, warn, world):
             quiet=args.quiet,
             on_batch=stream.add if stream is not None else None,
             warn=lambda message: warn(f"warning: {message}"),
-            shard=(world.group, world.data_parallel),
+            share=world.share(),
         )
 
 

@@ -89,7 +89,7 @@ def _planned_job(args, hardware, random_arch, warn) -> Job:
     else:
         where = args.plan
     device = torch.device(spec.device)
-    _check_one_gpu(plan, where)
+    _check_tensor_parallel(plan, spec.arch, where)
     gpu_bytes = parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None
     if device.type == "cuda" and gpu_bytes is None:
         gpu_bytes = float(torch.cuda.get_device_properties(device).total_memory)
@@ -146,22 +146,24 @@ def plan_machine(plan):
     return machine
 
 
-def _check_one_gpu(plan, where: str) -> None:
-    """A plan that shards the layers over several GPUs (its tensor_parallel, or the machine a
-    plan older than that field names) is refused: a run runs each layer on one device, and
-    would be measured against a prediction for several. Several one-GPU processes run
-    data-parallel under torchrun (executor/world.py)."""
+def _check_tensor_parallel(plan, arch, where: str) -> None:
+    """A plan that shards the layers over several GPUs (its tensor_parallel; a plan older than
+    that field: the GPUs of the machine it names) must split this model's heads and widths
+    (executor/tensor_parallel.py)."""
+    from executor.tensor_parallel import tensor_parallel_problem
     from hrm.errors import HrmError
 
     machine = plan_machine(plan)
-    gpus = max(plan.tensor_parallel, machine.gpu_count if machine is not None else 1)
-    if gpus > 1:
+    if plan.tensor_parallel == 1 and machine is not None and machine.gpu_count > 1:
         name = plan.hardware.partition("@")[0]
         raise HrmError(
-            f"{where}: the plan is for {gpus} GPUs in tensor parallel ({plan.hardware}), and a "
-            f"run runs each layer on one device; plan for one: hrm plan --hardware {name} "
-            "--gpus 1 -o plan.json, and start one process a GPU with torchrun for data parallel"
+            f"{where}: the plan is for {machine.gpu_count} GPUs in tensor parallel "
+            f"({plan.hardware}) and names no tensor_parallel; make it again: hrm plan "
+            f"--hardware {name} --gpus N -o plan.json"
         )
+    problem = tensor_parallel_problem(arch, plan.tensor_parallel)
+    if problem:
+        raise HrmError(f"{where}: {problem}")
 
 
 def _plan_for(args, spec, hardware):
@@ -233,4 +235,8 @@ def prediction_profile(plan, hardware, device: str, warn):
     if not plan.policy.ffn_on_gpu:
         return profile
     gpu_bytes = plan.memory.gpu_capacity_bytes / USABLE_MEMORY_FRACTION
-    return stand_in_profile(profile, gpu_memory_bytes=gpu_bytes or profile.cpu.memory_bytes)
+    tp = plan.tensor_parallel  # each rank's share of the CPU stands in for one of its GPUs
+    stand_in = stand_in_profile(
+        profile, gpu_memory_bytes=(gpu_bytes or profile.cpu.memory_bytes) / tp
+    )
+    return stand_in.with_gpu_count(tp) if tp > 1 else stand_in

@@ -145,3 +145,13 @@ def test_outputs_are_written_in_input_order_as_soon_as_they_can_be():
     assert [json.loads(x)["i"] for x in stream.getvalue().splitlines()] == [0]
     order.add([1], [{"i": 1}])
     assert [json.loads(x)["i"] for x in stream.getvalue().splitlines()] == [0, 1, 2, 3]
+
+
+def test_a_data_parallel_group_without_a_file_resumes_from_nothing(tmp_path):
+    """A kill can stop a group before its first batch: its file does not exist and it starts
+    over; a single run's missing file under --resume is refused."""
+    out = tmp_path / "out.jsonl"
+    group = PartialOutput(out, "d" * 16, resume=True, part=1)
+    assert group.path.name == "out.jsonl.partial.1" and group.done == {}
+    with pytest.raises(HrmError, match="does not exist; run without --resume"):
+        PartialOutput(out, "d" * 16, resume=True)

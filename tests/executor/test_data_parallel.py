@@ -81,7 +81,7 @@ def test_a_killed_group_resumes_to_the_one_process_output(files, tmp_path):
     what it finished, and --resume ends as an uninterrupted run (each group skips its own)."""
     path, _, plan = files
     prompts = tmp_path / "many.jsonl"
-    lines = ragged_prompts([1 + i % 9 for i in range(240)], seed=9)
+    lines = ragged_prompts([1 + i % 9 for i in range(480)], seed=9)  # long enough to kill
     prompts.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in lines))
     whole, out = tmp_path / "whole.jsonl", tmp_path / "out.jsonl"
     assert hrm(*run_args(path, prompts, plan, "--output", whole)).returncode == 0
@@ -94,8 +94,8 @@ def test_a_killed_group_resumes_to_the_one_process_output(files, tmp_path):
             break
         time.sleep(0.02)
     os.killpg(proc.pid, signal.SIGTERM)
-    proc.communicate(timeout=120)
-    assert not out.exists() and second.exists()
+    _, err = proc.communicate(timeout=120)
+    assert not out.exists() and second.exists(), err
     done = torchrun(2, *run_args(path, prompts, plan, "--output", out, "--resume", "--json"))
     assert done.returncode == 0, done.stderr
     assert out.read_text() == whole.read_text()
@@ -168,3 +168,105 @@ def test_the_job_takes_its_slowest_groups_time_and_every_groups_tokens():
     assert m.busy_fraction == {"cpu": (2.0 + 3.0) / (2 * 4.0)}
     assert m.link_bytes == {"h2d": 2.0, "d2h": 4.0}
     assert job.groups == [[(10,)], [(30,)]] and set(job.outputs) == {10, 30}
+
+
+def _tp_plan(path: Path, tmp_path: Path, tp: int, schedule: str = "cgopipe") -> Path:
+    """A float32 paging plan (N=3, mu=2, CPU attention, nothing resident) over tp GPUs."""
+    from executor.checkpoint import read_arch
+    from hrm.hardware import resolve_hardware
+    from hrm.policy import Policy
+    from hrm.workload import Workload
+    from planner import predict
+
+    policy = Policy(batch_size=3, micro_batch_size=2, attention_on_gpu=False, ffn_on_gpu=True,
+                    weights_gpu_fraction=0.0, kv_gpu_fraction=0.0, weight_dtype="float32",
+                    kv_dtype="float32")  # fmt: skip
+    workload = Workload(prompt_len_mean=9, prompt_len_max=9, gen_len=4)
+    machine = resolve_hardware("4xt4").with_gpu_count(tp)
+    plan = predict(read_arch(path), machine, workload, policy, schedule)
+    assert plan.tensor_parallel == tp
+    return plan.save(tmp_path / f"plan-{schedule}-tp{tp}.json")
+
+
+@pytest.mark.parametrize(
+    ("name", "schedule"),
+    [("mixtral-single", "cgopipe"), ("dbrx", "serial"), ("qwen2_moe", "cgopipe")],
+)
+def test_two_tensor_parallel_ranks_give_one_ranks_and_transformers_tokens(
+    checkpoints, files, tmp_path, name, schedule
+):
+    """`hrm run --plan` of a tp 2 plan starts its two ranks itself; each holds half the heads
+    and half of every expert's width (Qwen2-MoE: and of its gated shared expert, its q/k/v
+    biases), the two all-reduces a layer sum them: the tokens of tp 1 and of transformers."""
+    from tests.executor.conftest import reference_model
+    from tests.executor.test_matches_transformers import reference_generate
+
+    path, prompts, _ = files
+    path = checkpoints[name]
+    one = hrm(*run_args(path, prompts, _tp_plan(path, tmp_path, 1, schedule)))
+    out = tmp_path / "two.jsonl"
+    plan = _tp_plan(path, tmp_path, 2, schedule)
+    two = hrm(*run_args(path, prompts, plan, "--output", out, "--json"))
+    assert one.returncode == 0 and two.returncode == 0, two.stderr
+    assert out.read_text() == one.stdout
+    tokens = [json.loads(line)["output_token_ids"] for line in one.stdout.splitlines()]
+    lines = [json.loads(line)["prompt_token_ids"] for line in prompts.read_text().splitlines()]
+    theirs = [reference_generate(reference_model(path), [p], 4)[0][0] for p in lines]
+    assert tokens == theirs
+    record = json.loads(two.stdout)
+    env = record["environment"]
+    assert (env["world_size"], env["tensor_parallel"], env["data_parallel"]) == (2, 2, 1)
+    layers = 3
+    # two all-reduces a layer a micro-batch a step: 4 batches of 2, 2, 2 and 1 micro-batches
+    assert [r["all_reduces"] for r in env["ranks"]] == [2 * layers * 7 * 4] * 2
+
+
+def test_two_tensor_parallel_ranks_times_two_groups_give_one_processes_output(files, tmp_path):
+    path, prompts, _ = files
+    one = hrm(*run_args(path, prompts, _tp_plan(path, tmp_path, 1), "--output",
+                        tmp_path / "one.jsonl"))  # fmt: skip
+    assert one.returncode == 0, one.stderr
+    out = tmp_path / "four.jsonl"
+    done = torchrun(4, *run_args(path, prompts, _tp_plan(path, tmp_path, 2), "--output", out,
+                                 "--json"))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert out.read_text() == (tmp_path / "one.jsonl").read_text()
+    env = json.loads(done.stdout)["environment"]
+    assert (env["world_size"], env["tensor_parallel"], env["data_parallel"]) == (4, 2, 2)
+
+
+def test_a_world_that_is_no_multiple_of_the_plans_tensor_parallel_stops(files, tmp_path):
+    """(A tensor_parallel that does not divide the model: test_predictions_on_this_host.py.)"""
+    path, prompts, _ = files
+    plan = _tp_plan(path, tmp_path, 2)
+    done = torchrun(3, *run_args(path, prompts, plan))
+    assert done.returncode != 0
+    assert "3 processes do not make groups of the plan's tensor_parallel 2" in done.stderr
+
+
+def test_the_python_api_refuses_a_tensor_parallel_plan(files, tmp_path):
+    from hrm.api import generate
+
+    path, _, _ = files
+    with pytest.raises(HrmError, match="tensor_parallel 2\\); run it with hrm run, or torchrun"):
+        generate(path, [[1, 2, 3]], plan=_tp_plan(path, tmp_path, 2), gen_len=4)
+
+
+def test_the_shares_of_a_layer_put_together_are_the_layer(checkpoints):
+    """Rank r of 2 holds rows r of Q, K, V, w1, w3 and the LM head, and columns r of O and w2;
+    side by side they are the whole tensors."""
+    import torch
+
+    from executor.checkpoint import open_checkpoint
+    from executor.tensor_parallel import shard_checkpoint
+
+    whole = open_checkpoint(checkpoints["qwen2_moe"], "float32")
+    parts = [shard_checkpoint(whole, r, 2) for r in range(2)]
+    assert parts[0].arch.num_attention_heads == 2 and parts[0].arch.intermediate_size == 48
+    w, (a, b) = whole.weights.layers[1], (p.weights.layers[1] for p in parts)
+    for name, dim in (("wq", 0), ("wk", 0), ("bv", 0), ("wo", 1), ("shared_w2", 1)):
+        assert torch.equal(torch.cat((getattr(a, name), getattr(b, name)), dim), getattr(w, name))
+    assert torch.equal(torch.cat((a.experts[3].w2, b.experts[3].w2), 1), w.experts[3].w2)
+    assert torch.equal(a.router, w.router) and torch.equal(a.shared_gate, w.shared_gate)
+    lm = torch.cat([p.weights.lm_head for p in parts])
+    assert torch.equal(lm, whole.weights.lm_head)

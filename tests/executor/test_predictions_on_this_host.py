@@ -77,11 +77,19 @@ def test_a_plan_made_on_a_stand_in_profile_runs_and_is_predicted_on_it(
     assert json.loads(out)["hardware"] == f"{OWN}-stand-in"
 
 
-def test_a_plan_for_several_gpus_is_refused_until_runs_use_several(checkpoints, tmp_path, run_cli):
+def test_a_plan_for_several_gpus_without_its_tensor_parallel_is_refused(
+    checkpoints, tmp_path, run_cli
+):
+    """A plan written before plans carried tensor_parallel, for a machine of 2 GPUs: made
+    again, not run on one device against a prediction for two."""
     checkpoint = checkpoints["mixtral-single"]
-    status, _, err = _run(run_cli, checkpoint, _plan(checkpoint, tmp_path, "2xt4"))
+    path = _plan(checkpoint, tmp_path, "2xt4")
+    data = json.loads(path.read_text())
+    assert data.pop("tensor_parallel") == 2
+    path.write_text(json.dumps(data))
+    status, _, err = _run(run_cli, checkpoint, path)
     assert_one_line_error(
-        status, err, "the plan is for 2 GPUs in tensor parallel (2xt4)", "--gpus 1 -o plan.json"
+        status, err, "the plan is for 2 GPUs in tensor parallel (2xt4)", "--gpus N -o plan.json"
     )
     one = resolve_hardware("2xt4").with_gpu_count(1)
     assert run_plan.plan_machine(type("P", (), {"hardware": one.name})()).gpu_count == 1
@@ -101,11 +109,14 @@ def test_plan_with_one_gpu_count_writes_a_plan_for_that_many(run_cli, tmp_path):
     assert (plan["hardware"], plan["tensor_parallel"]) == ("4xt4@2gpu", 2)
 
 
-def test_a_plan_that_says_it_is_tensor_parallel_is_refused(checkpoints, tmp_path, run_cli):
-    """Its tensor_parallel decides, whatever machine it names."""
+def test_a_tensor_parallel_plan_that_does_not_divide_the_model_is_refused(
+    checkpoints, tmp_path, run_cli
+):
+    """Its tensor_parallel decides, whatever machine it names: 4 does not divide the tiny
+    Mixtral's 2 key/value heads."""
     checkpoint = checkpoints["mixtral-single"]
     path = _plan(checkpoint, tmp_path, "l4")
-    data = json.loads(path.read_text()) | {"tensor_parallel": 2}
+    data = json.loads(path.read_text()) | {"tensor_parallel": 4}
     path.write_text(json.dumps(data))
     status, _, err = _run(run_cli, checkpoint, path)
-    assert_one_line_error(status, err, "the plan is for 2 GPUs in tensor parallel (l4)")
+    assert_one_line_error(status, err, "num_key_value_heads = 2 does not divide by tensor_par")

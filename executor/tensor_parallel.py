@@ -1,0 +1,112 @@
+"""Tensor parallelism, Megatron-style: each of tp ranks runs a narrower copy of the model.
+
+Rank r of tp holds query heads [r nq/tp, (r+1) nq/tp) and the key/value heads they read (their Q,
+K, V projections' rows: column-parallel), the matching columns of O (row-parallel), and the same
+share of every expert's width (rows of w1 and w3, columns of w2), of the shared expert and of a
+dense layer's MLP, and its share of the LM head's vocabulary; norms, routers and the embedding
+(a lookup) are whole on every rank. So a rank's model is the model of `shard_arch`: the same
+hidden size, fewer heads, narrower experts, and every part of the executor (placement, paging,
+the KV cache, the schedules) runs it as it runs any model. Two sums complete a layer, as the
+planner prices them: the O projection's outputs and the FFN's, all-reduced over the rank's
+tensor-parallel group (MoEModel's `reduce`), inside the post-attention action on the GPU queue;
+the logits are gathered from the ranks' vocabulary shares (MoEModel's `gather`), so the head's
+FLOPs and bytes are spread over the GPUs as the planner prices them. Every rank routes the same
+tokens the same way: the router sees the same (all-reduced) hidden states on each.
+
+Families whose layers add terms that are not sums of head or width shards (a bias after O or
+after an expert, attention sinks, q/k norms over the whole projection, latent attention) are
+refused by `tensor_parallel_problem`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from executor.checkpoint import Checkpoint, LayerWeights, ModelWeights
+from hrm.arch import ModelArch
+
+# LayerWeights fields split by rows (column-parallel: their outputs are this rank's heads or
+# width), by columns (row-parallel: their inputs are), and the ones every rank holds whole
+_ROWS = ("wq", "wk", "wv", "bq", "bk", "bv", "shared_w1", "shared_w3")
+_COLUMNS = ("wo", "shared_w2")
+
+
+def tensor_parallel_problem(arch: ModelArch, tp: int) -> str | None:
+    """Why `arch` cannot be split over tp ranks (None: it can)."""
+    if tp == 1:
+        return None
+    unsupported = [
+        (arch.kv_lora_rank, "latent attention"),
+        (arch.attention_sinks, "attention sinks"),
+        (arch.output_bias or arch.expert_bias, "biases after O or the experts"),
+        (arch.qk_norm == "projection", "q/k norms over the whole projection"),
+    ]
+    found = next((what for present, what in unsupported if present), None)
+    if found is not None:
+        return f"{arch.name} has {found}, which tensor-parallel runs do not split yet; run tp 1"
+    sizes = (
+        ("num_attention_heads", arch.num_attention_heads),
+        ("num_key_value_heads", arch.num_key_value_heads),
+        ("intermediate_size", arch.intermediate_size),
+        ("shared_expert_intermediate_size", arch.shared_expert_intermediate_size),
+        ("dense_intermediate_size", arch.dense_intermediate_size),
+        ("vocab_size", arch.vocab_size),
+    )
+    for name, value in sizes:
+        if value % tp:
+            return (
+                f"{arch.name}: {name} = {value} does not divide by tensor_parallel {tp}; plan "
+                "with a GPU count that divides it"
+            )
+    return None
+
+
+def shard_arch(arch: ModelArch, tp: int) -> ModelArch:
+    """The model one of tp ranks runs: its share of the heads and of every width."""
+    return dataclasses.replace(
+        arch,
+        num_attention_heads=arch.num_attention_heads // tp,
+        num_key_value_heads=arch.num_key_value_heads // tp,
+        intermediate_size=arch.intermediate_size // tp,
+        shared_expert_intermediate_size=arch.shared_expert_intermediate_size // tp,
+        dense_intermediate_size=arch.dense_intermediate_size // tp,
+    )
+
+
+def shard_checkpoint(checkpoint: Checkpoint, rank: int, tp: int) -> Checkpoint:
+    """Rank `rank`'s share of a whole checkpoint's weights, each share its own contiguous
+    tensor (the whole ones are released when the caller drops `checkpoint`)."""
+    if tp == 1:
+        return checkpoint
+    w = checkpoint.weights
+    layers = tuple(_shard_layer(layer, rank, tp) for layer in w.layers)
+    return dataclasses.replace(
+        checkpoint,
+        arch=shard_arch(checkpoint.arch, tp),
+        weights=ModelWeights(
+            embed=w.embed,
+            layers=layers,
+            final_norm=w.final_norm,
+            lm_head=_part(w.lm_head, rank, tp, 0),  # a copy, also of a tied embedding
+        ),
+    )
+
+
+def _part(t: torch.Tensor | None, rank: int, tp: int, dim: int) -> torch.Tensor | None:
+    if t is None:
+        return None
+    return t.chunk(tp, dim=dim)[rank].contiguous()
+
+
+def _shard_layer(w: LayerWeights, rank: int, tp: int) -> LayerWeights:
+    split = {n: _part(getattr(w, n), rank, tp, 0) for n in _ROWS}
+    split |= {n: _part(getattr(w, n), rank, tp, 1) for n in _COLUMNS}
+    experts = tuple(
+        dataclasses.replace(
+            e, w1=_part(e.w1, rank, tp, 0), w3=_part(e.w3, rank, tp, 0), w2=_part(e.w2, rank, tp, 1)
+        )
+        for e in w.experts
+    )
+    return dataclasses.replace(w, **split, experts=experts)
