@@ -13,6 +13,11 @@ names a CPU-only profile of this host, whose CPU then stands in for a GPU of eac
 plans and the predictions too:
     python bench/bench_schedules.py --device cpu --hardware ci-cpu-avx512 --dtype int4 \
         --policy "N=16,mu=4,w=0" --gpu-mem 4GB
+`--tp N` plans each schedule for N GPUs and runs it as `hrm run` does, N ranks each with its
+share of every layer (executor/tensor_parallel.py), and adds the measured seconds per
+all-reduce (each rank's, from the record) against the planner's price for the same calls:
+    python bench/bench_schedules.py --device cpu --hardware ci-cpu-avx512 --tp 2 \
+        --policy "N=16,mu=4,w=0" --gpu-mem 4GB --schedules cgopipe,serial
 """
 
 from __future__ import annotations
@@ -34,19 +39,23 @@ from hrm.units import parse_bytes  # noqa: E402
 from hrm.workload import Workload  # noqa: E402
 
 
-def with_budget(hardware, budget: float):
-    """The machine with `budget` bytes of GPU memory; a CPU-only profile (this host's) with its
-    CPU standing in for a GPU of that size, so that a CPU run is predicted by its own model."""
+def with_budget(hardware, budget: float, tp: int = 1):
+    """The machine with `budget` bytes of GPU memory (tp GPUs of it); a CPU-only profile (this
+    host's) with its CPU standing in for a GPU of that size, so that a CPU run is predicted by
+    its own model."""
     if hardware.has_gpu:
-        return hardware.with_resources(gpu_memory_bytes=budget)
-    from hrm.hardware.stand_in import stand_in_profile
+        sized = hardware.with_resources(gpu_memory_bytes=budget)
+    else:
+        from hrm.hardware.stand_in import stand_in_profile
 
-    return stand_in_profile(hardware, budget)
+        sized = stand_in_profile(hardware, budget)
+    return sized.with_gpu_count(tp) if tp > 1 else sized
 
 
-def plan_all(arch, hardware, workload, budgets, max_batch, dtype, policy_text=None):
+def plan_all(arch, hardware, workload, budgets, max_batch, dtype, policy_text=None, tp=1,
+             schedules=SCHEDULES):  # fmt: skip
     """The best plan per (budget, schedule), or with policy_text that policy's prediction (its
-    attention on the GPU under gpu-attention, on the CPU otherwise)."""
+    attention on the GPU under gpu-attention, on the CPU otherwise); for tp GPUs."""
     from hrm.policy import parse_policy_text
     from planner import predict
     from planner.search import NoPolicyFits, search
@@ -54,8 +63,8 @@ def plan_all(arch, hardware, workload, budgets, max_batch, dtype, policy_text=No
     plans = {}
     kv = hardware.compute_dtype(dtype)  # a compact weight format keeps KV in 16 bits
     for budget in budgets:
-        hw = with_budget(hardware, budget)
-        for schedule in SCHEDULES:
+        hw = with_budget(hardware, budget, tp)
+        for schedule in schedules:
             if policy_text is not None:
                 attn = "gpu" if schedule == "gpu-attention" else "cpu"
                 text = f"{policy_text},attn={attn},ffn=gpu"
@@ -133,6 +142,8 @@ def main() -> int:
         help="run this policy under every schedule instead of the planner's, e.g. \"N=16,mu=4,"
         'w=0" (attention on the GPU under gpu-attention only)',
     )
+    p.add_argument("--tp", type=int, default=1, help="GPUs in tensor parallel (ranks)")
+    p.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated")
     p.add_argument("-o", "--output", default="reports/bench_schedules.json")
     args = p.parse_args()
     try:
@@ -162,7 +173,8 @@ def run(args) -> int:
         f"{'H2D GB/s':>8}"
     )
     for dtype in args.dtype.split(","):
-        plans = plan_all(arch, hardware, workload, budgets, args.max_batch, dtype, args.policy)
+        plans = plan_all(arch, hardware, workload, budgets, args.max_batch, dtype, args.policy,
+                         args.tp, args.schedules.split(","))  # fmt: skip
         computed = hardware.compute_dtype(dtype)  # what a compact format's layers compute in
         if not args.dry_run and computed not in checkpoints:
             checkpoints[computed] = random_checkpoint(arch, computed)
@@ -179,7 +191,7 @@ def run(args) -> int:
             ids = torch.randint(0, arch.vocab_size, (n, args.prompt_len), generator=g).tolist()
             prompts = tuple(tuple(x) for x in ids)
             print(_run_one(args, row, plan, arch, checkpoints.get(computed), prompts, device,
-                           with_budget(hardware, budget)))  # fmt: skip
+                           with_budget(hardware, budget, args.tp)))  # fmt: skip
     _targets(rows)
     report = {"device": str(device), "hardware": hardware.name, "layers": args.layers,
               "dry_run": args.dry_run, "rows": rows}  # fmt: skip
@@ -204,6 +216,8 @@ def _run_one(args, row, plan, arch, checkpoint, prompts, device, hardware) -> st
     cells = f"{pol.batch_size:>4} {pol.micro_batch_size:>4} {pol.weights_gpu_fraction:>5.2f}"
     if args.dry_run:
         return f"{cells} {plan.predicted.throughput_tok_s:>10.1f}"
+    if args.tp > 1:
+        return f"{cells} {measure_tensor_parallel(args, row, plan, prompts, hardware)}"
     record, measured = measure_plan(plan, arch, checkpoint, prompts, args.gen_len, device, budget,
                                     hardware, row["dtype"])  # fmt: skip
     row.update(measured)
@@ -212,6 +226,46 @@ def _run_one(args, row, plan, arch, checkpoint, prompts, device, hardware) -> st
         f"{cells} {record.predicted['throughput_tok_s']:>10.1f} {m.throughput_tok_s:>10.1f} "
         f"{100 * record.prediction_error:>+5.0f}% {f['gpu']:>5.0%} {f['cpu']:>5.0%} "
         f"{f['h2d']:>5.0%} {row['h2d_gb_per_s']:>8.2f}"
+    )
+
+
+def measure_tensor_parallel(args, row, plan, prompts, hardware) -> str:
+    """`plan` run as `hrm run --plan` runs it (its tp ranks started by torch's launcher) on
+    random weights; fills `row` with the record and the seconds per all-reduce, measured (the
+    ranks' mean) and as the planner prices the same calls (two a layer, a micro-batch and a
+    step, of its tokens x hidden in 16 bits). The table's cells."""
+    import subprocess
+    import tempfile
+
+    from hrm.policy import dtype_bytes
+    from hrm.roofline.ops import ACTIVATION_DTYPE
+    from planner.transfers import all_reduce_seconds
+
+    with tempfile.TemporaryDirectory() as tmp:
+        plan_path = plan.save(Path(tmp) / "plan.json")
+        prompts_path = Path(tmp) / "prompts.jsonl"
+        prompts_path.write_text("".join(json.dumps({"prompt_token_ids": list(p)}) + "\n"
+                                        for p in prompts))  # fmt: skip
+        cmd = [sys.executable, "-m", "hrm", "run", "--model", "mixtral-8x7b", "--random-weights",
+               "--layers", str(args.layers), "--plan", str(plan_path), "--prompts",
+               str(prompts_path), "--gen-len", str(args.gen_len), "--quiet", "--json"]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    record = json.loads(done.stdout)
+    ranks = record["environment"]["ranks"]
+    measured = sum(r["all_reduce_s"] for r in ranks) / sum(r["all_reduces"] for r in ranks)
+    h, mu, n = 4096, plan.policy.micro_batch_size, plan.policy.batch_size
+    token = h * dtype_bytes(ACTIVATION_DTYPE)
+    sizes = [min(mu, n - i) for i in range(0, n, mu)]  # the batch's micro-batches
+    calls = [(m * args.prompt_len * token, 1) for m in sizes] + [
+        (m * token, args.gen_len - 1) for m in sizes
+    ]
+    priced = sum(float(all_reduce_seconds(hardware, b)) * k for b, k in calls)
+    priced /= sum(k for _, k in calls)
+    row.update(record=record, all_reduce_s={"measured": measured, "predicted": priced})
+    m = record["measured"]
+    return (
+        f"{record['predicted']['throughput_tok_s']:>10.1f} {m['throughput_tok_s']:>10.1f}   "
+        f"all-reduce {1e3 * measured:.3f} ms measured, {1e3 * priced:.4f} ms priced"
     )
 
 

@@ -23,7 +23,7 @@ from executor.checkpoint import Checkpoint
 from executor.generate import Limits, Sampling, generate
 from executor.quant import compute_dtype
 from executor.runtime import placed_runtime
-from executor.tensor_parallel import shard_checkpoint
+from executor.tensor_parallel import random_share, shard_checkpoint
 from executor.world import Share
 from hrm.arch import ModelArch
 from hrm.errors import HrmError
@@ -217,10 +217,12 @@ def _placed(spec: RunSpec, policy: Policy, schedule: str, checkpoint, cpu_gemm, 
     opened."""
     device = torch.device(spec.device)
     take_over = checkpoint is None
-    if checkpoint is None:
-        resident = policy.all_on_gpu and device.type == "cuda"
-        checkpoint = load_weights(spec, spec.device if resident else "cpu")
-    checkpoint = shard_checkpoint(checkpoint, share.tp_rank, share.tp)
+    on = spec.device if policy.all_on_gpu and device.type == "cuda" else "cpu"
+    if checkpoint is None and spec.checkpoint is None and share.tp > 1:
+        checkpoint = random_share(spec.arch, share.tp_rank, share.tp, spec.compute_dtype, on)
+    else:
+        checkpoint = checkpoint if checkpoint is not None else load_weights(spec, on)
+        checkpoint = shard_checkpoint(checkpoint, share.tp_rank, share.tp)
     if callable(cpu_gemm):
         cpu_gemm = cpu_gemm(checkpoint) if device.type == "cpu" else None
     return placed_runtime(

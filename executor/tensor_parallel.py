@@ -94,6 +94,17 @@ def shard_checkpoint(checkpoint: Checkpoint, rank: int, tp: int) -> Checkpoint:
     )
 
 
+def random_share(arch: ModelArch, rank: int, tp: int, dtype: str, device: str) -> Checkpoint:
+    """A rank's share of random weights (`hrm run --random-weights`, a speed run), drawn at the
+    share's size: no rank holds the whole model, even for a moment. Every rank draws the same
+    numbers, so the tensors they all hold whole (routers, norms, the embedding) agree."""
+    from executor.checkpoint import random_checkpoint
+
+    share = random_checkpoint(shard_arch(arch, tp), dtype, device=device)
+    lm_head = _part(share.weights.lm_head, rank, tp, 0)  # the vocabulary is not narrowed
+    return dataclasses.replace(share, weights=dataclasses.replace(share.weights, lm_head=lm_head))
+
+
 def _part(t: torch.Tensor | None, rank: int, tp: int, dim: int) -> torch.Tensor | None:
     if t is None:
         return None

@@ -322,7 +322,8 @@ def _execute(args, job, hardware, partial, warn, world):
             stop_token_ids=() if args.ignore_eos else spec.arch.eos_token_ids,
             quiet=args.quiet,
             on_batch=stream.add if stream is not None else None,
-            warn=lambda message: warn(f"warning: {message}"),
+            # other processes' share of the CPU: a rank's siblings are among them
+            warn=(lambda m: None) if world.distributed else lambda m: warn(f"warning: {m}"),
             share=world.share(),
         )
 

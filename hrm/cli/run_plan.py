@@ -136,7 +136,8 @@ def plan_machine(plan):
     from hrm.hardware import resolve_hardware
     from hrm.hardware.stand_in import STAND_IN_SUFFIX
 
-    name, _, count = plan.hardware.removesuffix(STAND_IN_SUFFIX).partition("@")
+    name, _, count = plan.hardware.partition("@")
+    name = name.removesuffix(STAND_IN_SUFFIX)
     try:
         machine = resolve_hardware(name)
     except HrmError:
