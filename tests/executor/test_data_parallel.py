@@ -270,3 +270,14 @@ def test_the_shares_of_a_layer_put_together_are_the_layer(checkpoints):
     assert torch.equal(a.router, w.router) and torch.equal(a.shared_gate, w.shared_gate)
     lm = torch.cat([p.weights.lm_head for p in parts])
     assert torch.equal(lm, whole.weights.lm_head)
+
+
+def test_more_ranks_on_a_node_than_gpus_stop_before_the_process_group(monkeypatch):
+    import torch
+
+    from executor.world import join
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(HrmError, match="4 ranks on this node and 2 GPUs: start at most one"):
+        join(World(4, 0, 0, 2), "cuda", "d" * 16)
