@@ -13,9 +13,11 @@ the logits are gathered from the ranks' vocabulary shares (MoEModel's `gather`),
 FLOPs and bytes are spread over the GPUs as the planner prices them. Every rank routes the same
 tokens the same way: the router sees the same (all-reduced) hidden states on each.
 
-Families whose layers add terms that are not sums of head or width shards (a bias after O or
-after an expert, attention sinks, q/k norms over the whole projection, latent attention) are
-refused by `tensor_parallel_problem`.
+A bias after O is added after the sum; an expert's bias after w2 (gpt-oss) is rank 0's alone, so
+that the sum adds it once. DeepSeek's latent and rotary key are the same on every rank (each
+computes them whole, and caches them: every head reads all of them), its heads split as any
+model's. What cannot be split is refused before loading (hrm/rules/tensor_parallel.py, which
+the planner applies too).
 """
 
 from __future__ import annotations
@@ -28,39 +30,10 @@ from executor.checkpoint import Checkpoint, LayerWeights, ModelWeights
 from hrm.arch import ModelArch
 
 # LayerWeights fields split by rows (column-parallel: their outputs are this rank's heads or
-# width), by columns (row-parallel: their inputs are), and the ones every rank holds whole
-_ROWS = ("wq", "wk", "wv", "bq", "bk", "bv", "shared_w1", "shared_w3")
+# width; gpt-oss's sinks are one a head; DeepSeek's kv_b_proj widens the latent to each head),
+# by columns (row-parallel: their inputs are), and the ones every rank holds whole
+_ROWS = ("wq", "wk", "wv", "bq", "bk", "bv", "shared_w1", "shared_w3", "sinks", "wkv_b")
 _COLUMNS = ("wo", "shared_w2")
-
-
-def tensor_parallel_problem(arch: ModelArch, tp: int) -> str | None:
-    """Why `arch` cannot be split over tp ranks (None: it can)."""
-    if tp == 1:
-        return None
-    unsupported = [
-        (arch.kv_lora_rank, "latent attention"),
-        (arch.attention_sinks, "attention sinks"),
-        (arch.output_bias or arch.expert_bias, "biases after O or the experts"),
-        (arch.qk_norm == "projection", "q/k norms over the whole projection"),
-    ]
-    found = next((what for present, what in unsupported if present), None)
-    if found is not None:
-        return f"{arch.name} has {found}, which tensor-parallel runs do not split yet; run tp 1"
-    sizes = (
-        ("num_attention_heads", arch.num_attention_heads),
-        ("num_key_value_heads", arch.num_key_value_heads),
-        ("intermediate_size", arch.intermediate_size),
-        ("shared_expert_intermediate_size", arch.shared_expert_intermediate_size),
-        ("dense_intermediate_size", arch.dense_intermediate_size),
-        ("vocab_size", arch.vocab_size),
-    )
-    for name, value in sizes:
-        if value % tp:
-            return (
-                f"{arch.name}: {name} = {value} does not divide by tensor_parallel {tp}; plan "
-                "with a GPU count that divides it"
-            )
-    return None
 
 
 def shard_arch(arch: ModelArch, tp: int) -> ModelArch:
@@ -68,7 +41,8 @@ def shard_arch(arch: ModelArch, tp: int) -> ModelArch:
     return dataclasses.replace(
         arch,
         num_attention_heads=arch.num_attention_heads // tp,
-        num_key_value_heads=arch.num_key_value_heads // tp,
+        # latent attention's one latent head is every rank's whole
+        num_key_value_heads=arch.num_key_value_heads // (1 if arch.kv_lora_rank else tp),
         intermediate_size=arch.intermediate_size // tp,
         shared_expert_intermediate_size=arch.shared_expert_intermediate_size // tp,
         dense_intermediate_size=arch.dense_intermediate_size // tp,
@@ -116,8 +90,10 @@ def _shard_layer(w: LayerWeights, rank: int, tp: int) -> LayerWeights:
     split |= {n: _part(getattr(w, n), rank, tp, 1) for n in _COLUMNS}
     experts = tuple(
         dataclasses.replace(
-            e, w1=_part(e.w1, rank, tp, 0), w3=_part(e.w3, rank, tp, 0), w2=_part(e.w2, rank, tp, 1)
+            e, w1=_part(e.w1, rank, tp, 0), w3=_part(e.w3, rank, tp, 0),
+            w2=_part(e.w2, rank, tp, 1), b1=_part(e.b1, rank, tp, 0), b3=_part(e.b3, rank, tp, 0),
+            b2=None if e.b2 is None else e.b2 if rank == 0 else torch.zeros_like(e.b2),
         )
         for e in w.experts
-    )
+    )  # fmt: skip
     return dataclasses.replace(w, **split, experts=experts)

@@ -8,6 +8,7 @@ import numpy as np
 from hrm.arch import ModelArch
 from hrm.errors import HrmError
 from hrm.hardware import HardwareProfile
+from hrm.rules.tensor_parallel import tensor_parallel_problem
 
 
 def link_seconds(hardware: HardwareProfile, nbytes, direction: str) -> np.ndarray:
@@ -39,18 +40,8 @@ def all_reduce_seconds(hardware: HardwareProfile, nbytes) -> np.ndarray:
 
 
 def check_tensor_parallel(arch: ModelArch, hardware: HardwareProfile) -> None:
-    """Megatron-style sharding over g GPUs splits query and KV heads and each expert's width
-    across them: each must divide by g."""
-    g = hardware.gpu_count
-    if g <= 1:
-        return
-    checked = [("num_attention_heads", arch.num_attention_heads),
-               ("intermediate_size", arch.intermediate_size)]  # fmt: skip
-    if not arch.kv_lora_rank:  # latent attention's one latent is whole on every GPU
-        checked.append(("num_key_value_heads", arch.num_key_value_heads))
-    for field, value in checked:
-        if value % g:
-            raise HrmError(
-                f"{arch.name}: {field} = {value} does not divide by {g} GPUs for tensor "
-                f"parallelism; plan with a GPU count that divides it"
-            )
+    """What tensor parallelism over the machine's GPUs must split (hrm/rules/tensor_parallel.py,
+    the executor's rule too): refused when it cannot."""
+    problem = tensor_parallel_problem(arch, max(1, hardware.gpu_count))
+    if problem:
+        raise HrmError(problem)

@@ -151,8 +151,8 @@ def _check_tensor_parallel(plan, arch, where: str) -> None:
     """A plan that shards the layers over several GPUs (its tensor_parallel; a plan older than
     that field: the GPUs of the machine it names) must split this model's heads and widths
     (executor/tensor_parallel.py)."""
-    from executor.tensor_parallel import tensor_parallel_problem
     from hrm.errors import HrmError
+    from hrm.rules.tensor_parallel import tensor_parallel_problem
 
     machine = plan_machine(plan)
     if plan.tensor_parallel == 1 and machine is not None and machine.gpu_count > 1:

@@ -190,14 +190,22 @@ def _tp_plan(path: Path, tmp_path: Path, tp: int, schedule: str = "cgopipe") -> 
 
 @pytest.mark.parametrize(
     ("name", "schedule"),
-    [("mixtral-single", "cgopipe"), ("dbrx", "serial"), ("qwen2_moe", "cgopipe")],
+    [
+        ("mixtral-single", "cgopipe"),
+        ("dbrx", "serial"),
+        ("qwen2_moe", "cgopipe"),
+        ("gpt_oss", "cgopipe"),
+        ("deepseek_v3", "serial"),
+    ],
 )
 def test_two_tensor_parallel_ranks_give_one_ranks_and_transformers_tokens(
     checkpoints, files, tmp_path, name, schedule
 ):
     """`hrm run --plan` of a tp 2 plan starts its two ranks itself; each holds half the heads
     and half of every expert's width (Qwen2-MoE: and of its gated shared expert, its q/k/v
-    biases), the two all-reduces a layer sum them: the tokens of tp 1 and of transformers."""
+    biases; gpt-oss: of its sinks and expert biases, the bias after w2 rank 0's; DeepSeek-V3:
+    of kv_b_proj's heads, the latent whole on each), the two all-reduces a layer sum them: the
+    tokens of tp 1 and of transformers."""
     from tests.executor.conftest import reference_model
     from tests.executor.test_matches_transformers import reference_generate
 

@@ -119,4 +119,4 @@ def test_a_tensor_parallel_plan_that_does_not_divide_the_model_is_refused(
     data = json.loads(path.read_text()) | {"tensor_parallel": 4}
     path.write_text(json.dumps(data))
     status, _, err = _run(run_cli, checkpoint, path)
-    assert_one_line_error(status, err, "num_key_value_heads = 2 does not divide by tensor_par")
+    assert_one_line_error(status, err, "num_key_value_heads = 2 does not divide by 4 GPUs")
