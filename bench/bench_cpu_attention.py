@@ -36,6 +36,20 @@ def case(batch: int, context: int, dtype: torch.dtype):
     return q, k, v, valid[:, None, None, :]
 
 
+def host_section() -> dict:
+    """The host a CPU bench ran on, for its JSON."""
+    facts = host_facts()
+    return {"cpu": facts.cpu_model, "matrix_features": list(facts.matrix_features),
+            "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "python": platform.python_version()}  # fmt: skip
+
+
+def write_report(output: str, report: dict) -> None:
+    Path(output).parent.mkdir(parents=True, exist_ok=True)
+    Path(output).write_text(json.dumps(report, indent=2))
+    print(f"wrote {output}")
+
+
 def seconds(fn, repeats: int) -> float:
     fn()
     times = []
@@ -79,21 +93,9 @@ def main() -> int:
                     )
     wins = {n: sum(r["faster"] == n for r in rows) for n in DECODE_KERNELS}
     print(f"faster in: {wins}; kept: {DECODE_KERNEL}")
-    report = {
-        "host": {
-            "cpu": host_facts().cpu_model,
-            "matrix_features": list(host_facts().matrix_features),
-            "threads": torch.get_num_threads(),
-        },
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "kept": DECODE_KERNEL,
-        "wins": wins,
-        "rows": rows,
-    }
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.output}")
+    write_report(
+        args.output, {"host": host_section(), "kept": DECODE_KERNEL, "wins": wins, "rows": rows}
+    )
     return 0
 
 

@@ -15,8 +15,6 @@ reports/bench_latent_attention.json; docs/decisions.md keeps the choice.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import sys
 import types
 from pathlib import Path
@@ -26,11 +24,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.bench_cpu_attention import seconds  # noqa: E402
+from bench.bench_cpu_attention import host_section, seconds, write_report  # noqa: E402
 from executor.attention import attend_one_step  # noqa: E402
 from executor.latent_attention import key_up_projection, latent_values  # noqa: E402
 from hrm.arch import resolve_model  # noqa: E402
-from hrm.profiling.cpu import host_facts  # noqa: E402
 
 
 def case(arch, batch: int, context: int, dtype: torch.dtype):
@@ -105,21 +102,7 @@ def main() -> int:
                     rows_out.append({"model": name, "dtype": dt, "batch": b, "context": s,
                                      "seconds": out, "decompressed_over_absorbed": ratio,
                                      "max_abs_difference": diff})  # fmt: skip
-    facts = host_facts()
-    report = {
-        "host": {
-            "cpu": facts.cpu_model,
-            "matrix_features": list(facts.matrix_features),
-            "threads": torch.get_num_threads(),
-        },  # fmt: skip
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "kept": "absorbed",
-        "rows": rows_out,
-    }
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.output}")
+    write_report(args.output, {"host": host_section(), "kept": "absorbed", "rows": rows_out})
     return 0
 
 
