@@ -253,7 +253,7 @@ def measure_tensor_parallel(args, row, plan, prompts, hardware) -> str:
     record = json.loads(done.stdout)
     ranks = record["environment"]["ranks"]
     measured = sum(r["all_reduce_s"] for r in ranks) / sum(r["all_reduces"] for r in ranks)
-    h, mu, n = 4096, plan.policy.micro_batch_size, plan.policy.batch_size
+    h, mu, n = plan.geometry["hidden_size"], plan.policy.micro_batch_size, plan.policy.batch_size
     token = h * dtype_bytes(ACTIVATION_DTYPE)
     sizes = [min(mu, n - i) for i in range(0, n, mu)]  # the batch's micro-batches
     calls = [(m * args.prompt_len * token, 1) for m in sizes] + [

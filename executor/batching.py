@@ -143,15 +143,17 @@ class PartialOutput:
         with open(self.path, "rb") as f:
             return max(0, sum(1 for line in f if line.endswith(b"\n")) - 1)
 
-    def lines(self, count: int) -> str:
-        return "".join(json.dumps(self.done[i]) + "\n" for i in range(count))
-
     def finish(self, count: int) -> None:
         """All prompts done: OUT.jsonl in input order, the partial file removed."""
         from hrm.io import atomic_write_text
 
-        atomic_write_text(self.output, self.lines(count))
+        atomic_write_text(self.output, in_input_order(self.done, count))
         self.path.unlink()
+
+
+def in_input_order(rows: dict[int, dict[str, Any]], count: int) -> str:
+    """The output lines of prompts 0 .. count - 1, JSONL in input order."""
+    return "".join(json.dumps(rows[i]) + "\n" for i in range(count))
 
 
 class InOrder:

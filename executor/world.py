@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from executor.batching import PartialOutput
 from hrm.errors import HrmError
 from hrm.record import Measurement
 
@@ -201,12 +202,10 @@ class FollowerPartial:
     rank found done there (it runs the rest with it, and writes nothing)."""
 
     path = None
+    pending = PartialOutput.pending  # the batches not all of whose prompts are done
 
     def __init__(self, done):
         self.done = dict.fromkeys(done)
-
-    def pending(self, batches):
-        return [b for b in batches if not all(i in self.done for i in b.indices)]
 
     def append(self, indices, rows) -> None:
         pass

@@ -250,6 +250,7 @@ def _gathered(args, job, result, partial, world):
     file. None on the other ranks."""
     import sys
 
+    from executor.batching import in_input_order
     from executor.world import combined
     from hrm.io import atomic_write_text
 
@@ -257,7 +258,7 @@ def _gathered(args, job, result, partial, world):
     pieces = world.gather((rows, result))
     if pieces is not None:  # a tensor-parallel group's rows: its first rank's
         done = {i: row for r, _ in pieces[:: world.tensor_parallel] for i, row in r.items()}
-        text = "".join(json.dumps(done[i]) + "\n" for i in range(len(job.spec.prompts)))
+        text = in_input_order(done, len(job.spec.prompts))
         if partial is not None:
             atomic_write_text(partial.output, text)
         elif not args.json:
