@@ -10,7 +10,8 @@ weight is loaded), so every batch fits the N x (longest prompt + generation) the
 Output: each finished batch's lines are appended (with their input index) to OUT.jsonl.partial,
 whose first line names the run (a digest of the prompts, plan and generation settings); at the
 end the lines are written in input order to OUT.jsonl and the partial file is removed. `--resume`
-reads a partial file of the same run and skips its batches: a killed run loses at most one batch.
+reads the partial files of the same run (any data-parallel group's too) and skips their batches:
+a killed run loses at most the batches that were running (executor/output_files.py guards OUT).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from executor.output_files import partial_files
 from hrm.errors import HrmError
 
 
@@ -70,31 +72,36 @@ class PartialOutput:
     def __init__(
         self, output: Path, digest: str, *, resume: bool, overwrite: bool = False, part=None
     ):
-        """resume: continue the file; overwrite: discard it; neither: refuse one that exists
-        (it holds finished work of a killed run). part: a data-parallel group's own file,
-        OUT.partial.PART (executor/world.py)."""
+        """resume: go on from every partial file of OUT (this process's, and those any
+        data-parallel group left, whatever the world size: batches are cut by one rule);
+        overwrite: discard them; neither: refuse them (they hold finished work of a killed
+        run). part: a data-parallel group's own file, OUT.partial.PART (executor/world.py)."""
         self.output = output
         suffix = ".partial" if part is None else f".partial.{part}"
         self.path = output.with_name(output.name + suffix)
         self.part = part
         self.digest = digest
         self.done: dict[int, dict[str, Any]] = {}
+        found = partial_files(output)
         if resume:
-            self._read()
-        elif self.path.exists():
+            if not found and part is None:
+                raise HrmError(f"--resume: {self.path} does not exist; run without --resume")
+            for path in found:  # a group killed before its first batch left none of its own
+                self._read(path)
+        elif found:
             if not overwrite:
+                names = ", ".join(str(p) for p in found)
                 raise HrmError(
-                    f"{self.path} holds the finished batches of a killed run: add --resume to "
-                    "continue it, or --overwrite to start over"
+                    f"{names} {'holds' if len(found) == 1 else 'hold'} the finished batches of "
+                    "a killed run: add --resume to continue it, or --overwrite to start over"
                 )
-            self.path.unlink()
+            for path in found:
+                path.unlink(missing_ok=True)
 
-    def _read(self) -> None:
-        if not self.path.exists():
-            if self.part is not None:  # a group the kill stopped before its first batch
-                return
-            raise HrmError(f"--resume: {self.path} does not exist; run without --resume")
-        with open(self.path, "rb") as f:
+    def _read(self, path: Path) -> None:
+        """The rows of one partial file; this process's own is cut after its last whole line
+        (what the kill cut is not written after), another group's is only read."""
+        with open(path, "rb") as f:
             lines = f.read().split(b"\n")
         if lines == [b""]:  # a kill before the header was written: nothing done yet
             return
@@ -103,10 +110,10 @@ class PartialOutput:
         except (ValueError, KeyError, TypeError):
             header = None
         if header is None:
-            raise HrmError(f"--resume: {self.path} is not a partial output of hrm run")
+            raise HrmError(f"--resume: {path} is not a partial output of hrm run")
         if header.get("run") != self.digest:
             raise HrmError(
-                f"--resume: {self.path} is from a different run (its prompts, plan or settings "
+                f"--resume: {path} is from a different run (its prompts, plan or settings "
                 "differ); remove it or run with the same arguments"
             )
         end = len(lines[0]) + 1
@@ -117,15 +124,16 @@ class PartialOutput:
             except (ValueError, KeyError, TypeError):
                 break  # a line cut by the kill: that batch runs again
             end += len(line) + 1
-        with open(self.path, "r+b") as f:  # what the kill cut is not written after
-            f.truncate(end)
+        if path == self.path:
+            with open(path, "r+b") as f:
+                f.truncate(end)
 
     def pending(self, batches: list[Batch]) -> list[Batch]:
         return [b for b in batches if not all(i in self.done for i in b.indices)]
 
     def append(self, indices: Sequence[int], rows: Sequence[dict[str, Any]]) -> None:
         # a header first in a new file, or in an empty one (a kill before its header)
-        new = not self.path.exists() or not self.done and self.path.stat().st_size == 0
+        new = not self.path.exists() or self.path.stat().st_size == 0
         with open(self.path, "a") as f:
             if new:
                 f.write(json.dumps({"hrm_partial": {"run": self.digest}}) + "\n")
@@ -148,7 +156,8 @@ class PartialOutput:
         from hrm.io import atomic_write_text
 
         atomic_write_text(self.output, in_input_order(self.done, count))
-        self.path.unlink()
+        for path in partial_files(self.output):
+            path.unlink(missing_ok=True)
 
 
 def in_input_order(rows: dict[int, dict[str, Any]], count: int) -> str:

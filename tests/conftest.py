@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 
 from hrm.cli import main
+
+# This host's kept GEMM probes (hrm.profiling.host_gemm) go to one folder per test session, never
+# the user's cache; subprocesses (torchrun ranks) inherit it.
+os.environ["HRM_CACHE_DIR"] = tempfile.mkdtemp(prefix="hrm-test-cache-")
 
 
 @pytest.fixture
@@ -20,6 +27,12 @@ def run_cli(capsys):
         return status, out, err
 
     return run
+
+
+def record_flags() -> list[str]:
+    """`hrm run`'s flags for its record on stdout: --json, and an --output of a fresh file for
+    the answers (--json alone is refused: it would drop them)."""
+    return ["--json", "--output", os.path.join(tempfile.mkdtemp(prefix="hrm-answers-"), "a.jsonl")]
 
 
 def assert_one_line_error(status: int, err: str, *fragments: str) -> None:

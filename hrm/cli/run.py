@@ -150,31 +150,73 @@ def run_job(args: argparse.Namespace, warn):
     from executor.world import join, world_from_env
     from hrm.cli.run_plan import settle_job
     from hrm.hardware import resolve_hardware
-    from hrm.io import check_writable
 
     planner_args = _check_flags(args)
     random_arch = _random_arch(args)
-    output = check_writable(args.output) if args.output else None
+    output = _output_path(args)
     hardware = resolve_hardware(args.hardware) if args.hardware else None
     job = settle_job(args, hardware, random_arch, planner_args, warn)
     tp = job.plan.tensor_parallel if job.plan is not None else 1
     if tp > 1 and "WORLD_SIZE" not in os.environ:
         _launch(args, tp)  # one machine's ranks, started by torch's launcher
     world = world_from_env(tp)
+    # one digest whatever the world size, so that any world resumes any world's partial files
+    digest = run_digest(job.spec.prompts, _settings(args, job))
     if job.plan is None and world.data_parallel > 1:  # a resident run's prompts, a batch a group
         n = -(-len(job.spec.prompts) // world.data_parallel)
         p = job.policy
         job = dataclasses.replace(job, policy=dataclasses.replace(p, batch_size=n,
                                                                   micro_batch_size=n))  # fmt: skip
-    digest = run_digest(job.spec.prompts, _settings(args, job, world.data_parallel))
     if world.distributed:
         world = join(world, job.spec.device, digest)
+    lock = None
     try:
+        lock = _lock(output, world)
         partial = _partial(args, output, digest, world)
         result = _run_shard(args, job, hardware, partial, warn, world)
     finally:
+        if lock is not None:
+            lock.release()
         world.close()
     return job, result
+
+
+def _output_path(args):
+    """--output, checked before anything runs: writable, none of the run's inputs, and not a
+    finished output unless --overwrite (or --resume of the run that is finishing it)."""
+    from executor.output_files import check_not_an_input, partial_files
+    from hrm.errors import HrmError
+    from hrm.io import check_writable
+
+    if not args.output:
+        return None
+    output = check_writable(args.output)
+    inputs = {"--prompts": args.prompts, "--plan": args.plan, "--hardware": args.hardware}
+    check_not_an_input(output, inputs)
+    if output.exists() and not args.overwrite and not (args.resume and partial_files(output)):
+        raise HrmError(
+            f"{output} holds the answers of a finished run: add --overwrite to replace them, or "
+            "choose another --output"
+        )
+    return output
+
+
+def _lock(output, world):
+    """The lock on OUT that rank 0 holds for the run (executor/output_files.py), taken before
+    any partial file is read, so that a second run into OUT stops at once on every rank."""
+    from executor.output_files import OutputLock
+    from hrm.errors import HrmError
+
+    if output is None:
+        return None
+    lock, problem = None, None
+    if world.rank == 0:
+        try:
+            lock = OutputLock(output)
+        except HrmError as exc:
+            problem = str(exc)
+    world.agree(problem)
+    return lock
 
 
 def _launch(args, tp: int) -> None:
@@ -251,6 +293,7 @@ def _gathered(args, job, result, partial, world):
     import sys
 
     from executor.batching import in_input_order
+    from executor.output_files import partial_files
     from executor.world import combined
     from hrm.io import atomic_write_text
 
@@ -267,13 +310,16 @@ def _gathered(args, job, result, partial, world):
     world.barrier()  # the output is whole before any partial file goes
     if partial is not None and partial.path is not None:
         partial.path.unlink(missing_ok=True)
+    if pieces is not None and partial is not None:  # and those another world size left
+        for path in partial_files(partial.output):
+            path.unlink(missing_ok=True)
     return combined([r for _, r in pieces], world) if pieces is not None else None
 
 
-def _settings(args, job, data_parallel: int = 1) -> dict:
-    """What a resumed run must share with the run it continues, beside its prompts (and, run
-    data-parallel, its group count: a group's partial file holds its share of the batches)."""
-    return ({"data_parallel": data_parallel} if data_parallel > 1 else {}) | {
+def _settings(args, job) -> dict:
+    """What a resumed run must share with the run it continues, beside its prompts: not the
+    world size, since every world cuts the batches by one rule."""
+    return {
         "plan": {"policy": job.policy.to_dict(), "schedule": job.schedule},
         "geometry": job.spec.arch.geometry(),
         "gen_len": job.spec.gen_len,
@@ -347,6 +393,11 @@ def _check_flags(args) -> list[str]:
         raise HrmError("--resume continues OUTPUT.partial: give --output OUTPUT")
     if args.overwrite and not args.output:
         raise HrmError("--overwrite discards OUTPUT.partial: give --output OUTPUT")
+    if args.json and not args.output:
+        raise HrmError(
+            "--json prints the run record on stdout, where the answers would go: add --output "
+            "FILE for the answers"
+        )
     if args.resume and args.overwrite:
         raise HrmError("--resume continues OUTPUT.partial, --overwrite discards it: give one")
     planner_args = [f for f in ("gpu_mem", "cpu_mem", "schedule") if getattr(args, f)]

@@ -1,5 +1,6 @@
 """The CPU GEMM path of a run on this host: from the run's profile when it measured this host,
-else from a probe of about a second at the model's own expert shape.
+else from this host's probe of about a second at the model's own expert shape, taken once per
+host and kept, so that the path (and so every greedy answer) is the same in every run and rank.
 
 The probe is `hrm profile`'s sweep (hrm.profiling.matmul) on both paths, cut short: a few token
 counts including the padding check (12 and 16), over the model's own expert weights (enough of
@@ -9,13 +10,18 @@ own weights costs no memory and is exactly the executor's situation.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+import os
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from hrm.arch import ModelArch
 from hrm.hardware import HardwareProfile
-from hrm.hardware.parts import HALF_DTYPES
+from hrm.hardware.parts import HALF_DTYPES, Curve
+from hrm.io import atomic_write_json
 from hrm.policy import dtype_bytes
 from hrm.profiling import cpu
 from hrm.profiling.matmul import GemmShape, sweep_matmul
@@ -84,10 +90,57 @@ def probe_cpu_gemm(
     mode: str = "auto",
     budget_s: float = PROBE_BUDGET_S,
 ) -> CpuGemmChoice:
-    """Time both GEMM paths of `dtype` over `weights` (the model's expert w1s, [I, H] in `dtype`)
-    and choose between them."""
-    facts = cpu.host_facts()
+    """The choice from this host's probe of `dtype` at the model's expert shape: measured once
+    per host (CPU model, matrix features, cache, torch) and kept (host_probe_cache), so that every
+    run and every rank takes the same path: a probe per process let timing noise pick the GEMM
+    and greedy answers differed from run to run. The first process to ask times both paths over
+    `weights` (the model's expert w1s, [I, H] in `dtype`) while the others wait for its file."""
+    import fcntl
+
     shape = GemmShape(model=arch.name, hidden=arch.hidden_size, intermediate=arch.intermediate_size)
+    path = host_probe_cache(dtype, shape)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
+        cached = _read_probe(path)
+        if cached is None:
+            cached = _probe(shape, dtype, weights, budget_s)
+            atomic_write_json(path, cached)
+    rates = MeasuredRates(
+        matmul_curves={k: Curve(points=tuple(map(tuple, v))) for k, v in cached["curves"].items()}
+    )
+    source = f"probe, {cached['summary']} at {shape.describe()}; kept in {path}"
+    return choose_cpu_gemm(rates, dtype, mode, source=source)
+
+
+def host_probe_cache(dtype: str, shape: GemmShape) -> Path:
+    """Where this host's probe of `dtype` at `shape` is kept: $HRM_CACHE_DIR (else
+    $XDG_CACHE_HOME/hrm, else ~/.cache/hrm), named by what makes the probe this host's."""
+    import torch
+
+    facts = cpu.host_facts()
+    key = [facts.cpu_model, facts.matrix_features, facts.last_level_cache_bytes,
+           torch.__version__, dtype, shape.hidden, shape.intermediate]  # fmt: skip
+    digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
+    env = os.environ
+    base = env.get("HRM_CACHE_DIR") or Path(
+        env.get("XDG_CACHE_HOME") or Path.home() / ".cache", "hrm"
+    )
+    return Path(base, f"cpu-gemm-{dtype}-{shape.hidden}x{shape.intermediate}-{digest}.json")
+
+
+def _read_probe(path: Path) -> dict | None:
+    """A kept probe, or None where there is none (or it cannot be read: it is taken again)."""
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data.get("curves"), dict) and data["curves"] else None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _probe(shape: GemmShape, dtype: str, weights: Sequence, budget_s: float) -> dict:
+    """Both paths of `dtype` timed over the model's experts: the curves and what was timed."""
+    facts = cpu.host_facts()
     per_weight = shape.hidden * shape.intermediate * dtype_bytes(dtype)
     wanted = math.ceil(2 * (facts.last_level_cache_bytes or 0.0) / per_weight)
     rotated = list(weights[: max(1, wanted)])
@@ -112,9 +165,11 @@ def probe_cpu_gemm(
         for w in widen
     ]
     elapsed = time.perf_counter() - started
-    rates = MeasuredRates(matmul_curves={s.dtype: s.curve() for s in sweeps if s.points})
-    source = f"probe, {elapsed:.1f} s over {len(rotated)} of the model's experts"
-    return choose_cpu_gemm(rates, dtype, mode, source=f"{source} at {shape.describe()}")
+    return {
+        "host": {"cpu_model": facts.cpu_model, "matrix_features": list(facts.matrix_features)},
+        "summary": f"{elapsed:.1f} s over {len(rotated)} of the model's experts",
+        "curves": {s.dtype: [list(p) for p in s.curve().points] for s in sweeps if s.points},
+    }
 
 
 def cpu_gemm_chooser(
@@ -154,5 +209,6 @@ def cpu_gemm_for_run(
     if reason is None:
         return choose_cpu_gemm(hardware.cpu, dtype, mode, source=f"profile {hardware.name}")
     choice = probe_cpu_gemm(arch, dtype, weights, mode=mode)
-    warn(f"CPU GEMM path from a probe ({reason}): {choice.describe()}")
+    if mode == "auto":
+        warn(f"CPU GEMM path from this host's probe ({reason}): {choice.describe()}")
     return choice

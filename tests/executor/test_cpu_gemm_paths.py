@@ -19,7 +19,7 @@ from hrm.rules.cpu_gemm import CpuGemmChoice, choose_cpu_gemm
 from hrm.workload import Workload
 from planner.layer_seconds import micro_batch_seconds
 from planner.setting import Setting
-from tests.conftest import assert_one_line_error
+from tests.conftest import assert_one_line_error, record_flags
 from tests.executor.conftest import ragged_prompts
 from tests.gemm_curves import AMX, AVX2, MIXED, scaled
 
@@ -127,7 +127,9 @@ def test_the_planner_prices_native_on_amx_and_widened_on_avx2(checkpoints):
 
 
 def run_record(run_cli, checkpoint, *extra) -> tuple[dict, str]:
-    status, stdout, stderr = run_cli("run", "--checkpoint", checkpoint, *ARGS, "--json", *extra)
+    status, stdout, stderr = run_cli(
+        "run", "--checkpoint", checkpoint, *ARGS, *record_flags(), *extra
+    )
     assert status == 0, stderr
     return json.loads(stdout), stderr
 

@@ -76,9 +76,11 @@ def test_three_planned_groups_print_the_one_process_output(files):
     assert done.stdout == one.stdout and len(done.stdout.splitlines()) == 10
 
 
-def test_a_killed_group_resumes_to_the_one_process_output(files, tmp_path):
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_killed_group_resumes_to_the_one_process_output(files, tmp_path, world):
     """SIGTERM to torchrun once group 1 has written a batch: each group's partial file keeps
-    what it finished, and --resume ends as an uninterrupted run (each group skips its own)."""
+    what it finished; a run without --resume is refused naming them; --resume in any world
+    size (one process, or two groups) ends as an uninterrupted run."""
     path, _, plan = files
     prompts = tmp_path / "many.jsonl"
     lines = ragged_prompts([1 + i % 9 for i in range(480)], seed=9)  # long enough to kill
@@ -96,11 +98,15 @@ def test_a_killed_group_resumes_to_the_one_process_output(files, tmp_path):
     os.killpg(proc.pid, signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert not out.exists() and second.exists(), err
-    done = torchrun(2, *run_args(path, prompts, plan, "--output", out, "--resume", "--json"))
+    again = hrm(*run_args(path, prompts, plan, "--output", out))
+    assert again.returncode == 2 and "out.jsonl.partial.1" in again.stderr, again.stderr
+    assert "--resume" in again.stderr and len(again.stderr.strip().splitlines()) == 1
+    args = run_args(path, prompts, plan, "--output", out, "--resume", "--json")
+    done = hrm(*args) if world == 1 else torchrun(world, *args)
     assert done.returncode == 0, done.stderr
     assert out.read_text() == whole.read_text()
     assert json.loads(done.stdout)["environment"]["batches_resumed"] >= 1
-    assert not list(tmp_path.glob("out.jsonl.partial*"))
+    assert not list(tmp_path.glob("out.jsonl.partial*")) and not list(tmp_path.glob("*.lock"))
 
 
 def test_ranks_started_with_other_prompts_stop_in_one_line(checkpoints, tmp_path):

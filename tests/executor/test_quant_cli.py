@@ -12,7 +12,7 @@ from hrm.hardware import resolve_hardware
 from hrm.policy import Policy
 from hrm.workload import Workload
 from planner import predict
-from tests.conftest import assert_one_line_error
+from tests.conftest import assert_one_line_error, record_flags
 from tests.executor.test_run_plan import edit_plan, run_args
 
 pytestmark = pytest.mark.usefixtures("this_host")
@@ -36,7 +36,9 @@ def test_a_planned_int4_run_moves_compact_pages_and_says_what_it_computed_in(
     path, prompts, _ = files
     records = {}
     for fmt in ("bfloat16", "int4"):
-        status, out, err = run_cli(*run_args(path, prompts, _plan(path, tmp_path, fmt), "--json"))
+        status, out, err = run_cli(
+            *run_args(path, prompts, _plan(path, tmp_path, fmt), *record_flags())
+        )
         assert status == 0, err
         records[fmt] = json.loads(out)
     env = records["int4"]["environment"]
@@ -57,7 +59,7 @@ def test_a_resident_run_in_a_compact_format(run_cli, files, fmt):
     assert status == 0, err
     lines = [json.loads(line) for line in out.splitlines()]
     assert len(lines) == 10 and all(len(line["output_token_ids"]) == 4 for line in lines)
-    status, record, err = run_cli(*args, "--dtype", fmt, "--json")
+    status, record, err = run_cli(*args, "--dtype", fmt, *record_flags())
     assert status == 0, err
     assert json.loads(record)["environment"]["compute_dtype"] == "bfloat16"
 
@@ -115,7 +117,7 @@ def test_a_compact_kv_cache_planned_and_run(run_cli, files, tmp_path):
         "--gen-len", "4", "--dtype", "int8", "--kv-dtype", "int4", "-o", str(plan),
     )  # fmt: skip
     assert status == 0, err
-    status, out, err = run_cli(*run_args(path, prompts, plan, "--json"))
+    status, out, err = run_cli(*run_args(path, prompts, plan, *record_flags()))
     assert status == 0, err
     env = json.loads(out)["environment"]
     assert (env["dtype"], env["kv_dtype"], env["compute_dtype"]) == ("int8", "int4", "bfloat16")

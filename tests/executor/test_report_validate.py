@@ -9,7 +9,7 @@ import pytest
 
 from hrm.record import Measurement, RunRecord
 from hrm.report import load_records, summaries
-from tests.conftest import assert_one_line_error
+from tests.conftest import assert_one_line_error, record_flags
 
 ARGS = ["--prompt-len", "5", "--batch", "3", "--gen-len", "3", "--ignore-eos", "--quiet"]
 
@@ -128,7 +128,7 @@ def test_report_writes_figures_page_and_csv_from_real_runs(run_cli, checkpoints,
     for i, dtype in enumerate(("float32", "bfloat16")):
         status, out, _ = run_cli(
             "run", "--checkpoint", checkpoints["dbrx"], *ARGS, "--dtype", dtype,
-            "--hardware", "ci-cpu", "--json",
+            "--hardware", "ci-cpu", *record_flags(),
         )  # fmt: skip
         assert status == 0
         paths.append(tmp_path / f"run{i}.json")

@@ -14,7 +14,7 @@ from executor.checkpoint import open_checkpoint
 from executor.generate import Limits, Sampling, generate
 from executor.model import MoEModel
 from executor.runtime import placed_runtime
-from tests.conftest import assert_one_line_error
+from tests.conftest import assert_one_line_error, record_flags
 from tests.executor.conftest import ragged_prompts, reference_model
 from tests.executor.test_matches_transformers import reference_generate
 from tests.executor.test_offload import SCHEDULES, policy
@@ -238,7 +238,7 @@ def test_the_runs_prediction_takes_each_requests_length(run_cli, tmp_path, check
     requests = [completion(f"r{i}", [5 + i, 6, 7], max_tokens=n) for i, n in enumerate((2, 6, 3))]
     status, out, err = run_cli("run", "--checkpoint", checkpoints["mixtral-single"], "--prompts",
                                write(tmp_path / "b.jsonl", requests), "--hardware", "ci-cpu",
-                               "--quiet", "--json")  # fmt: skip
+                               "--quiet", *record_flags())  # fmt: skip
     assert status == 0, err
     record = json.loads(out)
     assert record["workload"]["gen_len"] == 6

@@ -14,6 +14,7 @@ from executor.generate import Sampling, generate, sample
 from executor.model import MoEModel
 from hrm.rules.cpu_gemm import CpuGemmChoice
 from planner import MODEL_VERSION
+from tests.conftest import record_flags
 from tests.executor.conftest import ragged_prompts
 
 
@@ -92,8 +93,9 @@ def test_random_prompts_are_seeded(run_cli, tmp_path, checkpoints):
         out = tmp_path / f"out{seed}.jsonl"
         args = ["--prompt-len", "6", "--batch", "3", "--gen-len", "3", "--seed", seed]
         status, _, _ = run_cli(
-            "run", "--checkpoint", checkpoints["mixtral-fused"], *args, "--output", out, "--quiet"
-        )
+            "run", "--checkpoint", checkpoints["mixtral-fused"], *args, "--output", out, "--quiet",
+            "--overwrite",
+        )  # fmt: skip
         assert status == 0
         return out.read_text()
 
@@ -184,7 +186,7 @@ def test_hardware_adds_the_planners_prediction_of_this_run(run_cli, checkpoints)
     assert [len(json.loads(line)["output_token_ids"]) for line in stdout.splitlines()] == [4] * 3
     status, stdout, _ = run_cli(
         "run", "--checkpoint", checkpoint, *args, "--dtype", "bfloat16", "--hardware", "ci-cpu",
-        "--json",
+        *record_flags(),
     )  # fmt: skip
     record = json.loads(stdout)
     # ci-cpu was measured on another host, so the run probed its GEMM path; the prediction
@@ -220,7 +222,7 @@ def test_generation_stops_at_an_eos_the_free_run_produces(
     def run(checkpoint, *extra):
         out = tmp_path / "out.jsonl"
         args = ["run", "--checkpoint", checkpoint, "--prompts", prompts, "--gen-len", "12"]
-        status, _, err = run_cli(*args, "--output", out, "--quiet", *extra)
+        status, _, err = run_cli(*args, "--output", out, "--quiet", "--overwrite", *extra)
         assert status == 0, err
         return [json.loads(line)["output_token_ids"] for line in out.read_text().splitlines()]
 

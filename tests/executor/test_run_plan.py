@@ -10,7 +10,7 @@ import torch
 
 import executor.run
 from executor.checkpoint import read_arch
-from tests.conftest import assert_one_line_error
+from tests.conftest import assert_one_line_error, record_flags
 from tests.executor.conftest import PLAN_LENGTHS, ragged_prompts
 
 LENGTHS = PLAN_LENGTHS
@@ -50,7 +50,7 @@ def test_plan_run_matches_the_resident_run(run_cli, files):
 
 def test_record_holds_plan_prediction_queues_and_buffers(run_cli, files):
     path, prompts, plan = files
-    status, out, err = run_cli(*run_args(path, prompts, plan, "--json"))
+    status, out, err = run_cli(*run_args(path, prompts, plan, *record_flags()))
     assert status == 0, err
     record = json.loads(out)
     assert record["plan"]["policy"]["micro_batch_size"] == 2
@@ -146,7 +146,8 @@ def test_bad_plan_arguments(run_cli, files, extra, fragment):
 def test_random_weights_run_a_plan_and_say_so(run_cli, tmp_path):
     status, out, err = run_cli(
         "run", "--model", "mixtral-8x7b", "--random-weights", "--layers", "1", "--hardware",
-        "ci-cpu-amx", "--prompt-len", "4", "--batch", "2", "--gen-len", "2", "--json", "--quiet",
+        "ci-cpu-amx", "--prompt-len", "4", "--batch", "2", "--gen-len", "2", "--quiet",
+        *record_flags(),
     )  # fmt: skip
     assert status == 0, err
     record = json.loads(out)
@@ -174,7 +175,7 @@ def test_hardware_with_a_gpu_plans_first_and_caps_n_at_the_prompts(run_cli, file
     path, prompts, _ = files
     status, out, err = run_cli(
         "run", "--checkpoint", path, "--hardware", "l4", "--gpu-mem", "1.2MB", "--prompts",
-        prompts, "--gen-len", "4", "--json", "--quiet",
+        prompts, "--gen-len", "4", *record_flags(), "--quiet",
     )  # fmt: skip
     assert status == 0, err
     record = json.loads(out)
@@ -198,7 +199,7 @@ def test_the_record_names_the_engine_mode_that_ran(run_cli, files, monkeypatch, 
     path, prompts, plan = files
     _, inline_out, _ = run_cli(*run_args(path, prompts, plan))
     monkeypatch.setenv("HRM_ENGINE", mode)
-    status, out, err = run_cli(*run_args(path, prompts, plan, "--json"))
+    status, out, err = run_cli(*run_args(path, prompts, plan, *record_flags()))
     assert status == 0, err
     assert json.loads(out)["environment"]["engine"] == mode
     status, out, err = run_cli(*run_args(path, prompts, plan))
