@@ -186,3 +186,42 @@ def test_a_partial_file_of_any_group_is_refused_without_resume_and_read_with_it(
     assert out.read_text() == whole.read_text()
     assert json.loads(record)["environment"]["batches_resumed"] == 1
     assert not partial_files(out) and not (tmp_path / "out.jsonl.lock").exists()
+
+
+def test_a_bf16_run_resumed_gives_the_uninterrupted_answers_bit_for_bit(
+    run_cli, checkpoints, tmp_path, monkeypatch
+):
+    """bf16 (where a GEMM path or a batch's make-up shows in the bits): killed after its first
+    batch and resumed, the output equals an uninterrupted run's, byte for byte."""
+    import executor.run
+    from executor.checkpoint import read_arch
+    from hrm.hardware import resolve_hardware
+    from hrm.policy import Policy
+    from hrm.workload import Workload
+    from planner import predict
+
+    path = checkpoints["mixtral-single"]
+    prompts = write_prompts(tmp_path / "p.jsonl", (3, 7, 2, 5, 6, 4, 8), seed=11)
+    policy = Policy(batch_size=3, micro_batch_size=2, attention_on_gpu=False, ffn_on_gpu=True,
+                    weights_gpu_fraction=0.0, kv_gpu_fraction=0.0, weight_dtype="bfloat16",
+                    kv_dtype="bfloat16")  # fmt: skip
+    workload = Workload(prompt_len_mean=5.0, prompt_len_max=8, gen_len=5)
+    plan = predict(read_arch(path), resolve_hardware("l4"), workload, policy, "cgopipe")
+    plan_path = plan.save(tmp_path / "plan.json")
+    common = ("run", "--checkpoint", path, "--plan", plan_path, "--prompts", prompts,
+              "--gen-len", "5", "--ignore-eos", "--quiet")  # fmt: skip
+    whole, out = tmp_path / "whole.jsonl", tmp_path / "out.jsonl"
+    assert run_cli(*common, "--output", whole)[0] == 0
+    real, calls = executor.run.generate, []
+
+    def killed_after_one(*a, **k):
+        if calls:
+            raise KeyboardInterrupt
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(executor.run, "generate", killed_after_one)
+    assert run_cli(*common, "--output", out)[0] == 130
+    monkeypatch.setattr(executor.run, "generate", real)
+    assert run_cli(*common, "--output", out, "--resume")[0] == 0
+    assert out.read_bytes() == whole.read_bytes()
