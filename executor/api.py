@@ -170,7 +170,7 @@ def _request_ids(requests, tokenizer, arch: ModelArch, gen_len: int, where, sour
             f"{locate(source, stops.line)}: stop strings, but {where} has no tokenizer to read "
             "the text; remove them"
         )
-    _check_ids(ids, arch.vocab_size, source)
+    _check_ids(requests, ids, arch.vocab_size, source)
     for r, p in zip(requests, ids, strict=True):
         fix = "shorten it or lower its max_tokens" + ("" if r.max_tokens else " (--gen-len)")
         arch.check_positions(
@@ -190,14 +190,16 @@ def _check_device(device: str) -> None:
     jitter_seed()
 
 
-def _check_ids(prompts: list[list[int]], vocab_size: int, where) -> None:
-    for n, ids in enumerate(prompts, 1):
+def _check_ids(requests, prompts: list[list[int]], vocab_size: int, source) -> None:
+    """Every prompt holds tokens of the vocabulary; a message names its request's line."""
+    for r, ids in zip(requests, prompts, strict=True):
         if not ids:
-            raise HrmError(f"{where}: prompt {n} is empty after tokenisation")
+            raise HrmError(f"{locate(source, r.line)}: the prompt is empty after tokenisation")
         bad = next((t for t in ids if not 0 <= t < vocab_size), None)
         if bad is not None:
             raise HrmError(
-                f"{where}: prompt {n} has token id {bad} outside the vocabulary [0, {vocab_size})"
+                f"{locate(source, r.line)}: token id {bad} is outside the vocabulary "
+                f"[0, {vocab_size})"
             )
 
 

@@ -32,7 +32,7 @@ from hrm.plan import Plan
 from hrm.policy import RUN_DTYPES, Policy
 from hrm.profiling import BUSY_WARNING_SHARE
 from hrm.profiling.cpu import cpu_times, measured_others_share
-from hrm.progress import progress_bar
+from hrm.progress import RunProgress
 from hrm.record import Measurement
 from hrm.requests import answer_line
 from hrm.rules.cpu_gemm import CpuGemmChoice
@@ -81,10 +81,11 @@ def check_plan(
             f"a prompt has {longest} tokens, longer than the plan's maximum of {limit}; "
             "plan with --max-prompt-len covering the longest prompt"
         )
-    if gen_len > plan.workload.gen_len:
+    if gen_len > plan.workload.gen_len:  # from --gen-len, or from max_tokens (none given)
         raise HrmError(
-            f"--gen-len {gen_len} exceeds the plan's {plan.workload.gen_len}: its KV cache is "
-            "sized for that; plan with the --gen-len of the run"
+            f"{where}: the run asks for up to {gen_len} new tokens a prompt (its --gen-len, or "
+            f"its requests' largest max_tokens), more than the plan's {plan.workload.gen_len} "
+            f"that its KV cache is sized for; plan with --gen-len {gen_len}, or ask for fewer"
         )
     arch.check_positions(longest, gen_len)
     gpu, cpu = plan.memory.gpu_bytes, plan.memory.cpu_bytes
@@ -150,14 +151,14 @@ def execute(
     totals = {"prefill_s": 0.0, "decode_s": 0.0, "generated_tokens": 0}
     peak_buffers: dict[str, dict[str, float]] = {"gpu": {}, "cpu": {}}
     budget = [sum(spec.max_new(i) for i in b.indices) for b in pending]  # tokens at most
-    bar = progress_bar(total=sum(budget), desc="prefill", quiet=quiet, unit="tok")
+    bar = RunProgress(tokens=sum(budget), requests=sum(len(b.indices) for b in pending),
+                      quiet=quiet)  # fmt: skip
     times_before, start = cpu_times(), time.perf_counter()
     created = int(time.time())
     try:
         for batch, most in zip(pending, budget, strict=True):
-            before = bar.n
             gen = _generate_batch(spec, runtime, batch, sampling, stop_token_ids, bar)
-            bar.update(before + most - bar.n)  # the tokens its stopped sequences did not make
+            bar.batch_done(len(batch.indices), most)
             rows = [
                 _output(spec, i, ids, reason, created)
                 for i, ids, reason in zip(
@@ -196,7 +197,7 @@ def execute(
 
 
 def _generate_batch(spec: RunSpec, runtime, batch, sampling, stop_token_ids, bar):
-    """One batch to its longest answer, each prompt with its own limits; the bar counts tokens."""
+    """One batch to its longest answer, each prompt with its own limits; `bar` counts tokens."""
     return generate(
         runtime,
         [spec.prompts[i] for i in batch.indices],
@@ -205,7 +206,7 @@ def _generate_batch(spec: RunSpec, runtime, batch, sampling, stop_token_ids, bar
         stop_token_ids=stop_token_ids,
         decode=_decoder(spec),
         micro_batch_sizes=batch.micro_batch_sizes,
-        on_step=lambda phase, n: (bar.set_description(phase, refresh=False), bar.update(n)),
+        on_step=bar.step,
     )
 
 
@@ -251,19 +252,19 @@ def _decoder(spec: RunSpec) -> Callable[[list[int]], str] | None:
 
 
 def _output(spec: RunSpec, i: int, ids: list[int], reason: str, created: int) -> dict[str, Any]:
-    """Prompt i's output line: OpenAI's batch answer for an OpenAI request, else the generated
-    ids and (with a tokenizer) their text, why it stopped and its token counts. The text ends
-    before the first stop string it holds."""
+    """Prompt i's output line: OpenAI's batch answer for an OpenAI request (its token ids in it
+    where there is no text), else the generated ids and (with a tokenizer) their text, why it
+    stopped and its token counts. The text ends before the first stop string it holds."""
     r = spec.requests[i] if spec.requests else None
     text = None if spec.tokenizer is None else spec.tokenizer.decode(ids, skip_special_tokens=True)
     if text is not None and r is not None and r.stop:
         cut = min((text.find(s) for s in r.stop if s in text), default=len(text))
         text = text[:cut]
-    counts = {"prompt_tokens": len(spec.prompts[i]), "completion_tokens": len(ids)}
     if r is not None and r.openai:
         name = spec.checkpoint.name if spec.checkpoint else spec.arch.name
-        return answer_line(r, i, text=text or "", finish_reason=reason, model=name,
-                           created=created, **counts)  # fmt: skip
+        return answer_line(r, i, text=text, token_ids=ids, prompt_token_ids=spec.prompts[i],
+                           finish_reason=reason, model=name, created=created)  # fmt: skip
+    counts = {"prompt_tokens": len(spec.prompts[i]), "completion_tokens": len(ids)}
     return {"output_token_ids": ids, "text": text, "finish_reason": reason, **counts}
 
 

@@ -56,7 +56,7 @@ def kv_format_problem(kv_dtype: str, head_dim: int) -> str | None:
     group = group_size(head_dim)
     if head_dim % group or head_dim % 4:
         return (
-            f"a {kv_dtype} KV cache needs a head_dim that is a multiple of its group of {group} "
+            f"a KV cache in {kv_dtype} needs a head_dim that is a multiple of its group of {group} "
             f"(and of 4); this model's is {head_dim}: use a 16-bit --kv-dtype"
         )
     return None

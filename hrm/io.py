@@ -7,6 +7,7 @@ malformed file is one HrmError naming the file.
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 import tempfile
@@ -21,7 +22,7 @@ from hrm.errors import HrmError
 
 def load_json(path: str | os.PathLike) -> Any:
     """Parse a JSON file; a missing or malformed file is an HrmError naming it."""
-    text = _read_text(path)
+    text = read_text(path)
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
@@ -32,7 +33,7 @@ def load_json(path: str | os.PathLike) -> Any:
 
 def load_yaml(path: str | os.PathLike) -> Any:
     """Parse a YAML file; a missing or malformed file is an HrmError naming it."""
-    text = _read_text(path)
+    text = read_text(path)
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -41,16 +42,42 @@ def load_yaml(path: str | os.PathLike) -> Any:
         raise HrmError(f"{path}: malformed YAML{line}; fix the file") from None
 
 
-def _read_text(path: str | os.PathLike) -> str:
+def read_text(path: str | os.PathLike, what: str = "file") -> str:
+    """A text file's contents as UTF-8, a leading byte-order mark dropped (editors on Windows
+    write one); a missing path, a directory or another encoding is an HrmError naming the file.
+    what: the kind of file a message names ("prompts file")."""
     p = Path(path)
     if not p.exists():
-        raise HrmError(f"{p}: no such file; check the path")
+        raise HrmError(f"{p}: no such {what}; check the path")
     if p.is_dir():
-        raise HrmError(f"{p}: is a directory, expected a file")
+        raise HrmError(f"{p}: is a directory, not a {what}; give the file's path")
     try:
-        return p.read_text()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise HrmError(f"{p}: cannot read ({exc.__class__.__name__}); check the file") from None
+        data = p.read_bytes()
+    except OSError as exc:
+        raise HrmError(f"{p}: cannot read ({exc.strerror}); check the file") from None
+    bom = next((name for mark, name in _BOMS if data.startswith(mark)), None)
+    if bom is not None:
+        raise HrmError(f"{p}: the {what} is {bom} text; save it as UTF-8")
+    if b"\0" in data:  # valid UTF-8, but no text file holds one: UTF-16 without its mark
+        line = data.count(b"\n", 0, data.index(b"\0")) + 1
+        raise HrmError(f"{p}:{line}: the {what} holds NUL bytes (UTF-16 text?); save it as UTF-8")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise HrmError(
+            f"{p}:{line}: the {what} is not UTF-8 (byte 0x{data[exc.start]:02x} at offset "
+            f"{exc.start}); save it as UTF-8"
+        ) from None
+
+
+# byte-order marks of the encodings that are not UTF-8, longest first (UTF-32's begin as UTF-16's)
+_BOMS = (
+    (codecs.BOM_UTF32_LE, "UTF-32"),
+    (codecs.BOM_UTF32_BE, "UTF-32"),
+    (codecs.BOM_UTF16_LE, "UTF-16"),
+    (codecs.BOM_UTF16_BE, "UTF-16"),
+)
 
 
 def check_writable(path: str | os.PathLike) -> Path:

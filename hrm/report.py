@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hrm.errors import HrmError
-from hrm.io import check_writable_dir
+from hrm.io import check_writable_dir, load_json
 from hrm.plan import QUEUES
 from hrm.record import RunRecord
 
@@ -115,10 +115,13 @@ class ErrorSummary:
 def load_records(paths: Sequence[str | os.PathLike]) -> list[Row]:
     """Every record, checked: strict keys, a prediction and a measured throughput in each."""
     if not paths:
-        raise HrmError("no run records given; pass RUN.json files (hrm run --json > RUN.json)")
+        raise HrmError(
+            "no run records given; pass RUN.json files "
+            "(hrm run --output OUT.jsonl --json > RUN.json)"
+        )
     rows = []
     for path in paths:
-        record = RunRecord.load(path)
+        record = _load_record(path)
         if not record.predicted:
             raise HrmError(
                 f"{path}: the record has no prediction; make it with hrm run --hardware PROFILE"
@@ -129,13 +132,24 @@ def load_records(paths: Sequence[str | os.PathLike]) -> list[Row]:
     return rows
 
 
+def _load_record(path: str | os.PathLike) -> RunRecord:
+    """A RunRecord file; a plan (hrm plan -o), the likeliest other JSON here, is named as one."""
+    data = load_json(path)
+    if isinstance(data, dict) and "policy" in data and "measured" not in data:
+        raise HrmError(
+            f"{path}: a plan (hrm plan -o), not a run record; run it with hrm run --plan "
+            f"{path} --output OUT.jsonl --json > RUN.json and report RUN.json"
+        )
+    return RunRecord.from_dict(data, where=str(path))
+
+
 def _row(name: str, record: RunRecord) -> Row:
     env, wl = record.environment, record.workload
     schedule = record.plan["schedule"] if record.plan else "resident"
     policy = (record.plan or {}).get("policy") or {}
     micro = f" mu={policy['micro_batch_size']}" if "micro_batch_size" in policy else ""
     setting = (
-        f"N={env.get('batch_size', '?')}{micro} prompts {wl['prompt_len_mean']:g}"
+        f"N={env.get('batch_size', '?')}{micro} prompts {round(wl['prompt_len_mean'], 1):g}"
         f"{' (p)' if wl.get('padding') else ''}/{wl['prompt_len_max']} gen {wl['gen_len']} "
         f"{env.get('dtype', '?')} {env.get('device', '?')}"
     )

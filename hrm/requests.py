@@ -1,11 +1,14 @@
 """Request files as users write them: our plain JSONL, or OpenAI's Batch API JSONL.
 
-Plain: {"prompt_token_ids": [...]} or {"prompt": "text"} per line, one --gen-len for all.
+Plain: {"prompt_token_ids": [...]} or {"prompt": "text"} per line, with max_tokens, temperature,
+top_p, seed and stop of its own if it likes (--gen-len the default and the cap), nothing else.
 OpenAI (what vLLM's run-batch also reads): {"custom_id", "method": "POST", "url", "body"} per
 line, `url` /v1/chat/completions (body `messages`, rendered with the checkpoint's chat template)
 or /v1/completions (body `prompt`, text or token ids). A file is one format or the other, told
 by each line's keys. Body fields that change the answer and are not run here are refused up
-front, naming the line and the field; `answer_line` writes OpenAI's batch output line.
+front, naming the line and the field; `answer_line` writes OpenAI's batch output line. Every
+message names a file's request by its line, 1-based as editors show it, and the Python API's by
+its list subscript (`locate`).
 """
 
 from __future__ import annotations
@@ -18,18 +21,21 @@ from pathlib import Path
 from typing import Any
 
 from hrm.errors import HrmError
+from hrm.io import read_text
 
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 API = "requests"  # where the Python API's requests come from: request n is requests[n - 1]
 FINISH_REASONS = ("stop", "length")
 _OPENAI_KEYS = {"custom_id", "method", "url", "body"}
 _PLAIN_KEYS = {"prompt_token_ids", "prompt"}
+# a request's own limits, in a plain line, a Python API request and an OpenAI body alike
+_PER_REQUEST = {"max_tokens", "temperature", "top_p", "seed", "stop"}
+ROLES = ("system", "user", "assistant", "tool", "developer")  # what chat templates render
 # body fields that change nothing here, with the values that keep it so (None: any value)
 _INERT = {"model": None, "user": None, "metadata": None, "store": None, "n": (1,),
           "stream": (False,), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
           "logprobs": (False,), "echo": (False,), "service_tier": None}  # fmt: skip
-_HONOURED = {"messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p",
-             "seed", "stop"}  # fmt: skip
+_HONOURED = {"messages", "prompt", "max_completion_tokens", "return_token_ids", *_PER_REQUEST}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,6 +53,7 @@ class Request:
     top_p: float | None = None
     seed: int | None = None
     stop: tuple[str, ...] = ()  # strings that end the answer (not returned)
+    return_token_ids: bool = False  # OpenAI: the answer's (and prompt's) token ids in it (vLLM's)
 
     @property
     def openai(self) -> bool:
@@ -56,10 +63,8 @@ class Request:
 def read_requests(path: Path) -> list[Request]:
     """Every line of a request file, checked; output line i answers input line i, so a blank
     line inside the file is refused (trailing ones end it)."""
-    if not path.is_file():
-        raise HrmError(f"{path}: no such prompts file; check the path")
-    with open(path, encoding="utf-8") as f:
-        lines = f.read().splitlines()
+    # lines as editors count them: "\n" ends one (str.splitlines would also cut at U+2028)
+    lines = [line.removesuffix("\r") for line in read_text(path, "prompts file").split("\n")]
     while lines and not lines[-1].strip():
         lines.pop()
     if not lines:
@@ -102,9 +107,17 @@ def _request(line: str, n: int, where: str) -> Request:
             f"{where}: give exactly one of 'prompt_token_ids' or 'prompt', or an OpenAI batch "
             "request (custom_id, method, url, body)"
         )
+    extra = sorted(record.keys() - _PLAIN_KEYS - _PER_REQUEST)
+    if extra:
+        raise HrmError(
+            f"{where}: {extra[0]!r} is not supported in a plain line (it takes "
+            f"{', '.join(sorted(_PLAIN_KEYS))} and {', '.join(sorted(_PER_REQUEST))}); remove it"
+        )
+    limits = _limits(record, where, at="")
     if "prompt" in record:
-        return Request(line=n, prompt=_text(record["prompt"], "'prompt'", where))
-    return Request(line=n, prompt=_ids(record["prompt_token_ids"], "'prompt_token_ids'", where))
+        return Request(line=n, prompt=_text(record["prompt"], "'prompt'", where), **limits)
+    ids = _ids(record["prompt_token_ids"], "'prompt_token_ids'", where)
+    return Request(line=n, prompt=ids, **limits)
 
 
 def _openai(record: dict, n: int, where: str) -> Request:
@@ -125,6 +138,10 @@ def _openai(record: dict, n: int, where: str) -> Request:
         raise HrmError(f"{where}: body must be a JSON object")
     _check_body(body, where)
     limits = _limits(body, where)
+    wants_ids = body.get("return_token_ids")
+    if wants_ids is not None and not isinstance(wants_ids, bool):
+        raise HrmError(f"{where}: body.return_token_ids must be true or false, got {wants_ids!r}")
+    limits["return_token_ids"] = bool(wants_ids)
     if endpoint == "chat":
         if "messages" not in body:
             raise HrmError(f"{where}: a chat completion needs body.messages")
@@ -183,6 +200,11 @@ def _messages(messages: Any, where: str, at: str = "body.") -> tuple[dict[str, A
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise HrmError(f"{where}: {at}messages[{i}] needs a role")
+        if m["role"] not in ROLES:
+            raise HrmError(
+                f"{where}: {at}messages[{i}].role {m['role']!r} is not a chat role; use one of "
+                f"{', '.join(ROLES)}"
+            )
         content = m.get("content")
         if isinstance(content, list):
             if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
@@ -225,7 +247,8 @@ def _is_number(value: Any) -> bool:
 
 
 def locate(source, line: int) -> str:
-    """Where a request is, for a message: FILE:LINE, or requests[i] for the Python API's."""
+    """Where a request is, for every message that names one: FILE:LINE (1-based, as editors
+    number lines), or requests[i] for the Python API's (the list's own subscript)."""
     return f"{API}[{line - 1}]" if str(source) == API else f"{source}:{line}"
 
 
@@ -237,7 +260,7 @@ def requests_from(items: Sequence[Any], where: str = API) -> list[Request]:
         raise HrmError(f"{where}: give a non-empty list of prompts")
     out = []
     for n, item in enumerate(items, 1):
-        at = f"{where}[{n - 1}]"
+        at = locate(where, n)
         if isinstance(item, str):
             out.append(Request(line=n, prompt=_text(item, "the prompt", at)))
         elif isinstance(item, list):
@@ -255,7 +278,7 @@ def _api_request(item: dict, n: int, at: str) -> Request:
     given = sorted(item.keys() & {"prompt", "prompt_token_ids", "messages"})
     if len(given) != 1:
         raise HrmError(f"{at}: give exactly one of prompt, prompt_token_ids or messages")
-    extra = sorted(item.keys() - {*given, "max_tokens", "temperature", "top_p", "seed", "stop"})
+    extra = sorted(item.keys() - {*given, *_PER_REQUEST})
     if extra:
         raise HrmError(f"{at}: {extra[0]} is not supported here; remove it")
     limits = _limits(item, at, at="")
@@ -291,11 +314,15 @@ def prompt_ids(request: Request, tokenizer, where, path) -> list[int]:
     """A request's prompt as token ids: given, tokenized, or its chat rendered by the
     checkpoint's chat template with the generation prompt (as transformers renders it)."""
     at = locate(path, request.line)
-    needs = "chat messages" if request.messages is not None else "a text prompt"
     if isinstance(request.prompt, list):
         ids = request.prompt
+    elif tokenizer is None and request.messages is not None:
+        raise HrmError(
+            f"{at}: chat messages, but {where} has no tokenizer to render them; send "
+            "/v1/completions requests with token ids as the prompt instead"
+        )
     elif tokenizer is None:
-        raise HrmError(f"{at}: {needs}, but {where} has no tokenizer; give token ids instead")
+        raise HrmError(f"{at}: a text prompt, but {where} has no tokenizer; give token ids instead")
     elif request.messages is None:
         ids = tokenizer(request.prompt)["input_ids"]
     elif not getattr(tokenizer, "chat_template", None):
@@ -315,21 +342,26 @@ def answer_line(
     request: Request,
     index: int,
     *,
-    text: str,
+    text: str | None,
+    token_ids: list[int],
+    prompt_token_ids: Sequence[int],
     finish_reason: str,
-    prompt_tokens: int,
-    completion_tokens: int,
     model: str,
     created: int,
 ) -> dict[str, Any]:
-    """OpenAI's batch output line for one request (what vLLM's run-batch writes)."""
+    """OpenAI's batch output line for one request (what vLLM's run-batch writes). Asked with
+    return_token_ids, or where there is no text (no tokenizer), the choice carries the answer's
+    `token_ids` as vLLM's does, so that nothing is lost; asked, the prompt's ids too."""
     if request.endpoint == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+        choice = {"index": 0, "message": {"role": "assistant", "content": text or ""},
                   "logprobs": None, "finish_reason": finish_reason}  # fmt: skip
         obj, prefix = "chat.completion", "chatcmpl"
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
         obj, prefix = "text_completion", "cmpl"
+    if request.return_token_ids or text is None:
+        choice["token_ids"] = list(token_ids)
+    prompt_tokens, completion_tokens = len(prompt_token_ids), len(token_ids)
     body = {
         "id": f"{prefix}-{index}",
         "object": obj,
@@ -342,6 +374,10 @@ def answer_line(
             "total_tokens": prompt_tokens + completion_tokens,
         },
     }
+    if request.return_token_ids:  # vLLM: a completion's in its choice, a chat's in the body
+        (choice if request.endpoint == "completion" else body)["prompt_token_ids"] = list(
+            prompt_token_ids
+        )
     return {
         "id": f"batch_req_{index}",
         "custom_id": request.custom_id,

@@ -92,5 +92,24 @@ def format_flops(value: float, digits: int | None = 4) -> str:
     return _format(value, "FLOP/s", digits)
 
 
+def format_duration(seconds: float) -> str:
+    """12 ms, 2.5 s, 45 s, 3 min 20 s, 2 h 05 min: the units a person reads at a glance."""
+    if seconds <= 0:
+        return "0 s"
+    if seconds < 0.0005:
+        return "under 1 ms"
+    if seconds < 0.9995:
+        return f"{seconds * 1e3:.0f} ms"
+    if seconds < 10:
+        return f"{seconds:.2g} s"
+    s = round(seconds)
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60:02d} s"
+    return f"{s // 3600} h {s % 3600 // 60:02d} min"
+
+
 def format_percent(fraction: float) -> str:
-    return f"{100 * fraction:.0f}%"
+    """Whole percent; a share a rounding error put below zero reads 0%, never -0%."""
+    return f"{round(100 * fraction)}%"

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from hrm.units import format_percent
+
 
 def run_record(spec, result, *, policy, schedule: str, profile=None, plan=None):
     """The RunRecord: the plan (None for a resident run), the prediction on `profile` (None: no
@@ -105,7 +107,7 @@ def format_summary(record) -> str:
     if any(f for q, f in m.busy_fraction.items() if q != "cpu"):
         lines.append(
             "busy: "
-            + ", ".join(f"{q} {f:.0%}" for q, f in m.busy_fraction.items())
+            + ", ".join(f"{q} {format_percent(f)}" for q, f in m.busy_fraction.items())
             + f"; link h2d {m.link_bytes['h2d'] / 1e6:.1f} MB, "
             f"d2h {m.link_bytes['d2h'] / 1e6:.1f} MB"
         )

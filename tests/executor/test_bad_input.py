@@ -153,7 +153,7 @@ def test_prompt_id_outside_vocabulary(run_cli, tmp_path, checkpoints):
         checkpoints["mixtral-single"],
         "--prompts",
         prompts,
-        fragments=(str(prompts), "prompt 2", "256"),
+        fragments=(f"{prompts}:2: token id 256",),
     )
 
 
