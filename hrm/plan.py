@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from hrm.errors import HrmError
+from hrm.hardware import HardwareProfile
 from hrm.io import atomic_write_json, load_json
 from hrm.policy import Policy
 from hrm.schema import check_keys, dataclass_keys, positive_int
@@ -127,6 +128,9 @@ class Plan:
     geometry: Mapping[str, Any] = field(default_factory=dict)  # ModelArch.geometry() planned for
     # GPUs the layers are sharded over (Megatron-style); a plan written before this field is 1
     tensor_parallel: int = 1
+    # The profile planned on (with --gpus, --gpu-mem, ... applied), so that a plan file needs
+    # nothing beside it wherever it is copied; None in a plan older than it (`hardware` names it)
+    machine: HardwareProfile | None = None
 
     def __post_init__(self) -> None:
         check_schedule(self.schedule)
@@ -156,6 +160,7 @@ class Plan:
             "binding_memory": self.binding_memory,
             "geometry": dict(self.geometry),
             "tensor_parallel": self.tensor_parallel,
+            **({"machine": self.machine.to_dict()} if self.machine is not None else {}),
         }
 
     @classmethod
@@ -175,6 +180,9 @@ class Plan:
             binding_memory=str(data["binding_memory"]),
             geometry=dict(data.get("geometry") or {}),
             tensor_parallel=data.get("tensor_parallel", 1),
+            machine=HardwareProfile.from_dict(data["machine"], f"{where}: machine")
+            if data.get("machine") is not None
+            else None,
         )
 
     def save(self, path: str | os.PathLike) -> Path:

@@ -34,7 +34,7 @@ class Option:
     machine: str
     gpus: int  # 0 on a CPU-only machine
     plan: Plan | None
-    why_not: str | None = None
+    why_not: str | None = None  # a sentence: "does not fit: ..." or "cannot plan: ..."
     price_per_hour: float | None = None
     all_reduce_share: float = 0.0  # of the GPU queue's busy time
     what_if: bool = False  # more GPUs than the profile has
@@ -161,12 +161,16 @@ def plan_options(
         if what_if and price is not None:
             price *= count / own.gpu_count
         base = {"machine": key, "gpus": count, "price_per_hour": price, "what_if": what_if}
+        unrated = sized.unrated(weights)
+        if unrated:
+            out.append(Option(**base, plan=None, why_not=f"cannot plan: {unrated}"))
+            continue
         try:
             plan = search(
                 arch, sized, workload, top_k=1, max_batch_size=max_batch_size, **options
             ).best
         except NoPolicyFits as exc:
-            out.append(Option(**base, plan=None, why_not=str(exc)))
+            out.append(Option(**base, plan=None, why_not=f"does not fit: {exc}"))
             continue
         share = _all_reduce_share(arch, sized, workload, plan, options)
         out.append(Option(**base, plan=plan, all_reduce_share=share))

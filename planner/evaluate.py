@@ -154,6 +154,7 @@ def build_plan(model: BatchModel, policy: Policy, *, whole_tensors: bool = True)
         binding_memory=binding_memory(memory),
         geometry=setting.arch.geometry(),
         tensor_parallel=setting.hardware.gpu_count if setting.hardware.has_gpu else 1,
+        machine=setting.hardware,
     )
 
 

@@ -193,6 +193,28 @@ def test_launch_overhead_is_measured_per_dtype_on_either_device_and_round_trips(
     assert on_both.gpu.launch_overhead == on_both.cpu.launch_overhead
 
 
+def test_launch_overhead_keeps_the_spread_of_each_figure_over_its_rounds(tmp_path):
+    """How sure each fixed cost is, in the profile beside it; a profile without it still loads."""
+    data = resolve_hardware("l4").to_dict()
+    spread = {"per_layer_s": 2e-5, "per_expert_s": 4e-6, "per_step_s": 1e-5}
+    data["cpu"]["launch_overhead"] = {
+        "bfloat16": {
+            "per_layer_s": 6e-4,
+            "per_expert_s": 1e-4,
+            "per_step_s": 7e-4,
+            "spread": spread,
+        }
+    }
+    profile = HardwareProfile.from_dict(copy.deepcopy(data))
+    assert profile.cpu.launch_overhead["bfloat16"].spread == spread
+    again = HardwareProfile.load(profile.save(tmp_path / "p.yaml"))
+    assert again == profile
+    assert "spread" not in again.to_dict()["gpu"].get("launch_overhead", {})
+    data["cpu"]["launch_overhead"]["bfloat16"]["spread"] = {"per_token_s": 1e-6}
+    with pytest.raises(HrmError, match="bfloat16: spread: unknown key 'per_token_s'"):
+        HardwareProfile.from_dict(data)
+
+
 def test_a_launch_overhead_from_before_dtypes_reads_as_float32s():
     """Profiles written before 2026-12-04 hold one entry, measured in float32."""
     data = resolve_hardware("l4").to_dict()

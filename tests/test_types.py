@@ -85,6 +85,23 @@ def test_plan_files_are_strict(tmp_path):
         Plan.from_dict(data)
 
 
+def test_a_plan_carries_its_machine_and_an_older_one_loads_without(tmp_path):
+    """A plan stores the profile it was made on (a plan made with --hardware me.yaml named only
+    "me", which `hrm run --plan` could not find); a plan from before that loads with none."""
+    from hrm.hardware import resolve_hardware
+
+    machine = dataclasses.replace(resolve_hardware("ci-cpu"), name="me")
+    plan = dataclasses.replace(_plan(), hardware="me", machine=machine)
+    assert Plan.load(plan.save(tmp_path / "plan.json")).machine == machine
+    older = plan.to_dict()
+    del older["machine"]
+    assert Plan.from_dict(older).machine is None
+    data = plan.to_dict()
+    data["machine"]["cpu"]["speed"] = 1
+    with pytest.raises(HrmError, match="plan: machine: cpu: unknown key 'speed'"):
+        Plan.from_dict(data)
+
+
 def test_run_record_round_trips_and_reports_error(tmp_path):
     record = RunRecord(
         model="tiny",

@@ -45,6 +45,7 @@ def add_parser(subparsers) -> None:
         help="JSONL prompts file: plan for its prompts' lengths, at most as many as it has, and "
         "report the job's hours",
     )
+    p.add_argument("--tokenizer", help="tokenizer (a checkpoint folder) for --prompts' text")
     p.add_argument(
         "--prompt-len", type=float, help="mean prompt length (tokens; --prompts counts them)"
     )
@@ -95,7 +96,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hrm.cli.plan_job import hardware_of, max_batch, model, workload_and_job
+    from hrm.cli.plan_job import hardware_of, max_batch, model, what_if, workload_and_job
 
     names = _check_flags(args)
     from hrm.cli.plan_compare import gpu_counts
@@ -123,6 +124,12 @@ def run(args: argparse.Namespace) -> int:
     # a compact weight format keeps the KV cache in the dtype the layers compute in
     kv = args.kv_dtype or hardware.compute_dtype(dtype)
     options = {"schedule": args.schedule, "weight_dtype": dtype, "kv_dtype": kv}
+    unrunnable = what_if(arch, hardware, dtype, kv)
+    if unrunnable and args.output:
+        raise HrmError(
+            f"-o: {unrunnable}, so this plan is a what-if that hrm run cannot run; leave out -o "
+            "to see it, or plan in a dtype the executor runs"
+        )
     if args.sweep:
         return _run_sweep(args, arch, hardware, workload, options)
     from planner.baselines import baselines
@@ -145,9 +152,12 @@ def run(args: argparse.Namespace) -> int:
                 "requested_weights_gpu_fraction": requested_weights,
             }
         data["job"] = job.to_dict(rate, price) if job is not None else None
+        data["what_if"] = unrunnable
         print(json.dumps(data, indent=2))
         return 0
     print(format_plan(result, base))
+    if unrunnable:
+        print(f"what-if: {unrunnable}; hrm run cannot run this plan")
     if named is not None:
         print(format_named(named, result.best, requested_weights))
     if job is not None:
@@ -249,7 +259,8 @@ def plan_json(result, base, output: str | None) -> dict:
     return {
         **best.to_dict(),
         "busy_fraction": best.busy_fraction,
-        "top": [p.to_dict() for p in result.top],
+        # the machine once, at the top level: every plan in the list was made on it
+        "top": [{k: v for k, v in p.to_dict().items() if k != "machine"} for p in result.top],
         "baselines": [b.to_dict() for b in base],
         "search": {"status": result.status, **vars(result.stats)},
         "output": output,
@@ -267,8 +278,10 @@ def _placement(policy) -> str:
 
 
 def _buffers(parts: dict[str, float]) -> str:
-    shown = [f"{name} {format_bytes(b, 3)}" for name, b in parts.items() if b >= 1e6]
-    return ", ".join(shown) or "nothing"
+    """The parts of 1 MB or more; where none is (a tiny model), every part that holds bytes."""
+    big = [(name, b) for name, b in parts.items() if b >= 1e6]
+    shown = big or [(name, b) for name, b in parts.items() if b > 0]
+    return ", ".join(f"{name} {format_bytes(b, 3)}" for name, b in shown) or "nothing"
 
 
 def _memory_line(device: str, used: float, usable: float, parts: dict[str, float]) -> str:
@@ -283,9 +296,9 @@ def format_plan(result, base) -> str:
     wl, pol, pred = best.workload, best.policy, best.predicted
     padded = ", padded" if wl.padding else ""
     lines = [
-        f"{best.model} on {best.hardware}: prompts {wl.prompt_len_mean:g} (max {wl.prompt_len_max}"
-        f"{padded}), {wl.gen_len} new tokens, {best.schedule}, {pol.weight_dtype} weights, "
-        f"{pol.kv_dtype} KV",
+        f"{best.model} on {best.hardware}: prompts {round(wl.prompt_len_mean, 1):g} "
+        f"(max {wl.prompt_len_max}{padded}), {wl.gen_len} new tokens, {best.schedule}, "
+        f"{pol.weight_dtype} weights, {pol.kv_dtype} KV",
         *_breakdown(best),
         "",
     ]
@@ -330,7 +343,7 @@ def _run_sweep(args, arch, hardware, workload, options) -> int:
             f"--sweep {args.sweep}: no value fits; at the largest, {result.points[-1].reason}"
         )
     title = (
-        f"{arch.name} on {hardware.name}: prompts {workload.prompt_len_mean:g}, "
+        f"{arch.name} on {hardware.name}: prompts {round(workload.prompt_len_mean, 1):g}, "
         f"gen {workload.gen_len}"
     )
     plot_sweep(result, plot_path, title)

@@ -96,7 +96,7 @@ def format_comparison(options, title: str, job, *, fastest, cheapest) -> str:
     lines = [title, header]
     for o in options:
         if o.plan is None:
-            lines.append(f"  {o.label:<{width}}does not fit: {o.why_not}")
+            lines.append(f"  {o.label:<{width}}{o.why_not}")
             continue
         q = o.plan.policy
         base = one_gpu.get(o.machine)

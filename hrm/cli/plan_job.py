@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hrm.errors import HrmError
-from hrm.units import parse_bandwidth, parse_bytes
+from hrm.units import format_duration, parse_bandwidth, parse_bytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,7 +32,7 @@ class Job:
         cost = (
             f", {price_per_hour * hours:.2f} USD at {price_per_hour:g}/h" if price_per_hour else ""
         )
-        return f"job: {what} in {hours:.3g} h at the plan's throughput{cost}"
+        return f"job: {what} in {format_duration(hours * 3600)} at the plan's throughput{cost}"
 
     def to_dict(self, throughput_tok_s: float, price_per_hour: float | None) -> dict:
         hours = self.hours(throughput_tok_s)
@@ -63,10 +63,14 @@ def workload_and_job(args, arch):
             raise HrmError(
                 "--prompts gives the prompt lengths; leave out --prompt-len and --max-prompt-len"
             )
-        lens, answers = prompt_lengths(Path(args.prompts), args.model, args.gen_len)
+        lens, answers = prompt_lengths(Path(args.prompts), args.model, args.gen_len, args.tokenizer)
         workload = Workload.from_prompt_lens(lens, max(answers), args.padding, answers)
         job = Job(prompts=len(lens), tokens=float(sum(answers)))
     else:
+        if args.tokenizer is not None:
+            raise HrmError(
+                "--tokenizer counts the text of --prompts; give --prompts or leave it out"
+            )
         if args.gen_len is None:
             raise HrmError("--gen-len: give the tokens each sequence generates")
         workload = _given_workload(args)
@@ -97,24 +101,45 @@ def _given_workload(args):
     )
 
 
-def prompt_lengths(path: Path, model: str, gen_len: int | None) -> tuple[list[int], list[int]]:
+def prompt_lengths(
+    path: Path, model: str, gen_len: int | None, tokenizer_dir: str | None = None
+) -> tuple[list[int], list[int]]:
     """Every prompt's length in tokens, and its most new tokens (its max_tokens capped at
-    --gen-len, else --gen-len): token ids counted, text tokenized (and chat messages rendered)
-    with the tokenizer of the --model checkpoint directory (a bundled config has none)."""
+    --gen-len, else --gen-len): token ids counted as they are, text tokenized (and chat messages
+    rendered) with the tokenizer of --tokenizer, else of the --model checkpoint directory; a
+    bundled config has none, so text without --tokenizer is refused before any line is read."""
     from hrm.requests import answer_lengths, prompt_ids, read_requests
 
     requests = read_requests(path)
     tokenizer = None
-    if any(not isinstance(r.prompt, list) for r in requests):
-        directory = Path(model)
-        directory = directory.parent if directory.name == "config.json" else directory
-        if directory.is_dir():
-            from executor.checkpoint import load_tokenizer
-
-            tokenizer = load_tokenizer(directory)
     where = f"--model {model}"
+    texts = sum(not isinstance(r.prompt, list) for r in requests)
+    if texts:
+        from executor.checkpoint import load_tokenizer
+
+        if tokenizer_dir is not None:
+            where = f"--tokenizer {tokenizer_dir}"
+            if not Path(tokenizer_dir).is_dir():
+                raise HrmError(f"{where}: no such folder; give the checkpoint you will run")
+        directory = _tokenizer_dir(model, tokenizer_dir)
+        tokenizer = load_tokenizer(directory) if directory is not None else None
+        if tokenizer is None:
+            raise HrmError(
+                f"{path}: {texts} of its {len(requests)} prompts are text, and {where} has no "
+                "tokenizer to count them; give --tokenizer DIR (the checkpoint you will run, or "
+                "its tokenizer's folder)"
+            )
     lens = [len(prompt_ids(r, tokenizer, where, path)) for r in requests]
     return lens, answer_lengths(requests, gen_len, path)
+
+
+def _tokenizer_dir(model: str, tokenizer_dir: str | None) -> Path | None:
+    """The folder to read a tokenizer from: --tokenizer, else the --model checkpoint's."""
+    if tokenizer_dir is not None:
+        return Path(tokenizer_dir)
+    directory = Path(model)
+    directory = directory.parent if directory.name == "config.json" else directory
+    return directory if directory.is_dir() else None
 
 
 def max_batch(args, job: Job | None) -> int | None:
@@ -143,3 +168,20 @@ def hardware_of(args, name: str | None = None):
         gpu_memory_bytes=parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None,
         link_bytes_per_s=parse_bandwidth(args.pcie, "--pcie") if args.pcie else None,
     )
+
+
+def what_if(arch, hardware, weights: str, kv: str) -> str | None:
+    """Why the executor could not run a plan in these dtypes (None: it could), so that such a
+    plan is shown as a what-if and never written for `hrm run`; refused outright where the
+    machine has no rate for the weights' dtype either (HardwareProfile.unrated)."""
+    from hrm.formats import is_compact, kv_dtype_problem
+    from hrm.policy import RUN_DTYPES
+
+    problem = hardware.unrated(weights)
+    if problem:
+        raise HrmError(f"--dtype {weights}: {problem}")
+    if weights not in RUN_DTYPES:
+        return f"the executor runs no {weights} weights (it runs {', '.join(RUN_DTYPES)})"
+    if is_compact(kv):
+        return None  # its format is checked by the planner (planner.setting)
+    return kv_dtype_problem(kv, hardware.compute_dtype(weights), arch.head_dim)

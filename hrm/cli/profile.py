@@ -188,10 +188,15 @@ def format_summary(profile: HardwareProfile, path: Path) -> str:
             f"{units.format_bandwidth(device.memory_bandwidth_bytes_per_s)}; peak {flops}"
         )
         for dtype, o in device.launch_overhead.items():
+            figure = {  # with the range of its fits over the rounds where there were several
+                k: f"{1e6 * getattr(o, k):.0f}"
+                + (f" (rounds span {1e6 * o.spread[k]:.0f})" if k in o.spread else "")
+                for k in ("per_layer_s", "per_expert_s", "per_step_s")
+            }
             lines.append(
-                f"  {label}: executor overhead ({dtype}) {1e6 * o.per_layer_s:.0f} us per layer "
-                f"+ {1e6 * o.per_expert_s:.0f} us per expert touched, "
-                f"{1e6 * o.per_step_s:.0f} us per step"
+                f"  {label}: executor overhead ({dtype}) {figure['per_layer_s']} us per layer "
+                f"+ {figure['per_expert_s']} us per expert touched, "
+                f"{figure['per_step_s']} us per step"
             )
         if device.elementwise_rate:
             rates = ", ".join(f"{d} {r / 1e9:.2f}" for d, r in device.elementwise_rate.items())

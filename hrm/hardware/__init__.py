@@ -26,8 +26,9 @@ from hrm.hardware.files import (
     _link_from_dict,
     _link_to_dict,
 )
-from hrm.hardware.parts import DeviceSpec, Interconnect, LinkSpec
+from hrm.hardware.parts import RATE_DTYPES, DeviceSpec, Interconnect, LinkSpec
 from hrm.io import atomic_write_yaml, load_yaml
+from hrm.policy import RUN_DTYPES
 from hrm.schema import check_keys
 
 BUNDLED_DIR = Path(__file__).resolve().parents[2] / "hardware_profiles"
@@ -75,6 +76,20 @@ class HardwareProfile:
         if not is_compact(weight_dtype):
             return weight_dtype
         return self.half_dtype if self.gpu is not None and not self.stand_in else "bfloat16"
+
+    def unrated(self, weight_dtype: str) -> str | None:
+        """Why `weight_dtype` weights cannot be planned here (None: they can): the executor runs
+        no such dtype (float8) and the profile rates none, so every time would be another
+        dtype's. A dtype the executor runs falls back to the float32 rate (flops_per_s)."""
+        device = self.gpu or self.cpu
+        if weight_dtype in RUN_DTYPES or weight_dtype in device.peak_flops_per_s:
+            return None
+        return (
+            f"{self.name}'s {device.name} has no {weight_dtype} rate in its profile (it rates "
+            f"{', '.join(d for d in device.peak_flops_per_s if d in RATE_DTYPES)}) and the "
+            f"executor runs no {weight_dtype} "
+            f"weights; plan with --dtype {', '.join(RUN_DTYPES)}"
+        )
 
     @property
     def has_gpu(self) -> bool:
@@ -181,8 +196,11 @@ class HardwareProfile:
         provenance = data.get("provenance") or {}
         if not isinstance(provenance, Mapping):
             raise HrmError(f"{where}: provenance must be a mapping")
+        stand_in = data.get("stand_in") is True
         gpu = (
-            _device_from_dict(data["gpu"], f"{where}: gpu") if data.get("gpu") is not None else None
+            _device_from_dict(data["gpu"], f"{where}: gpu", stand_in=stand_in)
+            if data.get("gpu") is not None
+            else None
         )
         link = (
             _link_from_dict(data["link"], f"{where}: link")
@@ -220,7 +238,7 @@ class HardwareProfile:
             link=link,
             interconnect=interconnect,
             price_per_hour=float(price) if price is not None else None,
-            stand_in=data.get("stand_in") is True,
+            stand_in=stand_in,
         )
 
     def to_dict(self) -> dict[str, Any]:

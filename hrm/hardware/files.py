@@ -71,11 +71,16 @@ def upgrade(data: Any, where: str) -> Any:
     return data
 
 
-def _device_from_dict(data: Any, where: str, is_cpu: bool = False) -> DeviceSpec:
+def _device_from_dict(
+    data: Any, where: str, is_cpu: bool = False, stand_in: bool = False
+) -> DeviceSpec:
+    """A device section; `stand_in`: the GPU of a stand-in profile (a plan stores one), which is
+    the CPU with a CPU's measurements, one per tensor-parallel rank."""
     data = upgrade(data, where)
     data = check_keys(data, where=where, required=_DEVICE_KEYS, optional=_DEVICE_OPTIONAL)
+    measured_as_cpu = is_cpu or stand_in
     # only a CPU widens 16-bit weights (the executor's CPU path), so only a CPU has those rates
-    rate_keys = set(RATE_DTYPES) | (set(WIDENED_KEYS.values()) if is_cpu else set())
+    rate_keys = set(RATE_DTYPES) | (set(WIDENED_KEYS.values()) if measured_as_cpu else set())
     flops = check_keys(data["flops"], where=f"{where}: flops", required=set(), optional=rate_keys)
     if not flops:
         raise HrmError(f"{where}: flops must name at least one dtype ({', '.join(RATE_DTYPES)})")
@@ -87,7 +92,7 @@ def _device_from_dict(data: Any, where: str, is_cpu: bool = False) -> DeviceSpec
     available = data.get("available_memory")
     for keys, only_for in ((_CPU_ONLY, "cpu"), (_GPU_ONLY, "gpu")):
         for key in keys:
-            if data.get(key) is not None and is_cpu != (only_for == "cpu"):
+            if data.get(key) is not None and measured_as_cpu != (only_for == "cpu"):
                 raise HrmError(f"{where}: {key} is measured for the {only_for} only")
     overhead = _overheads_from_dict(data.get("launch_overhead"), f"{where}: launch_overhead")
     attention = data.get("attention_curves") or {}
@@ -198,7 +203,7 @@ def _device_to_dict(device: DeviceSpec) -> dict[str, Any]:
         }
     if device.launch_overhead:
         out["launch_overhead"] = {
-            d: dataclasses.asdict(o) for d, o in device.launch_overhead.items()
+            d: _overhead_to_dict(o) for d, o in device.launch_overhead.items()
         }
     if device.attention_curves:
         out["attention_curves"] = {d: _curve_to_list(c) for d, c in device.attention_curves.items()}
@@ -226,13 +231,25 @@ def _overheads_from_dict(data: Any, where: str) -> dict[str, LaunchOverhead]:
 
 
 def _overhead_from_dict(data: Any, where: str) -> LaunchOverhead:
-    fields = {f.name for f in dataclasses.fields(LaunchOverhead)}
-    data = check_keys(data, where=where, required=fields)
-    for name in fields:
-        value = data[name]
+    fields = {f.name for f in dataclasses.fields(LaunchOverhead)} - {"spread"}
+    data = check_keys(data, where=where, required=fields, optional={"spread"})
+    spread = check_keys(
+        data.get("spread") or {}, where=f"{where}: spread", required=set(), optional=fields
+    )
+    for name, value in [*((n, data[n]) for n in fields), *spread.items()]:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
             raise HrmError(f"{where}: {name} must be a non-negative number of seconds")
-    return LaunchOverhead(**{name: float(data[name]) for name in fields})
+    return LaunchOverhead(
+        **{name: float(data[name]) for name in fields},
+        spread={name: float(v) for name, v in spread.items()},
+    )
+
+
+def _overhead_to_dict(overhead: LaunchOverhead) -> dict[str, Any]:
+    out = {k: v for k, v in dataclasses.asdict(overhead).items() if k != "spread"}
+    if overhead.spread:
+        out["spread"] = dict(overhead.spread)
+    return out
 
 
 def _link_from_dict(data: Any, where: str) -> LinkSpec:

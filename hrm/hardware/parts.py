@@ -79,6 +79,9 @@ class LaunchOverhead:
     per_layer_s: float
     per_expert_s: float
     per_step_s: float
+    # how sure each figure is: the range of its fits over the profile's rounds, keyed by the
+    # figure's name (seconds); empty where one round or none was fitted (a miniature, old files)
+    spread: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -4,6 +4,7 @@ against measured" for an L4 plan run here)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -15,7 +16,7 @@ from hrm.policy import Policy
 from hrm.profiling import host_gemm
 from hrm.workload import Workload
 from planner import predict
-from tests.conftest import assert_one_line_error
+from tests.conftest import assert_one_line_error, record_flags
 
 OWN = "ci-cpu-avx512"  # any measured CPU-only profile stands for "this host" here
 
@@ -31,7 +32,8 @@ def _plan(checkpoint, tmp_path, machine: str):
 
 def _run(run_cli, checkpoint, plan, *extra):
     return run_cli("run", "--checkpoint", checkpoint, "--plan", plan, "--prompt-len", "6",
-                   "--batch", "2", "--gen-len", "2", "--quiet", "--json", *extra)  # fmt: skip
+                   "--batch", "2", "--gen-len", "2", "--quiet", *record_flags(),
+                   *extra)  # fmt: skip
 
 
 @pytest.mark.parametrize("own", [None, OWN])
@@ -86,13 +88,17 @@ def test_a_plan_for_several_gpus_without_its_tensor_parallel_is_refused(
     path = _plan(checkpoint, tmp_path, "2xt4")
     data = json.loads(path.read_text())
     assert data.pop("tensor_parallel") == 2
+    del data["machine"]  # nor the machine, which came later
     path.write_text(json.dumps(data))
     status, _, err = _run(run_cli, checkpoint, path)
     assert_one_line_error(
         status, err, "the plan is for 2 GPUs in tensor parallel (2xt4)", "--gpus N -o plan.json"
     )
     one = resolve_hardware("2xt4").with_gpu_count(1)
-    assert run_plan.plan_machine(type("P", (), {"hardware": one.name})()).gpu_count == 1
+    assert (
+        run_plan.plan_machine(type("P", (), {"hardware": one.name, "machine": None})()).gpu_count
+        == 1
+    )
 
 
 def test_plan_with_one_gpu_count_writes_a_plan_for_that_many(run_cli, tmp_path):
@@ -120,3 +126,22 @@ def test_a_tensor_parallel_plan_that_does_not_divide_the_model_is_refused(
     path.write_text(json.dumps(data))
     status, _, err = _run(run_cli, checkpoint, path)
     assert_one_line_error(status, err, "num_key_value_heads = 2 does not divide by 4 GPUs")
+
+
+def test_a_plan_made_on_a_profile_file_runs_without_that_file(checkpoints, tmp_path, run_cli):
+    """The plan stores its profile: made with --hardware me.yaml, it stored only "me", and
+    `hrm run --plan` could not open the machine once the file was elsewhere (no prediction)."""
+    checkpoint = checkpoints["mixtral-single"]
+    mine = tmp_path / "me.yaml"
+    dataclasses.replace(resolve_hardware(OWN), name="me").save(mine)
+    plan = tmp_path / "plan.json"
+    status, _, err = run_cli("plan", "--model", checkpoint, "--hardware", mine, "--gpu-mem",
+                             "1MB", "--prompt-len", "6", "--gen-len", "2", "--policy",
+                             "N=2,mu=1,attn=cpu,ffn=gpu,w=0,kv=0", "-o", plan)  # fmt: skip
+    assert status == 0, err
+    assert json.loads(plan.read_text())["machine"]["name"] == "me-stand-in"
+    mine.unlink()
+    status, out, err = _run(run_cli, checkpoint, plan, "--output", tmp_path / "answers.jsonl")
+    assert status == 0, err
+    record = json.loads(out)
+    assert record["hardware"] == "me-stand-in" and record["predicted"]["decode_s"] > 0

@@ -61,7 +61,7 @@ def test_a_text_prompt_is_counted_with_the_checkpoints_tokenizer(run_cli, tmp_pa
     path = tmp_path / "p.jsonl"
     path.write_text('{"prompt": "w5 w6 w7"}\n{"prompt_token_ids": [1, 2, 3, 4, 5, 6, 7]}\n')
     status, _, err = run_cli("plan", *L4, "--prompts", path, "--gen-len", "8")
-    assert_one_line_error(status, err, "p.jsonl:1: a text prompt", "no tokenizer")
+    assert_one_line_error(status, err, "p.jsonl: 1 of its 2 prompts are text", "--tokenizer DIR")
     checkpoint = tmp_path / "ckpt"
     checkpoint.mkdir()
     save_tokenizer(checkpoint)
