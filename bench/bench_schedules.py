@@ -248,7 +248,8 @@ def measure_tensor_parallel(args, row, plan, prompts, hardware) -> str:
                                         for p in prompts))  # fmt: skip
         cmd = [sys.executable, "-m", "hrm", "run", "--model", "mixtral-8x7b", "--random-weights",
                "--layers", str(args.layers), "--plan", str(plan_path), "--prompts",
-               str(prompts_path), "--gen-len", str(args.gen_len), "--quiet", "--json"]  # fmt: skip
+               str(prompts_path), "--gen-len", str(args.gen_len), "--quiet", "--json",
+               "--output", str(Path(tmp) / "answers.jsonl")]  # fmt: skip
         done = subprocess.run(cmd, capture_output=True, text=True, check=True)
     record = json.loads(done.stdout)
     ranks = record["environment"]["ranks"]

@@ -35,7 +35,6 @@ def check_not_an_input(output: Path, inputs: dict[str, str | None]) -> None:
     """Refuse an OUT (or its partial or lock file) that is one of `inputs` ({flag: path}): the
     run would write over what it reads."""
     ours = [output, output.with_name(output.name + ".lock"), *partial_files(output)]
-    ours.append(output.with_name(output.name + ".partial"))
     for flag, given in inputs.items():
         if not given or not Path(given).is_file():
             continue

@@ -326,7 +326,9 @@ def _settings(args, job) -> dict:
         "dtype": job.spec.dtype,
         "sampling": [args.temperature, args.top_p, args.seed],
         "requests": [
+            # return_token_ids only where asked: partial files of earlier versions still resume
             [r.max_tokens, r.temperature, r.top_p, r.seed, list(r.stop), r.custom_id]
+            + ([True] if r.return_token_ids else [])
             for r in job.spec.requests
         ],
         "ignore_eos": args.ignore_eos,

@@ -65,9 +65,15 @@ def _planned_job(args, hardware, random_arch, warn) -> Job:
     from hrm.errors import HrmError
     from hrm.formats import WEIGHT_FORMATS
     from hrm.plan import Plan
+    from hrm.policy import RUN_DTYPES
     from hrm.units import parse_bytes
 
     plan = Plan.load(args.plan) if args.plan else None
+    if plan is not None and plan.policy.weight_dtype not in RUN_DTYPES:
+        raise HrmError(
+            f"{args.plan}: a what-if plan: the executor runs no {plan.policy.weight_dtype} "
+            f"weights (it runs {', '.join(RUN_DTYPES)}); plan again with one of those"
+        )
     dtype = args.dtype or (plan.policy.weight_dtype if plan is not None else None)
     if plan is not None and args.dtype and args.dtype != plan.policy.weight_dtype:
         raise HrmError(
@@ -130,12 +136,15 @@ def run_spec(args, random_arch, dtype, kv_dtype=None):
 
 
 def plan_machine(plan):
-    """The machine a plan was made for, from its name (a bundled profile, NAME@Ngpu for N of
-    its GPUs, NAME-stand-in for its CPU standing in for a GPU); None when it cannot be found."""
+    """The machine a plan was made for: the profile it stores, else (a plan older than that)
+    from its name (a bundled profile, NAME@Ngpu for N of its GPUs, NAME-stand-in for its CPU
+    standing in for a GPU); None when it cannot be found."""
     from hrm.errors import HrmError
     from hrm.hardware import resolve_hardware
     from hrm.hardware.stand_in import STAND_IN_SUFFIX
 
+    if plan.machine is not None:
+        return plan.machine
     name, _, count = plan.hardware.partition("@")
     name = name.removesuffix(STAND_IN_SUFFIX)
     try:
@@ -169,12 +178,15 @@ def _check_tensor_parallel(plan, arch, where: str) -> None:
 
 def _plan_for(args, spec, hardware):
     """The best plan for these prompts on `hardware` (with --gpu-mem), N at most the number of
-    prompts, in the host memory there is (--cpu-mem, never more than is available); where the
-    CPU stands in for the GPU, the host holds both, so the GPU's memory comes out of it."""
+    prompts, in the host memory there is (--cpu-mem, never more than is available). Where the
+    CPU stands in for the GPU the host holds both sides, so what the plan places on the stand-in
+    GPU comes out of the host's memory: planned with all of it first, then, where both sides do
+    not fit, with what that plan left the host; else refused saying what the run needs and what
+    is available. (Taking the whole stand-in GPU out first made a run fail or pass with the
+    moment's free memory.)"""
     from hrm.cli.memory_check import host_budget
     from hrm.errors import HrmError
     from hrm.units import format_bytes, parse_bytes
-    from planner.search import search
 
     if not hardware.has_gpu and not args.gpu_mem:
         raise HrmError(
@@ -183,23 +195,38 @@ def _plan_for(args, spec, hardware):
         )
     gpu = parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else hardware.gpu.memory_bytes
     host, named = host_budget(parse_bytes(args.cpu_mem, "--cpu-mem") if args.cpu_mem else None)
-    cpu = host - gpu if spec.device == "cpu" else host
-    if cpu <= 0:
+    plan = _best_plan(args, spec, hardware, gpu, host)
+    if spec.device != "cpu":
+        return plan
+    need = plan.memory.gpu_bytes + plan.memory.cpu_bytes
+    if need > host and host > plan.memory.gpu_bytes:
+        plan = _best_plan(args, spec, hardware, gpu, host - plan.memory.gpu_bytes)
+        need = plan.memory.gpu_bytes + plan.memory.cpu_bytes
+    if need > host:
         raise HrmError(
-            f"the CPU stands in for a GPU of {format_bytes(gpu, 3)} and {named}, which leaves "
-            "nothing for the host's side; give a smaller --gpu-mem"
+            f"the best plan on {hardware.name} with the CPU standing in for its GPU needs "
+            f"{format_bytes(need, 3)} of host memory ({format_bytes(plan.memory.gpu_bytes, 3)} "
+            f"on the stand-in GPU, {format_bytes(plan.memory.cpu_bytes, 3)} on the host side) "
+            f"and {named}; free memory, or give a smaller --gpu-mem"
         )
+    return plan
+
+
+def _best_plan(args, spec, hardware, gpu: float, cpu: float):
+    """The search's best plan for the run's prompts with `gpu` and `cpu` bytes (the CPU standing
+    in for a GPU where `hardware` has none)."""
+    from planner.search import search
+
     if hardware.has_gpu:
         hardware = hardware.with_resources(cpu_memory_bytes=cpu, gpu_memory_bytes=gpu)
     else:
         from hrm.hardware.stand_in import stand_in_profile
 
         hardware = stand_in_profile(hardware.with_resources(cpu_memory_bytes=cpu), gpu)
-    workload = spec.workload()
     result = search(
         spec.arch,
         hardware,
-        workload,
+        spec.workload(),
         schedule=args.schedule or "cgopipe",
         weight_dtype=spec.dtype,
         kv_dtype=spec.kv_dtype,

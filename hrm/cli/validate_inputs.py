@@ -52,7 +52,7 @@ def save_random_checkpoint(args, tmp: Path) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from hrm.arch import resolve_model
+    from hrm.arch import BUNDLED_DIR, resolve_model
     from hrm.errors import HrmError
     from hrm.io import load_json
     from hrm.units import format_bytes
@@ -60,7 +60,7 @@ def save_random_checkpoint(args, tmp: Path) -> Path:
     arch = resolve_model(args.model)  # the one place that checks the name
     path = Path(args.model)
     if not path.exists():
-        path = Path(__file__).resolve().parent.parent / "model_configs" / f"{args.model}.json"
+        path = BUNDLED_DIR / f"{args.model}.json"
     elif path.is_dir():
         path = path / "config.json"
     config = dict(load_json(path))

@@ -19,7 +19,14 @@ from tests.executor.conftest import ragged_prompts
 from tests.executor.test_run_plan import run_args
 
 ROOT = Path(__file__).resolve().parents[2]
-ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+def env() -> dict[str, str]:
+    """The subprocesses' environment, read when they start (a mutation test sets its mutant in
+    it after this module is imported)."""
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
 # a run that holds its output for a few seconds: generation slowed by a sleep per batch
 SLOW_RUN = """
 import sys, time
@@ -42,12 +49,12 @@ def write_prompts(path: Path, lengths, seed: int = 3) -> Path:
 
 def slow_run(sleep: float, *args) -> subprocess.Popen:
     cmd = [sys.executable, "-c", SLOW_RUN, str(sleep), *map(str, args)]
-    return subprocess.Popen(cmd, env=ENV, cwd=ROOT, text=True, stderr=subprocess.PIPE)
+    return subprocess.Popen(cmd, env=env(), cwd=ROOT, text=True, stderr=subprocess.PIPE)
 
 
 def hrm(*args) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "hrm", *map(str, args)]
-    return subprocess.run(cmd, env=ENV, cwd=ROOT, text=True, capture_output=True, timeout=300)
+    return subprocess.run(cmd, env=env(), cwd=ROOT, text=True, capture_output=True, timeout=300)
 
 
 @pytest.mark.parametrize("extra", [(), ("--overwrite",)])
@@ -64,8 +71,9 @@ def test_a_second_run_into_a_live_output_is_refused_naming_the_first(checkpoints
     while not (lock.exists() and lock.read_text()) and time.monotonic() < deadline:
         time.sleep(0.02)
     second = hrm(*args, *extra)
-    assert_one_line_error(second.returncode, second.stderr, "being written by another hrm run",
-                          f"process {first.pid}")  # fmt: skip
+    assert_one_line_error(second.returncode, second.stderr, "being written by another hrm run "
+                          f"(process {first.pid} on {os.uname().nodename}); wait for it to "
+                          "finish, or choose another --output")  # fmt: skip
     _, err = first.communicate(timeout=120)
     assert first.returncode == 0, err
     assert len(out.read_text().splitlines()) == 3
@@ -79,17 +87,48 @@ def test_a_killed_holder_leaves_no_lock_behind(tmp_path):
         [sys.executable, "-c", "import sys, time; from pathlib import Path; "
          "from executor.output_files import OutputLock; OutputLock(Path(sys.argv[1])); "
          "print('held', flush=True); time.sleep(60)", str(out)],
-        env=ENV, cwd=ROOT, text=True, stdout=subprocess.PIPE,
+        env=env(), cwd=ROOT, text=True, stdout=subprocess.PIPE,
     )  # fmt: skip
     assert holder.stdout.readline().strip() == "held"
     with pytest.raises(HrmError, match=f"process {holder.pid}"):
         OutputLock(out)
     holder.kill()
     holder.wait()
-    assert (tmp_path / "out.jsonl.lock").exists()
+    left = tmp_path / "out.jsonl.lock"
+    assert left.exists() and not left.stat().st_mode & 0o111  # a data file, not a program
     lock = OutputLock(out)
+    assert json.loads(left.read_text()) == {"pid": os.getpid(), "host": os.uname().nodename}
     lock.release()
-    assert not (tmp_path / "out.jsonl.lock").exists()
+    lock.release()  # twice is once
+    assert not left.exists()
+
+
+def test_a_lock_file_removed_as_it_was_opened_is_not_the_one_locked(tmp_path):
+    """The holder before us removes the file between our open and our lock: we hold a lock on
+    a file no one else can find, so we must see that and open the live one."""
+    from executor.output_files import _same_file
+
+    path = tmp_path / "x.lock"
+    path.write_text("")
+    fd = os.open(path, os.O_RDWR)
+    try:
+        assert _same_file(fd, path)
+        path.unlink()
+        assert not _same_file(fd, path)
+        path.write_text("")  # another run's new file at the same path
+        assert not _same_file(fd, path)
+    finally:
+        os.close(fd)
+
+
+def test_partial_files_are_found_in_group_order(tmp_path):
+    out = tmp_path / "o.jsonl"
+    for name in ("o.jsonl.partial.10", "o.jsonl.partial.2", "o.jsonl.partial", "o.jsonl.partialx",
+                 "o.jsonl.partial.a", "p.jsonl.partial.1"):  # fmt: skip
+        (tmp_path / name).write_text("")
+    assert [p.name for p in partial_files(out)] == [
+        "o.jsonl.partial", "o.jsonl.partial.2", "o.jsonl.partial.10"
+    ]  # fmt: skip
 
 
 def test_a_finished_output_is_replaced_only_with_overwrite(run_cli, checkpoints, tmp_path):
@@ -129,7 +168,8 @@ def test_the_prompts_are_never_the_output(run_cli, checkpoints, tmp_path):
     for out in _same_file_ways(tmp_path, prompts):
         for extra in ((), ("--overwrite",), ("--resume",)):
             status, _, err = run_cli(*common, "--prompts", prompts, "--output", out, *extra)
-            assert_one_line_error(status, err, "is the same file as --output")
+            assert_one_line_error(status, err, "is the same file as --output: the run would "
+                                  "write over its input; choose another --output")  # fmt: skip
             assert prompts.read_text() == before
     partial = tmp_path / "o.jsonl.partial"
     partial.write_text(before)
@@ -137,6 +177,12 @@ def test_the_prompts_are_never_the_output(run_cli, checkpoints, tmp_path):
                              "--overwrite")  # fmt: skip
     assert_one_line_error(status, err, "same file as --output's o.jsonl.partial")
     assert partial.read_text() == before
+    lock = tmp_path / "o.jsonl.lock"  # a lock file a killed run left, given as the prompts
+    lock.write_text(before)
+    status, _, err = run_cli(*common, "--prompts", lock, "--output", tmp_path / "o.jsonl",
+                             "--overwrite")  # fmt: skip
+    assert_one_line_error(status, err, "same file as --output's o.jsonl.lock")
+    assert lock.read_text() == before
 
 
 def test_a_plan_or_profile_is_never_the_output(tmp_path):

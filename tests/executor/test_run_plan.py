@@ -185,6 +185,25 @@ def test_hardware_with_a_gpu_plans_first_and_caps_n_at_the_prompts(run_cli, file
     assert record["environment"]["prompts"] == len(LENGTHS)
 
 
+def test_a_stand_in_gpu_takes_from_the_host_what_its_plan_places(run_cli, files, monkeypatch):
+    """--hardware l4 on a host with less memory free than the L4's 24 GB: the stand-in GPU
+    takes what the plan puts on it, not all 24 GB, so the run does not depend on the moment's
+    free memory; where even that does not fit, one line says what it needs and what is free."""
+    import hrm.cli.memory_check as memory_check
+
+    path, prompts, _ = files
+    args = ("run", "--checkpoint", path, "--hardware", "l4", "--prompts", prompts, "--gen-len",
+            "4", "--quiet")  # fmt: skip
+    monkeypatch.setattr(memory_check, "available_host_bytes", lambda: 8e9)
+    status, out, err = run_cli(*args)
+    assert status == 0, err
+    assert len(out.splitlines()) == len(LENGTHS)
+    monkeypatch.setattr(memory_check, "available_host_bytes", lambda: 2e5)
+    status, _, err = run_cli(*args)
+    assert_one_line_error(status, err, "of host memory", "on the stand-in GPU",
+                          "this host has 200 kB available")  # fmt: skip
+
+
 def test_cuda_absent_is_refused_before_loading(run_cli, files):
     if torch.cuda.is_available():
         pytest.skip("CUDA is present here")
