@@ -57,6 +57,23 @@ def hrm(*args) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=env(), cwd=ROOT, text=True, capture_output=True, timeout=300)
 
 
+def kill_after_first_batch(monkeypatch):
+    """A run's second batch raises KeyboardInterrupt (a Ctrl-C between batches); returns the
+    real generate, to put back."""
+    import executor.run
+
+    real, calls = executor.run.generate, []
+
+    def killed_after_one(*a, **k):
+        if calls:
+            raise KeyboardInterrupt
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(executor.run, "generate", killed_after_one)
+    return real
+
+
 @pytest.mark.parametrize("extra", [(), ("--overwrite",)])
 def test_a_second_run_into_a_live_output_is_refused_naming_the_first(checkpoints, tmp_path, extra):
     """Two real processes: while the first writes OUT, the second (with or without
@@ -211,15 +228,7 @@ def test_a_partial_file_of_any_group_is_refused_without_resume_and_read_with_it(
     path, prompts, plan = files
     out, whole = tmp_path / "out.jsonl", tmp_path / "whole.jsonl"
     assert run_cli(*run_args(path, prompts, plan, "--output", whole))[0] == 0
-    real, calls = executor.run.generate, []
-
-    def killed_after_one(*a, **k):
-        if calls:
-            raise KeyboardInterrupt
-        calls.append(1)
-        return real(*a, **k)
-
-    monkeypatch.setattr(executor.run, "generate", killed_after_one)
+    real = kill_after_first_batch(monkeypatch)
     assert run_cli(*run_args(path, prompts, plan, "--output", out))[0] == 130
     monkeypatch.setattr(executor.run, "generate", real)
     (tmp_path / "out.jsonl.partial").rename(tmp_path / "out.jsonl.partial.1")
@@ -258,15 +267,7 @@ def test_a_bf16_run_resumed_gives_the_uninterrupted_answers_bit_for_bit(
               "--gen-len", "5", "--ignore-eos", "--quiet")  # fmt: skip
     whole, out = tmp_path / "whole.jsonl", tmp_path / "out.jsonl"
     assert run_cli(*common, "--output", whole)[0] == 0
-    real, calls = executor.run.generate, []
-
-    def killed_after_one(*a, **k):
-        if calls:
-            raise KeyboardInterrupt
-        calls.append(1)
-        return real(*a, **k)
-
-    monkeypatch.setattr(executor.run, "generate", killed_after_one)
+    real = kill_after_first_batch(monkeypatch)
     assert run_cli(*common, "--output", out)[0] == 130
     monkeypatch.setattr(executor.run, "generate", real)
     assert run_cli(*common, "--output", out, "--resume")[0] == 0

@@ -14,6 +14,12 @@ TEXT = "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in LINES)
 PLAN = ["plan", "--hardware", "l4", "--gen-len", "4", "--model"]
 
 
+def run_prompts(run_cli, checkpoint, prompts):
+    """`hrm run` of a prompts file, two new tokens each: (status, stdout, stderr)."""
+    return run_cli("run", "--checkpoint", checkpoint, "--prompts", prompts, "--gen-len", "2",
+                   "--quiet")  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("data", "fragment"),
     [
@@ -57,16 +63,7 @@ def test_a_byte_order_mark_is_read_past(run_cli, tmp_path, mixtral_with_tokenize
     marked.write_bytes(TEXT.encode("utf-8-sig"))
     outputs = []
     for path in (plain, marked):
-        status, out, err = run_cli(
-            "run",
-            "--checkpoint",
-            mixtral_with_tokenizer,
-            "--prompts",
-            path,
-            "--gen-len",
-            "2",
-            "--quiet",
-        )
+        status, out, err = run_prompts(run_cli, mixtral_with_tokenizer, path)
         assert status == 0, err
         outputs.append(out)
     assert outputs[0] == outputs[1] and len(outputs[0].splitlines()) == 2
@@ -75,16 +72,7 @@ def test_a_byte_order_mark_is_read_past(run_cli, tmp_path, mixtral_with_tokenize
 
 
 def test_a_directory_as_prompts_says_it_is_one(run_cli, tmp_path, mixtral_with_tokenizer):
-    status, _, err = run_cli(
-        "run",
-        "--checkpoint",
-        mixtral_with_tokenizer,
-        "--prompts",
-        tmp_path,
-        "--gen-len",
-        "2",
-        "--quiet",
-    )
+    status, _, err = run_prompts(run_cli, mixtral_with_tokenizer, tmp_path)
     assert_one_line_error(status, err, f"{tmp_path}: is a directory, not a prompts file")
     status, _, err = run_cli(*PLAN, mixtral_with_tokenizer, "--prompts", tmp_path)
     assert_one_line_error(status, err, "is a directory")
@@ -98,15 +86,6 @@ def test_a_line_break_inside_a_json_string_is_not_a_new_line(
     path = tmp_path / "p.jsonl"
     lines = [{"prompt": "w5\u2028w6"}, {"prompt_token_ids": [7]}]
     path.write_text("".join(json.dumps(x, ensure_ascii=False) + "\r\n" for x in lines), "utf-8")
-    status, out, err = run_cli(
-        "run",
-        "--checkpoint",
-        mixtral_with_tokenizer,
-        "--prompts",
-        path,
-        "--gen-len",
-        "2",
-        "--quiet",
-    )
+    status, out, err = run_prompts(run_cli, mixtral_with_tokenizer, path)
     assert status == 0, err
     assert len(out.splitlines()) == 2
