@@ -79,7 +79,6 @@ class PartialOutput:
         self.output = output
         suffix = ".partial" if part is None else f".partial.{part}"
         self.path = output.with_name(output.name + suffix)
-        self.part = part
         self.digest = digest
         self.done: dict[int, dict[str, Any]] = {}
         found = partial_files(output)
