@@ -21,6 +21,7 @@ from executor.api import RunSpec, load_weights, peak_memory_bytes
 from executor.batching import PartialOutput, plan_batches
 from executor.checkpoint import Checkpoint
 from executor.generate import Limits, Sampling, generate
+from executor.passes import kv_blocks_for, run_passes, token_budget_limit
 from executor.quant import compute_dtype
 from executor.runtime import placed_runtime
 from executor.tensor_parallel import random_share, shard_checkpoint
@@ -129,6 +130,8 @@ def execute(
     on_batch: Callable[[list[int], list[dict[str, Any]]], None] | None = None,
     warn: Callable[[str], None] = lambda message: None,
     share: Share | None = None,
+    batching: str = "static",
+    token_budget: int | None = None,
 ) -> RunResult:
     """Run every pending batch of `spec`'s prompts under `policy` and `schedule` on its device.
 
@@ -139,11 +142,19 @@ def execute(
     times its weights). staged: weights cross the link through a pinned staging ring (the plan's
     "weight staging"). on_batch(indices, rows) hears each finished batch; `warn` hears when other
     processes took enough of the CPU that the measurement is not comparable. share: this
-    process's batches and share of each layer in a run torchrun started (executor/world.py)."""
+    process's batches and share of each layer in a run torchrun started (executor/world.py).
+    batching: "static" (batches of N, each to its longest answer) or "continuous"
+    (executor/passes.py, at most token_budget tokens a pass)."""
     device = torch.device(spec.device)
     share = share or Share()
-    runtime = _placed(spec, policy, schedule, checkpoint, cpu_gemm, staged, quiet, share)
+    continuous = batching == "continuous"
+    runtime = _placed(spec, policy, schedule, checkpoint, cpu_gemm, staged, quiet, share,
+                      continuous)  # fmt: skip
     weights = _weights_held(runtime.store)  # read now: closing unpins them
+    if continuous:
+        args = (spec, policy, runtime, partial, sampling, stop_token_ids, quiet, on_batch, share)
+        return _continuous(*args, token_budget=token_budget, weights=weights, warn=warn,
+                           schedule=schedule)  # fmt: skip
     batches = plan_batches(spec.prompt_lens, policy.batch_size, policy.micro_batch_size)
     batches = batches[share.group :: share.groups]
     pending = partial.pending(batches) if partial is not None else batches
@@ -196,6 +207,59 @@ def execute(
     )
 
 
+def _continuous(spec, policy, runtime, partial, sampling, stop_token_ids, quiet, on_batch, share,
+                *, token_budget, weights, warn, schedule) -> RunResult:  # fmt: skip
+    """The requests not done yet (a data-parallel group's every groups-th), in input order,
+    through continuous passes; each answer appended to the partial output as it ends."""
+    mine = list(range(len(spec.prompts)))[share.group :: share.groups]
+    pending = [i for i in mine if partial is None or i not in partial.done]
+    limits = {i: _limits(spec, i, sampling or Sampling()) for i in pending}
+    done: dict[int, dict[str, Any]] = {}
+    bar = RunProgress(tokens=sum(lim.max_new for lim in limits.values()),
+                      requests=len(pending), quiet=quiet)  # fmt: skip
+    created = int(time.time())
+
+    def finish(i: int, ids: list[int], reason: str) -> None:
+        row = _output(spec, i, ids, reason, created)
+        if partial is not None:
+            partial.append([i], [row])
+        if on_batch is not None:
+            on_batch([i], [row])
+        done[i] = row
+        bar.request_done(len(ids), limits[i].max_new)
+
+    longest = max(len(p) for p in spec.prompts) + max(spec.max_new(i) for i in mine)
+    times_before, start = cpu_times(), time.perf_counter()
+    try:
+        stats = run_passes(
+            runtime, {i: spec.prompts[i] for i in pending}, limits,
+            max_running=policy.batch_size,
+            token_budget=token_budget or token_budget_limit(
+                policy.batch_size, policy.micro_batch_size, max(len(p) for p in spec.prompts)),
+            total_blocks=kv_blocks_for(policy.batch_size, longest),
+            stop_token_ids=stop_token_ids, decode=_decoder(spec), on_finish=finish,
+            on_pass=lambda sampled: bar.step("pass", sampled),
+        )  # fmt: skip
+        peaks = runtime.allocated_bytes()
+    finally:
+        bar.close()
+        runtime.close()
+    wall = time.perf_counter() - start
+    others = _others_share(times_before, warn)
+    busy = runtime.engine.busy_seconds()
+    totals = {"prefill_s": stats.prefill_s, "decode_s": stats.decode_s,
+              "generated_tokens": bar.made}  # fmt: skip
+    environment = {
+        **_environment(spec, policy, schedule, runtime, wall, busy), **weights,
+        "batching": "continuous", "continuous": stats.summary(), "batches_run": 0,
+        "batches_resumed": len(mine) - len(pending),
+        "other_processes_cpu_share": round(others, 3) if others is not None else "unknown",
+    }  # fmt: skip
+    return RunResult(outputs=done, measured=_measurement(runtime, torch.device(spec.device), busy,
+                     totals, peaks), batches=[], environment=environment,
+                     cpu_gemm=runtime.model.cpu_gemm)  # fmt: skip
+
+
 def _generate_batch(spec: RunSpec, runtime, batch, sampling, stop_token_ids, bar):
     """One batch to its longest answer, each prompt with its own limits; `bar` counts tokens."""
     return generate(
@@ -211,7 +275,7 @@ def _generate_batch(spec: RunSpec, runtime, batch, sampling, stop_token_ids, bar
 
 
 def _placed(spec: RunSpec, policy: Policy, schedule: str, checkpoint, cpu_gemm, staged, quiet,
-            share: Share):  # fmt: skip
+            share: Share, continuous: bool = False):  # fmt: skip
     """The run's runtime: its weights loaded for it unless given (onto a GPU that holds
     everything, else into host memory, the store taking them over as it places them), this
     rank's share of them where it runs tensor-parallel, the CPU GEMM path chosen once they have
@@ -228,7 +292,7 @@ def _placed(spec: RunSpec, policy: Policy, schedule: str, checkpoint, cpu_gemm, 
         cpu_gemm = cpu_gemm(checkpoint) if device.type == "cpu" else None
     return placed_runtime(
         checkpoint, policy, schedule, device, cpu_gemm, staged=staged, take_over=take_over,
-        quiet=quiet, collectives=(share.reduce, share.gather),
+        quiet=quiet, collectives=(share.reduce, share.gather), continuous=continuous,
     )  # fmt: skip
 
 

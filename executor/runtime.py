@@ -27,6 +27,7 @@ from executor.model import MoEModel
 from executor.pinning import HostPins
 from executor.quant import dequantized_weights
 from executor.schedules import SCHEDULE_ORDERS, StepShape, dequantize_before_use
+from executor.pass_tasks import PassTaskBuilder
 from executor.tasks import BatchState, MicroBatch, StepState, TaskBuilder
 from executor.weight_store import WeightStore
 from hrm.formats import is_compact, row_bytes
@@ -51,10 +52,12 @@ class Runtime:
         store: WeightStore | None = None,
         device: torch.device | None = None,
         engine_mode: str | None = None,
+        continuous: bool = False,
     ):
         """store None: every weight is used where the model holds it (a resident run, or a plan
         that runs the layers on the CPU); micro_batch_size None: the whole batch is one;
-        engine_mode: default executor.engine.engine_mode (HRM_ENGINE)."""
+        engine_mode: default executor.engine.engine_mode (HRM_ENGINE); continuous: run passes
+        of continuous batching (executor/passes.py) instead of static batches."""
         self.model, self.arch = model, model.arch
         self.store = store
         self.device = device if store is not None else model.device  # where the layers run
@@ -70,13 +73,15 @@ class Runtime:
         self.order = SCHEDULE_ORDERS[schedule]
         self.micro_batch_size = micro_batch_size
         self.home = "gpu" if self.ffn_on_gpu else "cpu"
-        self.tasks = TaskBuilder(
+        self.continuous = continuous
+        self.tasks = (PassTaskBuilder if continuous else TaskBuilder)(
             model,
             store=store,
             device=self.device,
             ffn_on_gpu=self.ffn_on_gpu,
             kv_gpu_layers=self.kv_gpu_layers,
         )
+        self.tasks.attention_on_device = self.attention_on_gpu
         queues = {q for _, q in self._all_ops()}
         serial = schedule == "serial" or len(queues) == 1
         self.engine = Engine(self.device, serial=serial, mode=engine_mode)
@@ -96,7 +101,10 @@ class Runtime:
             return [(Op.PRE, home), (Op.ATTENTION, "cpu"), (Op.POST, home)]
         host_kv = self.tasks.kv_on_host(layer)
         if phase == "prefill":
-            ops = [(Op.PRE, home), (Op.ATTENTION, home)]
+            # a continuous pass's chunk attends over its prompt's rows held so far (kv_in)
+            fetch = self.continuous and host_kv and self.offloaded
+            ops = [(Op.KV_IN, "h2d")] if fetch else []
+            ops += [(Op.PRE, home), (Op.ATTENTION, home)]
             ops += [(Op.KV_OUT, "d2h")] if host_kv else []
             ops += [(Op.POST, home)]
             if self.offloaded:  # hidden states wait in host memory between layers
@@ -141,7 +149,7 @@ class Runtime:
             step=step,
             num_layers=self.arch.num_layers,
             micro_batches=len(self.micro_batches),
-            chain=lambda layer: self.chain(phase, layer),
+            chain=lambda layer, j: self.chain(phase, layer),
             prologue=[(Op.EMBED, self._embed_queue())],
             epilogue=[(Op.HEAD, self.home)],
             pages=pages,
@@ -237,17 +245,35 @@ class Runtime:
 
     def step(self, step: int, tokens: torch.Tensor | None, *, last: bool) -> torch.Tensor:
         """Prefill (step 0) or one decode step (tokens [B] of the previous step) -> [B, V]."""
-        state = StepState(step=step, tokens=tokens, batch=self.batch)
-        shape = self.step_shape(step, last=last)
+        self._run(StepState(step=step, tokens=tokens, batch=self.batch),
+                  self.step_shape(step, last=last))  # fmt: skip
+        for mb in self.micro_batches:
+            if step:
+                mb.cache.length += 1
+        return torch.cat([mb.buffers.pop("logits") for mb in self.micro_batches])
+
+    def _run(self, state: StepState, shape: StepShape) -> None:
         actions = self.order(shape)
         if shape.pages and self.store.compact:
             actions = dequantize_before_use(actions)
         self.engine.run((a, self.tasks.task(a, state)) for a in actions)
         self.engine.synchronize()
-        for mb in self.micro_batches:
-            if step:
-                mb.cache.length += 1
-        return torch.cat([mb.buffers.pop("logits") for mb in self.micro_batches])
+
+    def start_passes(self, pools) -> None:
+        """Continuous batching over the KV pools `pools` (executor/kv_blocks.py)."""
+        self.tasks.pools = pools
+        mu = self.micro_batch_size or 1
+        self.batch = BatchState(micro_batches=[], staging=self._staging(mu), prefetch=[])
+
+    def run_pass(self, step: int, groups: list) -> list[torch.Tensor | None]:
+        """Pass `step` of continuous batching over its groups (executor/pass_tasks.PassGroup)
+        -> each group's logits [samples, V] (None: no row of it samples)."""
+        self.batch.micro_batches[:] = groups
+        shape = dataclasses.replace(
+            self.step_shape(step, last=False), chain=lambda layer, j: self.chain(groups[j].phase, layer)
+        )
+        self._run(StepState(step=step, tokens=None, batch=self.batch), shape)
+        return [g.buffers.pop("logits") for g in groups]
 
     def retire(self, keep: torch.Tensor) -> None:
         """Drop the rows whose sequences stopped (keep [rows], bool, in step order) from their
@@ -278,7 +304,11 @@ class Runtime:
             return float(sum(t.numel() * t.element_size() for t in tensors))
 
         kv = {"cpu": 0.0, "gpu": 0.0}
-        for mb in self.micro_batches:
+        pools = self.tasks.pools if self.continuous else None
+        for layer in range(self.arch.num_layers if pools is not None else 0):
+            on_gpu = self.ffn_on_gpu and not self.tasks.kv_on_host(layer)
+            kv["gpu" if on_gpu else "cpu"] += size([pools.k[layer], pools.v[layer]])
+        for mb in self.micro_batches if pools is None else ():
             for layer in range(self.arch.num_layers):
                 on_gpu = self.ffn_on_gpu and not self.tasks.kv_on_host(layer)
                 kv["gpu" if on_gpu else "cpu"] += size([mb.cache.k[layer], mb.cache.v[layer]])
@@ -306,6 +336,7 @@ def placed_runtime(
     take_over: bool = False,
     quiet: bool = True,
     collectives=(None, None),
+    continuous: bool = False,
 ) -> Runtime:
     """A host-loaded checkpoint placed as `policy` says, on `device` (CUDA, or the CPU standing
     in for a GPU): the weights hrm.rules.placement makes resident copied there, the rest packed into
@@ -351,6 +382,7 @@ def placed_runtime(
             kv_gpu_fraction=policy.kv_gpu_fraction,
             store=store,
             device=device,
+            continuous=continuous,
         )
     except BaseException:  # the arenas stay pinned until their store is closed
         if store is not None:

@@ -33,7 +33,8 @@ class StepShape:
     step: int
     num_layers: int
     micro_batches: int
-    chain: Callable[[int], list[tuple[Op, str]]]  # layer -> [(op, queue)] of one micro-batch
+    # (layer, micro-batch) -> its [(op, queue)]: a continuous pass mixes decodes and prompts
+    chain: Callable[[int, int], list[tuple[Op, str]]]
     prologue: list[tuple[Op, str]]  # per micro-batch before the first layer (embedding)
     epilogue: list[tuple[Op, str]]  # per micro-batch after the last layer (LM head)
     pages: int  # weight pages per layer; 0 when nothing is streamed
@@ -68,7 +69,7 @@ def serial(shape: StepShape) -> Iterator[Action]:
         if shape.pages:
             yield _load(shape, layer, WHOLE_LAYER)
         for j in range(shape.micro_batches):
-            for op, queue in shape.chain(layer):
+            for op, queue in shape.chain(layer, j):
                 yield Action(shape.step, layer, j, op, queue)
     yield from _around(shape, shape.epilogue, shape.num_layers)
 
@@ -80,7 +81,7 @@ def overlap(shape: StepShape) -> Iterator[Action]:
     for layer in range(shape.num_layers):
         yield from _load_after(shape, layer, [WHOLE_LAYER])  # blocks the h2d queue, as in S2
         for j in range(shape.micro_batches):
-            for op, queue in shape.chain(layer):
+            for op, queue in shape.chain(layer, j):
                 yield Action(shape.step, layer, j, op, queue)
     yield from _around(shape, shape.epilogue, shape.num_layers)
 
@@ -91,19 +92,24 @@ def cgopipe(shape: StepShape) -> Iterator[Action]:
         yield from (_load(shape, 0, p) for p in range(shape.pages))
     yield from _around(shape, shape.prologue, -1)
     for layer in range(shape.num_layers):
-        chain = shape.chain(layer)
-        cut = next(i for i, (op, _) in enumerate(chain) if op is Op.ATTENTION) + 1
-        first, second = chain[:cut], chain[cut:]
+        halves = [_halves(shape.chain(layer, j)) for j in range(m)]
         # pages of the next layer, spread over this layer's micro-batches (page j after D2 of j)
         pages = [list(range(shape.pages))[p::m] for p in range(m)] if shape.pages else []
         for j in range(m + 1):
             if j < m:
-                yield from (Action(shape.step, layer, j, op, q) for op, q in first)
+                yield from (Action(shape.step, layer, j, op, q) for op, q in halves[j][0])
             if j >= 1:
-                yield from (Action(shape.step, layer, j - 1, op, q) for op, q in second)
+                yield from (Action(shape.step, layer, j - 1, op, q) for op, q in halves[j - 1][1])
                 if pages:
                     yield from _load_after(shape, layer, pages[j - 1])
     yield from _around(shape, shape.epilogue, shape.num_layers)
+
+
+def _halves(chain: list[tuple[Op, str]]):
+    """A chain cut after its attention: what comes before the GPU's turn to the next
+    micro-batch, and what comes after."""
+    cut = next(i for i, (op, _) in enumerate(chain) if op is Op.ATTENTION) + 1
+    return chain[:cut], chain[cut:]
 
 
 def dequantize_before_use(actions: Iterator[Action]) -> Iterator[Action]:

@@ -74,6 +74,11 @@ class RunProgress:
         self._advance(self._batch_start + budget - self.counted, None)
         self._batch_start = self.counted
 
+    def request_done(self, made: int, most: int) -> None:
+        """A request of continuous batching ended after `made` of its `most` tokens."""
+        self.done += 1
+        self._advance(most - made, None)
+
     def line(self) -> str:
         """Requests done, tokens, the rate of generated tokens, the ETA of the whole run."""
         elapsed = self._clock() - self._start

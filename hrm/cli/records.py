@@ -98,9 +98,15 @@ def format_summary(record) -> str:
     that used more than the CPU, each queue's busy share and the link's bytes; the batches a
     resumed run skipped; the prediction and its error."""
     m, env = record.measured, record.environment
+    passes = env.get("continuous")
+    ran = (
+        f"{passes['passes']} continuous passes (mean {passes['mean_sequences_per_pass']:.1f} "
+        "sequences)"
+        if passes
+        else f"{env['batches_run']} {'batch' if env['batches_run'] == 1 else 'batches'}"
+    )
     lines = [
-        f"{record.model}: {env['prompts']} prompts in {env['batches_run']} "
-        f"{'batch' if env['batches_run'] == 1 else 'batches'} ({_how(record)}); "
+        f"{record.model}: {env['prompts']} prompts in {ran} ({_how(record)}); "
         f"{m.generated_tokens} tokens, prefill {m.prefill_s:.3f} s, decode {m.decode_s:.3f} s, "
         f"{m.throughput_tok_s:.1f} tok/s"
     ]
@@ -112,7 +118,8 @@ def format_summary(record) -> str:
             f"d2h {m.link_bytes['d2h'] / 1e6:.1f} MB"
         )
     if env.get("batches_resumed"):
-        lines.append(f"resumed: {env['batches_resumed']} batches were already done")
+        what = "requests" if passes else "batches"
+        lines.append(f"resumed: {env['batches_resumed']} {what} were already done")
     if record.predicted is not None:
         q = record.predicted
         lines.append(

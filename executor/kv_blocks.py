@@ -1,0 +1,126 @@
+"""KV memory by what it holds: every layer's K and V in blocks of BLOCK_TOKENS tokens, with a
+block table per sequence (as vLLM pages it), for continuous batching (executor/passes.py).
+
+A layer's pool is [blocks * BLOCK_TOKENS, nkv, row] on the device that keeps that layer's KV
+(host memory, or the device running the layers for the first kv_gpu_layers); a sequence's
+token t of every layer is at slot table[t // BLOCK_TOKENS] * BLOCK_TOKENS + t % BLOCK_TOKENS.
+Blocks are taken from the free list as a sequence's tokens are written and all return when it
+ends; hrm.rules.admission reserved them, so taking one never fails in a run.
+
+Attention (`attend`) gathers a group's rows into [B, nkv, S, D] (no left padding: sequence b's
+token t at slot t) and runs each new query against the keys at or before its position, which
+is decode (one query a sequence) and chunked prefill (a chunk after its cached prefix) alike.
+A compact KV format's rows are stored as codes and scales and dequantized when gathered;
+latent attention's values are its keys' first columns (nothing stored for V).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from executor.attention import sink_attention
+from executor.quant import dequantize_rows, quantize_rows
+from hrm.formats import row_bytes
+from hrm.rules.admission import BLOCK_TOKENS
+
+
+class KVBlocks:
+    """The pools of every layer and the block tables of the running sequences."""
+
+    def __init__(self, arch, *, blocks: int, dtype: torch.dtype, layer_devices, kv_format=None):
+        self.arch, self.dtype, self.format = arch, dtype, kv_format
+        self.value_dim = arch.kv_lora_rank or None
+        row, store_dtype = arch.head_dim, dtype
+        if kv_format is not None:
+            row, store_dtype = row_bytes(arch.head_dim, kv_format), torch.uint8
+        v_row = 0 if self.value_dim else row
+        slots, nkv = blocks * BLOCK_TOKENS, arch.num_key_value_heads
+        # zeros: a gathered slot past a sequence's end is masked, but 0 * NaN would still poison
+        self.k = [torch.zeros(slots, nkv, row, dtype=store_dtype, device=d) for d in layer_devices]
+        self.v = [torch.zeros(slots, nkv, v_row, dtype=store_dtype, device=d) for d in layer_devices]
+        self.blocks = blocks
+        self.free = list(range(blocks - 1, -1, -1))  # popped from the end: block 0 first
+        self.tables: dict[int, list[int]] = {}
+        self.peak_held = 0
+        self.token_bytes = nkv * (row + v_row) * store_dtype.itemsize  # K and V, a token, a layer
+
+    @property
+    def held(self) -> int:
+        return self.blocks - len(self.free)
+
+    def grow(self, seq: int, tokens: int) -> None:
+        """Blocks for sequence `seq`'s first `tokens` tokens."""
+        table = self.tables.setdefault(seq, [])
+        need = -(-tokens // BLOCK_TOKENS) - len(table)
+        if need > len(self.free):
+            raise RuntimeError(f"KV blocks over-committed: {need} wanted, {len(self.free)} free")
+        table.extend(self.free.pop() for _ in range(max(0, need)))
+        self.peak_held = max(self.peak_held, self.held)
+
+    def release(self, seq: int) -> None:
+        """An ended sequence's blocks, back to the pool."""
+        table = self.tables.pop(seq)
+        if set(table) & set(self.free):
+            raise RuntimeError(f"KV block freed twice (sequence {seq})")
+        self.free.extend(reversed(table))
+
+    def slots(self, seq: int, start: int, stop: int) -> list[int]:
+        """Pool slots of the sequence's tokens [start, stop)."""
+        table = self.tables[seq]
+        return [table[t // BLOCK_TOKENS] * BLOCK_TOKENS + t % BLOCK_TOKENS for t in range(start, stop)]
+
+    def stored(self, x: torch.Tensor) -> torch.Tensor:
+        if self.format is None:
+            return x
+        if not x.shape[-1]:
+            return x.new_empty(x.shape, dtype=torch.uint8)
+        return quantize_rows(x, self.format)
+
+    def values(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.format is None:
+            return rows
+        return dequantize_rows(rows, self.format, self.arch.head_dim, self.dtype)
+
+    def keys_and_values(self, k_rows, v_rows):
+        """Stored rows [..., row] as K and V in the model's dtype (latent: V from K)."""
+        keys = self.values(k_rows)
+        if self.value_dim:
+            return keys, keys[..., : self.value_dim]
+        return keys, self.values(v_rows)
+
+    def nbytes(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for t in (*self.k, *self.v):
+            out[t.device.type] = out.get(t.device.type, 0.0) + t.numel() * t.element_size()
+        return out
+
+
+def attend(q, keys, values, query_pos, batch_idx, local_idx, *, window=None, sinks=None,
+           scale=None) -> torch.Tensor:  # fmt: skip
+    """Packed queries q [T, nq, D] of B sequences (query t: sequence batch_idx[t], its
+    local_idx[t]-th new token, at position query_pos[t]) against gathered keys and values
+    [B, nkv, S, D] (no left padding: sequence b's token t at slot t), each query seeing the keys
+    at or before its position (within the last `window`); gpt-oss's `sinks` [nq] join each
+    softmax -> [T, nq*Dv]. The G query heads of a K/V head are stacked along the query axis, so
+    SDPA reads each K/V head once."""
+    B, nkv, S, D = keys.shape
+    T, G = q.shape[0], q.shape[1] // nkv
+    Q = int(local_idx.max()) + 1
+    q_pad = q.new_zeros(B, Q, nkv, G, D)
+    q_pad[batch_idx, local_idx] = q.view(T, nkv, G, D)
+    q_pad = q_pad.permute(0, 2, 3, 1, 4).reshape(B, nkv, G * Q, D)
+    pos = torch.zeros(B, Q, dtype=torch.long, device=keys.device)
+    pos[batch_idx.to(keys.device), local_idx.to(keys.device)] = query_pos.to(keys.device)
+    slots = torch.arange(S, device=keys.device)
+    allowed = slots[None, None, :] <= pos[:, :, None]  # [B, Q, S]
+    if window is not None:
+        allowed &= pos[:, :, None] - slots[None, None, :] < window
+    mask = allowed[:, None].expand(B, G, Q, S).reshape(B, 1, G * Q, S)
+    if sinks is not None:
+        rows = sinks.view(nkv, G, 1).expand(nkv, G, Q).reshape(nkv, G * Q)
+        out = sink_attention(q_pad, keys, values, mask, rows, scale)
+    else:
+        out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=mask, scale=scale)
+    out = out.view(B, nkv, G, Q, -1).permute(0, 3, 1, 2, 4)  # [B, Q, nkv, G, Dv]
+    return out[batch_idx, local_idx].reshape(T, -1)

@@ -1,0 +1,176 @@
+"""Continuous batching's one admission rule: which tokens each pass of the weights carries.
+
+The executor runs it (executor/passes.py) and the planner replays it to simulate a job, so the
+two see the same passes. It is plain Python over request lengths, with no tensors.
+
+A pass carries, in this order:
+- one token of every running sequence whose prompt is in (a decode);
+- the next chunk of every prompt that is partly in (chunked prefill), oldest first;
+- chunks of requests admitted from the queue, in input order,
+while the pass has tokens left of its budget (decodes always go: a pass never starves a running
+sequence) and fewer than `max_running` sequences run. A request is admitted only when the KV
+blocks of its whole life (prompt + max_new - 1 tokens: the last token is never fed back) are
+free beside every running sequence's: admission never over-commits, so no sequence is ever
+preempted, and its blocks return to the pool when it ends (docs/decisions.md, 2026-12-06).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from hrm.errors import HrmError
+
+BLOCK_TOKENS = 16  # tokens a KV block holds (vLLM's default block size)
+
+
+@dataclass(frozen=True)
+class Request:
+    index: int  # input index
+    prompt_len: int
+    max_new: int
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Prompt tokens [start, start + length) of request `index`; `last`: the prompt's end is in
+    it, so it samples the first new token."""
+
+    index: int
+    start: int
+    length: int
+    last: bool
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One pass of the weights: the running sequences' decodes (request index, the position of
+    the token fed: its KV length before the pass) and the prompt chunks."""
+
+    decodes: tuple[tuple[int, int], ...]
+    chunks: tuple[Chunk, ...]
+
+    @property
+    def tokens(self) -> int:
+        return len(self.decodes) + sum(c.length for c in self.chunks)
+
+    @property
+    def samples(self) -> tuple[int, ...]:
+        """Requests that sample a token in this pass, decodes first."""
+        return tuple(i for i, _ in self.decodes) + tuple(c.index for c in self.chunks if c.last)
+
+    def groups(self, micro_batch_size: int) -> list[tuple[str, list]]:
+        """The pass cut into micro-batches of at most `micro_batch_size` sequences: decodes
+        ("decode", [(index, position)]), then chunks ("prefill", [Chunk])."""
+        mu = max(1, micro_batch_size)
+        out = [("decode", list(self.decodes[s : s + mu])) for s in range(0, len(self.decodes), mu)]
+        out += [("prefill", list(self.chunks[s : s + mu])) for s in range(0, len(self.chunks), mu)]
+        return out
+
+
+def blocks_for(tokens: int, block_tokens: int = BLOCK_TOKENS) -> int:
+    return -(-max(1, tokens) // block_tokens)
+
+
+def life_tokens(request: Request) -> int:
+    """KV rows a request holds at its end: its prompt and every new token but the last."""
+    return request.prompt_len + request.max_new - 1
+
+
+class Admission:
+    """The scheduler's state over one job: the queue, the running sequences and the blocks
+    reserved for them."""
+
+    def __init__(
+        self,
+        requests: Iterable[Request],
+        *,
+        max_running: int,
+        token_budget: int,
+        total_blocks: int,
+        block_tokens: int = BLOCK_TOKENS,
+    ):
+        if max_running < 1 or token_budget < 1:
+            raise ValueError("max_running and token_budget must be at least 1")
+        self.max_running, self.token_budget = max_running, token_budget
+        self.total_blocks, self.block_tokens = total_blocks, block_tokens
+        self.queue: deque[Request] = deque(requests)
+        self.running: dict[int, Request] = {}  # admitted, in admission order
+        self.prefilled: dict[int, int] = {}  # prompt tokens in, per running request
+        self.generated: dict[int, int] = {}  # tokens sampled, per running request
+        self.reserved = 0  # blocks of the running requests' whole lives
+        for r in self.queue:
+            need = blocks_for(life_tokens(r), block_tokens)
+            if need > total_blocks:
+                raise HrmError(
+                    f"request {r.index + 1} (a prompt of {r.prompt_len} tokens and up to "
+                    f"{r.max_new} new) needs {need * block_tokens} tokens of KV cache; the run "
+                    f"holds {total_blocks * block_tokens}: shorten it, or plan for more memory"
+                )
+
+    @property
+    def done(self) -> bool:
+        return not self.queue and not self.running
+
+    def next_pass(self) -> Pass:
+        """The tokens of the next pass (empty only when the job is done)."""
+        decodes = tuple(
+            (i, r.prompt_len + self.generated[i] - 1)
+            for i, r in self.running.items()
+            if self.prefilled[i] == r.prompt_len
+        )
+        room = self.token_budget - len(decodes)
+        chunks: list[Chunk] = []
+        for i, r in self.running.items():  # prompts partly in, oldest first
+            if room <= 0:
+                break
+            if self.prefilled[i] < r.prompt_len:
+                chunks.append(self._chunk(r, self.prefilled[i], room))
+                room -= chunks[-1].length
+        while room > 0 and self.queue and len(self.running) < self.max_running:
+            r = self.queue[0]
+            need = blocks_for(life_tokens(r), self.block_tokens)
+            if self.reserved + need > self.total_blocks:
+                break  # in input order: a long request is not overtaken for ever
+            self.queue.popleft()
+            self.running[r.index] = r
+            self.prefilled[r.index], self.generated[r.index] = 0, 0
+            self.reserved += need
+            chunks.append(self._chunk(r, 0, room))
+            room -= chunks[-1].length
+        return Pass(decodes=decodes, chunks=tuple(chunks))
+
+    @staticmethod
+    def _chunk(r: Request, start: int, room: int) -> Chunk:
+        length = min(r.prompt_len - start, room)
+        return Chunk(index=r.index, start=start, length=length, last=start + length == r.prompt_len)
+
+    def complete(self, done: Pass, stopped: Sequence[int] = ()) -> list[int]:
+        """Account for a pass that ran: its chunks are in, its samplers have a token more.
+        Returns the requests that ended (at max_new, or in `stopped`: a stop token or string),
+        whose blocks are free again, in the order they sampled."""
+        for c in done.chunks:
+            self.prefilled[c.index] = c.start + c.length
+        ended = []
+        stop = set(stopped)
+        for i in done.samples:
+            self.generated[i] += 1
+            if i in stop or self.generated[i] >= self.running[i].max_new:
+                ended.append(i)
+        for i in ended:
+            r = self.running.pop(i)
+            del self.prefilled[i], self.generated[i]
+            self.reserved -= blocks_for(life_tokens(r), self.block_tokens)
+        return ended
+
+
+def simulate(requests: Sequence[Request], **limits) -> list[Pass]:
+    """Every pass of a job whose requests all run to their max_new (what the planner prices)."""
+    admission = Admission(requests, **limits)
+    passes = []
+    while not admission.done:
+        p = admission.next_pass()
+        passes.append(p)
+        admission.complete(p)
+    return passes
