@@ -70,6 +70,7 @@ def main() -> int:
     # cgopipe with int4 weights streamed compact and dequantized on the GPU (issue 34)
     compact = plan_all(arch, hardware, workload, [budget], args.max_batch, "int4", args.policy)
     _run_schedules(args, arch, hardware, compact, budget, device, report, out, "int4", ["cgopipe"])
+    _run_batching(args, arch, hardware, plans[(budget, "cgopipe")], device, report, out)
     _run_baseline(args, arch, budget, device, rows, report, out)
     table = _table(report["rows"])
     print(table)
@@ -247,6 +248,46 @@ def _peak_gpu(device_name: str) -> float:
     return float(torch.cuda.max_memory_allocated()) if device_name == "cuda" else 0.0
 
 
+def _run_batching(args, arch, hardware, plan, device_name, report, out) -> None:
+    """Static against continuous batching under the cgopipe plan, one job of 4 N requests with
+    max_tokens of gen_len/4 to gen_len (seeded): a row each, measured in the same process."""
+    import random
+
+    from executor.api import RunSpec
+    from executor.checkpoint import random_checkpoint
+    from executor.run import execute
+    from hrm.requests import Request
+
+    if isinstance(plan, str):
+        return
+    rng = random.Random(0)
+    prompts = _prompts(arch, 4 * plan.policy.batch_size, args.prompt_len)
+    most = [rng.randint(max(1, args.gen_len // 4), args.gen_len) for _ in prompts]
+    requests = tuple(
+        Request(line=i + 1, prompt=list(q), max_tokens=m)
+        for i, (q, m) in enumerate(zip(prompts, most, strict=True))
+    )
+    spec = RunSpec(checkpoint=None, arch=arch, prompts=prompts, gen_len=args.gen_len,
+                   dtype=args.dtype, device=device_name, requests=requests)  # fmt: skip
+    checkpoint = random_checkpoint(arch, hardware.compute_dtype(args.dtype))
+    for mode in ("static", "continuous"):
+        row = {"schedule": f"cgopipe {mode}", "batching": mode, "batch_size":
+               plan.policy.batch_size, "requests": len(prompts)}  # fmt: skip
+        report["rows"].append(row)
+        try:
+            for _ in range(2):  # warm-up, then timed
+                result = execute(spec, plan.policy, "cgopipe", checkpoint=checkpoint, quiet=True,
+                                 batching=mode)  # fmt: skip
+            m = result.measured
+            row["measured"] = {"throughput_tok_s": m.throughput_tok_s,
+                               "generated_tokens": m.generated_tokens}  # fmt: skip
+            row["passes"] = (result.environment.get("continuous") or {}).get("passes")
+        except Exception as exc:  # noqa: BLE001 (one row fails, the check goes on)
+            row["failed"] = f"{type(exc).__name__}: {exc}"
+            row["traceback"] = traceback.format_exc()
+        _save(report, out)
+
+
 def _table(rows) -> str:
     head = (f"{'schedule':24} {'N':>4} {'mu':>3} {'pred tok/s':>10} {'meas tok/s':>10} "
             f"{'err':>6} {'gpu':>4} {'cpu':>4} {'h2d':>4} {'d2h':>4} {'H2D GB/s':>8} "
@@ -258,6 +299,11 @@ def _table(rows) -> str:
             lines.append(f"{name:24} {r.get('failed') or 'does not fit: ' + r.get('why', '')}")
             continue
         tput = r["measured"]["throughput_tok_s"]
+        if "batching" in r:
+            lines.append(f"{name:24} {r['batch_size']:>4} {'':>3} {'':>10} {tput:>10.1f} "
+                         f"({r['requests']} requests of mixed max_tokens, passes "
+                         f"{r['passes'] or '-'})")  # fmt: skip
+            continue
         if "plan" not in r:  # the baseline
             lines.append(f"{name:24} {r['batch_size']:>4} {'':>3} {'':>10} {tput:>10.1f} "
                          f"{'':>6} {'':>24} {r['peak_gpu_bytes'] / 1e9:>6.1f} /   -")  # fmt: skip
@@ -273,6 +319,9 @@ def _table(rows) -> str:
             + f" {r['h2d_gb_per_s']:>8.2f} {peak:>6.1f} / {planned:<5.1f}"
         )
     measured = {r["schedule"]: r["measured"]["throughput_tok_s"] for r in rows if "measured" in r}
+    if "cgopipe static" in measured and "cgopipe continuous" in measured:
+        ratio = measured["cgopipe continuous"] / measured["cgopipe static"]
+        lines.append(f"cgopipe continuous / static: {ratio:.2f}x")
     base = measured.get("transformers+accelerate")
     for name, tput in measured.items():
         if base and name != "transformers+accelerate":

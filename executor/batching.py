@@ -70,8 +70,9 @@ class PartialOutput:
     """OUT.jsonl.partial: a header naming the run, then one line per finished prompt."""
 
     def __init__(
-        self, output: Path, digest: str, *, resume: bool, overwrite: bool = False, part=None
-    ):
+        self, output: Path, digest: str, *, resume: bool, overwrite: bool = False, part=None,
+        batching: str = "static",
+    ):  # fmt: skip
         """resume: go on from every partial file of OUT (this process's, and those any
         data-parallel group left, whatever the world size: batches are cut by one rule);
         overwrite: discard them; neither: refuse them (they hold finished work of a killed
@@ -79,7 +80,7 @@ class PartialOutput:
         self.output = output
         suffix = ".partial" if part is None else f".partial.{part}"
         self.path = output.with_name(output.name + suffix)
-        self.digest = digest
+        self.digest, self.batching = digest, batching
         self.done: dict[int, dict[str, Any]] = {}
         found = partial_files(output)
         if resume:
@@ -110,6 +111,12 @@ class PartialOutput:
             header = None
         if header is None:
             raise HrmError(f"--resume: {path} is not a partial output of hrm run")
+        theirs = header.get("batching", "static")
+        if theirs != self.batching:
+            raise HrmError(
+                f"--resume: {path} holds a {theirs} batching run's answers; resume it with "
+                f"--batching {theirs}, or start over with --overwrite"
+            )
         if header.get("run") != self.digest:
             raise HrmError(
                 f"--resume: {path} is from a different run (its prompts, plan or settings "
@@ -135,7 +142,9 @@ class PartialOutput:
         new = not self.path.exists() or self.path.stat().st_size == 0
         with open(self.path, "a") as f:
             if new:
-                f.write(json.dumps({"hrm_partial": {"run": self.digest}}) + "\n")
+                header = {"run": self.digest}
+                header |= {"batching": self.batching} if self.batching != "static" else {}
+                f.write(json.dumps({"hrm_partial": header}) + "\n")
             for i, row in zip(indices, rows, strict=True):
                 f.write(json.dumps({"index": i, **row}) + "\n")
             f.flush()

@@ -38,7 +38,9 @@ class KVBlocks:
         slots, nkv = blocks * BLOCK_TOKENS, arch.num_key_value_heads
         # zeros: a gathered slot past a sequence's end is masked, but 0 * NaN would still poison
         self.k = [torch.zeros(slots, nkv, row, dtype=store_dtype, device=d) for d in layer_devices]
-        self.v = [torch.zeros(slots, nkv, v_row, dtype=store_dtype, device=d) for d in layer_devices]
+        self.v = [
+            torch.zeros(slots, nkv, v_row, dtype=store_dtype, device=d) for d in layer_devices
+        ]
         self.blocks = blocks
         self.free = list(range(blocks - 1, -1, -1))  # popped from the end: block 0 first
         self.tables: dict[int, list[int]] = {}
@@ -68,7 +70,9 @@ class KVBlocks:
     def slots(self, seq: int, start: int, stop: int) -> list[int]:
         """Pool slots of the sequence's tokens [start, stop)."""
         table = self.tables[seq]
-        return [table[t // BLOCK_TOKENS] * BLOCK_TOKENS + t % BLOCK_TOKENS for t in range(start, stop)]
+        return [
+            table[t // BLOCK_TOKENS] * BLOCK_TOKENS + t % BLOCK_TOKENS for t in range(start, stop)
+        ]
 
     def stored(self, x: torch.Tensor) -> torch.Tensor:
         if self.format is None:

@@ -85,8 +85,9 @@ class PassTaskBuilder(TaskBuilder):
         pools = self.pools
         pool_k, pool_v = pools.k[layer], pools.v[layer]
         slots = mb.at("write_slots", pool_k.device)
-        pool_k[slots], pool_v[slots] = pools.stored(k.to(pool_k.device)), pools.stored(
-            v.to(pool_k.device)
+        pool_k[slots], pool_v[slots] = (
+            pools.stored(k.to(pool_k.device)),
+            pools.stored(v.to(pool_k.device)),
         )
         gather = mb.at("gather_slots", pool_k.device)  # [B, S]
         out = self._attend(layer, mb, q.to(pool_k.device), pool_k[gather], pool_v[gather])

@@ -191,8 +191,10 @@ class _Answers:
 
     def _stop_string(self, i: int) -> bool:
         stop = self.limits[i].stop
-        return bool(stop) and self.decode is not None and any(
-            s in self.decode(self.tokens[i]) for s in stop
+        return (
+            bool(stop)
+            and self.decode is not None
+            and any(s in self.decode(self.tokens[i]) for s in stop)
         )
 
 

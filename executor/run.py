@@ -145,119 +145,137 @@ def execute(
     process's batches and share of each layer in a run torchrun started (executor/world.py).
     batching: "static" (batches of N, each to its longest answer) or "continuous"
     (executor/passes.py, at most token_budget tokens a pass)."""
-    device = torch.device(spec.device)
     share = share or Share()
     continuous = batching == "continuous"
     runtime = _placed(spec, policy, schedule, checkpoint, cpu_gemm, staged, quiet, share,
                       continuous)  # fmt: skip
-    weights = _weights_held(runtime.store)  # read now: closing unpins them
-    if continuous:
-        args = (spec, policy, runtime, partial, sampling, stop_token_ids, quiet, on_batch, share)
-        return _continuous(*args, token_budget=token_budget, weights=weights, warn=warn,
-                           schedule=schedule)  # fmt: skip
-    batches = plan_batches(spec.prompt_lens, policy.batch_size, policy.micro_batch_size)
-    batches = batches[share.group :: share.groups]
-    pending = partial.pending(batches) if partial is not None else batches
-    done: dict[int, dict[str, Any]] = {}
-    totals = {"prefill_s": 0.0, "decode_s": 0.0, "generated_tokens": 0}
-    peak_buffers: dict[str, dict[str, float]] = {"gpu": {}, "cpu": {}}
-    budget = [sum(spec.max_new(i) for i in b.indices) for b in pending]  # tokens at most
-    bar = RunProgress(tokens=sum(budget), requests=sum(len(b.indices) for b in pending),
-                      quiet=quiet)  # fmt: skip
+    job = _Job(spec=spec, policy=policy, schedule=schedule, runtime=runtime, partial=partial,
+               sampling=sampling or Sampling(), stop_token_ids=stop_token_ids, quiet=quiet,
+               on_batch=on_batch, share=share, weights=_weights_held(runtime.store))  # fmt: skip
     times_before, start = cpu_times(), time.perf_counter()
-    created = int(time.time())
     try:
-        for batch, most in zip(pending, budget, strict=True):
-            gen = _generate_batch(spec, runtime, batch, sampling, stop_token_ids, bar)
-            bar.batch_done(len(batch.indices), most)
-            rows = [
-                _output(spec, i, ids, reason, created)
-                for i, ids, reason in zip(
-                    batch.indices, gen.output_token_ids, gen.finish_reasons, strict=True
-                )
-            ]
-            if partial is not None:
-                partial.append(batch.indices, rows)
-            if on_batch is not None:
-                on_batch(batch.indices, rows)
-            done.update(zip(batch.indices, rows, strict=True))
-            for key in totals:
-                totals[key] += getattr(gen, key)
-            _keep_peaks(peak_buffers, runtime.allocated_bytes())
+        ran = _continuous(job, token_budget) if continuous else _static(job)
     finally:
-        bar.close()
         runtime.close()
     wall = time.perf_counter() - start
     others = _others_share(times_before, warn)
     busy = runtime.engine.busy_seconds()
-    measured = _measurement(runtime, device, busy, totals, peak_buffers)
     environment = {
         **_environment(spec, policy, schedule, runtime, wall, busy),
-        **weights,
-        "batches_run": len(pending),
-        "batches_resumed": len(batches) - len(pending),
+        **job.weights,
+        **ran.environment,
         "other_processes_cpu_share": round(others, 3) if others is not None else "unknown",
     }
     return RunResult(
-        outputs=done,
-        measured=measured,
-        batches=[b.indices for b in pending],
+        outputs=ran.done,
+        measured=_measurement(runtime, torch.device(spec.device), busy, ran.totals, ran.peaks),
+        batches=ran.batches,
         environment=environment,
         cpu_gemm=runtime.model.cpu_gemm,
     )
 
 
-def _continuous(spec, policy, runtime, partial, sampling, stop_token_ids, quiet, on_batch, share,
-                *, token_budget, weights, warn, schedule) -> RunResult:  # fmt: skip
+@dataclass(frozen=True, kw_only=True)
+class _Job:
+    """What both batchings run with: the run, where it writes, and who hears of each answer."""
+
+    spec: RunSpec
+    policy: Policy
+    schedule: str
+    runtime: Any
+    partial: PartialOutput | None
+    sampling: Sampling
+    stop_token_ids: Any
+    quiet: bool
+    on_batch: Callable[[list[int], list[dict[str, Any]]], None] | None
+    share: Share
+    weights: dict[str, bool]
+
+    def answered(self, indices: list[int], rows: list[dict[str, Any]]) -> None:
+        """Finished answers: to the partial output (whole on disk first), then to on_batch."""
+        if self.partial is not None:
+            self.partial.append(indices, rows)
+        if self.on_batch is not None:
+            self.on_batch(indices, rows)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Ran:
+    done: dict[int, dict[str, Any]]  # input index -> output line, of what ran now
+    totals: dict[str, float]  # prefill_s, decode_s, generated_tokens
+    peaks: dict[str, dict[str, float]]  # the buffers' peak bytes by device
+    batches: list[tuple[int, ...]]  # the static batches that ran (none: continuous)
+    environment: dict[str, Any]
+
+
+def _static(job: _Job) -> _Ran:
+    """Every pending batch of N to its longest answer, each batch's answers written as it ends."""
+    spec, policy, runtime = job.spec, job.policy, job.runtime
+    batches = plan_batches(spec.prompt_lens, policy.batch_size, policy.micro_batch_size)
+    batches = batches[job.share.group :: job.share.groups]
+    pending = job.partial.pending(batches) if job.partial is not None else batches
+    done: dict[int, dict[str, Any]] = {}
+    totals = {"prefill_s": 0.0, "decode_s": 0.0, "generated_tokens": 0}
+    peaks: dict[str, dict[str, float]] = {"gpu": {}, "cpu": {}}
+    budget = [sum(spec.max_new(i) for i in b.indices) for b in pending]  # tokens at most
+    bar = RunProgress(tokens=sum(budget), requests=sum(len(b.indices) for b in pending),
+                      quiet=job.quiet)  # fmt: skip
+    created = int(time.time())
+    try:
+        for batch, most in zip(pending, budget, strict=True):
+            gen = _generate_batch(spec, runtime, batch, job.sampling, job.stop_token_ids, bar)
+            bar.batch_done(len(batch.indices), most)
+            answers = zip(batch.indices, gen.output_token_ids, gen.finish_reasons, strict=True)
+            rows = [_output(spec, i, ids, reason, created) for i, ids, reason in answers]
+            job.answered(list(batch.indices), rows)
+            done.update(zip(batch.indices, rows, strict=True))
+            for key in totals:
+                totals[key] += getattr(gen, key)
+            _keep_peaks(peaks, runtime.allocated_bytes())
+    finally:
+        bar.close()
+    environment = {"batches_run": len(pending), "batches_resumed": len(batches) - len(pending)}
+    return _Ran(done=done, totals=totals, peaks=peaks, batches=[b.indices for b in pending],
+                environment=environment)  # fmt: skip
+
+
+def _continuous(job: _Job, token_budget: int | None) -> _Ran:
     """The requests not done yet (a data-parallel group's every groups-th), in input order,
-    through continuous passes; each answer appended to the partial output as it ends."""
-    mine = list(range(len(spec.prompts)))[share.group :: share.groups]
-    pending = [i for i in mine if partial is None or i not in partial.done]
-    limits = {i: _limits(spec, i, sampling or Sampling()) for i in pending}
+    through continuous passes (executor/passes.py); each answer written as it ends. The KV
+    blocks are what a static batch of N books at the longest prompt and most new tokens."""
+    spec, policy = job.spec, job.policy
+    mine = list(range(len(spec.prompts)))[job.share.group :: job.share.groups]
+    pending = [i for i in mine if job.partial is None or i not in job.partial.done]
+    limits = {i: _limits(spec, i, job.sampling) for i in pending}
     done: dict[int, dict[str, Any]] = {}
     bar = RunProgress(tokens=sum(lim.max_new for lim in limits.values()),
-                      requests=len(pending), quiet=quiet)  # fmt: skip
+                      requests=len(pending), quiet=job.quiet)  # fmt: skip
     created = int(time.time())
 
     def finish(i: int, ids: list[int], reason: str) -> None:
-        row = _output(spec, i, ids, reason, created)
-        if partial is not None:
-            partial.append([i], [row])
-        if on_batch is not None:
-            on_batch([i], [row])
-        done[i] = row
+        done[i] = _output(spec, i, ids, reason, created)
+        job.answered([i], [done[i]])
         bar.request_done(len(ids), limits[i].max_new)
 
-    longest = max(len(p) for p in spec.prompts) + max(spec.max_new(i) for i in mine)
-    times_before, start = cpu_times(), time.perf_counter()
+    longest = max(spec.prompt_lens)
+    budget = token_budget or token_budget_limit(policy.batch_size, policy.micro_batch_size,
+                                                longest)  # fmt: skip
+    blocks = kv_blocks_for(policy.batch_size, longest + max(map(spec.max_new, mine), default=1))
     try:
         stats = run_passes(
-            runtime, {i: spec.prompts[i] for i in pending}, limits,
-            max_running=policy.batch_size,
-            token_budget=token_budget or token_budget_limit(
-                policy.batch_size, policy.micro_batch_size, max(len(p) for p in spec.prompts)),
-            total_blocks=kv_blocks_for(policy.batch_size, longest),
-            stop_token_ids=stop_token_ids, decode=_decoder(spec), on_finish=finish,
+            job.runtime, {i: spec.prompts[i] for i in pending}, limits,
+            max_running=policy.batch_size, token_budget=budget, total_blocks=blocks,
+            stop_token_ids=job.stop_token_ids, decode=_decoder(spec), on_finish=finish,
             on_pass=lambda sampled: bar.step("pass", sampled),
         )  # fmt: skip
-        peaks = runtime.allocated_bytes()
     finally:
         bar.close()
-        runtime.close()
-    wall = time.perf_counter() - start
-    others = _others_share(times_before, warn)
-    busy = runtime.engine.busy_seconds()
     totals = {"prefill_s": stats.prefill_s, "decode_s": stats.decode_s,
               "generated_tokens": bar.made}  # fmt: skip
-    environment = {
-        **_environment(spec, policy, schedule, runtime, wall, busy), **weights,
-        "batching": "continuous", "continuous": stats.summary(), "batches_run": 0,
-        "batches_resumed": len(mine) - len(pending),
-        "other_processes_cpu_share": round(others, 3) if others is not None else "unknown",
-    }  # fmt: skip
-    return RunResult(outputs=done, measured=_measurement(runtime, torch.device(spec.device), busy,
-                     totals, peaks), batches=[], environment=environment,
-                     cpu_gemm=runtime.model.cpu_gemm)  # fmt: skip
+    environment = {"batching": "continuous", "continuous": stats.summary(), "batches_run": 0,
+                   "batches_resumed": len(mine) - len(pending), "token_budget": budget}  # fmt: skip
+    peaks = job.runtime.allocated_bytes()
+    return _Ran(done=done, totals=totals, peaks=peaks, batches=[], environment=environment)
 
 
 def _generate_batch(spec: RunSpec, runtime, batch, sampling, stop_token_ids, bar):

@@ -24,10 +24,10 @@ from executor.checkpoint import Checkpoint
 from executor.engine import Engine, Op
 from executor.kv_cache import packed_layout
 from executor.model import MoEModel
+from executor.pass_tasks import PassTaskBuilder
 from executor.pinning import HostPins
 from executor.quant import dequantized_weights
 from executor.schedules import SCHEDULE_ORDERS, StepShape, dequantize_before_use
-from executor.pass_tasks import PassTaskBuilder
 from executor.tasks import BatchState, MicroBatch, StepState, TaskBuilder
 from executor.weight_store import WeightStore
 from hrm.formats import is_compact, row_bytes
@@ -270,7 +270,8 @@ class Runtime:
         -> each group's logits [samples, V] (None: no row of it samples)."""
         self.batch.micro_batches[:] = groups
         shape = dataclasses.replace(
-            self.step_shape(step, last=False), chain=lambda layer, j: self.chain(groups[j].phase, layer)
+            self.step_shape(step, last=False),
+            chain=lambda layer, j: self.chain(groups[j].phase, layer),
         )
         self._run(StepState(step=step, tokens=None, batch=self.batch), shape)
         return [g.buffers.pop("logits") for g in groups]

@@ -16,6 +16,8 @@ import os
 from hrm.plan import SCHEDULES
 from hrm.policy import RUN_DTYPES
 
+BATCHINGS = ("static", "continuous")
+
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
@@ -107,6 +109,20 @@ def _add_run_arguments(p) -> None:
         help="CPU GEMM path for 16-bit weights: auto (the faster per token count, from the "
         "--hardware profile of this host or a one-second probe), native or widened (auto)",
     )
+    p.add_argument(
+        "--batching",
+        choices=BATCHINGS,
+        default="static",
+        help="static: batches of N, each run to its longest answer (MoE-Lightning's); "
+        "continuous: every pass carries the running answers and newly admitted prompts, a "
+        "finished request's KV memory goes to the next (static)",
+    )
+    p.add_argument(
+        "--max-tokens-per-pass",
+        type=int,
+        help="continuous batching: tokens a pass carries at most, decodes and prompt chunks "
+        "(default and largest: one micro-batch of the longest prompt, plus N decodes)",
+    )
     p.add_argument("--threads", type=int, help="CPU threads the run uses (default: torch's)")
     p.add_argument(
         "--output",
@@ -156,6 +172,7 @@ def run_job(args: argparse.Namespace, warn):
     output = _output_path(args)
     hardware = resolve_hardware(args.hardware) if args.hardware else None
     job = settle_job(args, hardware, random_arch, planner_args, warn)
+    _check_batching(args, job)
     tp = job.plan.tensor_parallel if job.plan is not None else 1
     if tp > 1 and "WORLD_SIZE" not in os.environ:
         _launch(args, tp)  # one machine's ranks, started by torch's launcher
@@ -254,7 +271,12 @@ def _partial(args, output, digest, world):
         part = world.group if world.data_parallel > 1 else None
         try:
             partial = PartialOutput(
-                output, digest, resume=args.resume, overwrite=args.overwrite, part=part
+                output,
+                digest,
+                resume=args.resume,
+                overwrite=args.overwrite,
+                part=part,
+                batching=args.batching,
             )
         except HrmError as exc:
             problem = str(exc)
@@ -332,7 +354,7 @@ def _settings(args, job) -> dict:
             for r in job.spec.requests
         ],
         "ignore_eos": args.ignore_eos,
-    }
+    } | ({"batching": "continuous"} if args.batching == "continuous" else {})
 
 
 def _execute(args, job, hardware, partial, warn, world):
@@ -374,6 +396,8 @@ def _execute(args, job, hardware, partial, warn, world):
             # other processes' share of the CPU: a rank's siblings are among them
             warn=(lambda m: None) if world.distributed else lambda m: warn(f"warning: {m}"),
             share=world.share(),
+            batching=args.batching,
+            token_budget=args.max_tokens_per_pass,
         )
 
 
@@ -410,6 +434,29 @@ def _check_flags(args) -> list[str]:
             + ("a --plan has fixed it already: leave it out" if args.plan else "add --hardware")
         )
     return planner_args
+
+
+def _check_batching(args, job) -> None:
+    """A pass's token budget: at least 1, at most what the plan's memory holds (one
+    micro-batch of its longest prompt beside N decodes); continuous batching only."""
+    from executor.passes import token_budget_limit
+    from hrm.errors import HrmError
+
+    budget = args.max_tokens_per_pass
+    if budget is None:
+        return
+    if args.batching != "continuous":
+        raise HrmError("--max-tokens-per-pass is for --batching continuous; add it, or leave "
+                       "the flag out")  # fmt: skip
+    p = job.policy
+    longest = job.plan.workload.prompt_len_max if job.plan else max(job.spec.prompt_lens)
+    most = token_budget_limit(p.batch_size, p.micro_batch_size, longest)
+    if not 1 <= budget <= most:
+        raise HrmError(
+            f"--max-tokens-per-pass {budget}: a pass carries 1 to {most} tokens under this "
+            f"{'plan' if job.plan else 'run'} (N={p.batch_size} decodes and one micro-batch of "
+            f"{p.micro_batch_size} prompts of {longest} tokens, what its memory holds)"
+        )
 
 
 def _random_arch(args):

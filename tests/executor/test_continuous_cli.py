@@ -1,0 +1,112 @@
+"""`hrm run --batching continuous` as a user runs it: a plan and a prompts file, the answers
+in input order, each appended to OUT.partial as it ends so that a killed run loses only what
+was running, `--resume`, and the refusals (one line, exit 2, before any weight is loaded)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from executor import passes
+from tests.conftest import assert_one_line_error
+
+
+def _run(run_cli, files, out, *extra):
+    path, prompts, plan = files
+    return run_cli("run", "--checkpoint", path, "--prompts", prompts, "--plan", plan,
+                   "--gen-len", "4", "--output", out, "--quiet", *extra)  # fmt: skip
+
+
+def test_a_continuous_run_answers_what_the_static_one_does(run_cli, files, tmp_path):
+    status, _, err = _run(run_cli, files, tmp_path / "static.jsonl")
+    assert status == 0, err
+    status, _, err = _run(run_cli, files, tmp_path / "cont.jsonl", "--batching", "continuous",
+                          "--max-tokens-per-pass", "7")  # fmt: skip
+    assert status == 0, err
+    assert (tmp_path / "cont.jsonl").read_text() == (tmp_path / "static.jsonl").read_text()
+
+
+def test_a_killed_run_keeps_every_finished_answer_and_resume_goes_on(run_cli, files, tmp_path,
+                                                                     monkeypatch):  # fmt: skip
+    out = tmp_path / "out.jsonl"
+    status, _, err = _run(run_cli, files, tmp_path / "whole.jsonl", "--batching", "continuous")
+    assert status == 0, err
+    real, seen = passes.run_passes, []
+
+    def killed_after_three(*args, on_finish, **kw):
+        def finish(i, ids, reason):
+            on_finish(i, ids, reason)
+            seen.append(i)
+            if len(seen) == 3:
+                raise KeyboardInterrupt
+
+        return real(*args, on_finish=finish, **kw)
+
+    monkeypatch.setattr("executor.run.run_passes", killed_after_three)
+    status, _, err = _run(run_cli, files, out, "--batching", "continuous")
+    assert status != 0 and "3 of 10 outputs are in" in err
+    lines = (tmp_path / "out.jsonl.partial").read_text().splitlines()
+    assert json.loads(lines[0])["hrm_partial"]["batching"] == "continuous"
+    assert sorted(json.loads(line)["index"] for line in lines[1:]) == sorted(seen)
+    monkeypatch.setattr("executor.run.run_passes", real)
+    status, _, err = _run(run_cli, files, out, "--batching", "continuous", "--resume")
+    assert status == 0, err
+    assert out.read_text() == (tmp_path / "whole.jsonl").read_text()
+    assert not (tmp_path / "out.jsonl.partial").exists()
+
+
+@pytest.mark.parametrize(("first", "then"), [("static", "continuous"), ("continuous", "static")])
+def test_a_partial_file_resumes_in_its_own_batching_only(run_cli, files, tmp_path, first, then):
+    out = tmp_path / "out.jsonl"
+    partial = tmp_path / "out.jsonl.partial"
+    header = {"run": "x"} | ({"batching": "continuous"} if first == "continuous" else {})
+    partial.write_text(json.dumps({"hrm_partial": header}) + "\n")
+    status, _, err = _run(run_cli, files, out, "--batching", then, "--resume")
+    assert_one_line_error(status, err, f"holds a {first} batching run's answers",
+                          f"--batching {first}")  # fmt: skip
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--batching", "rolling"], "invalid choice: 'rolling'"),
+        (
+            ["--batching", "continuous", "--max-tokens-per-pass", "0"],
+            "a pass carries 1 to 21 tokens",
+        ),
+        (
+            ["--batching", "continuous", "--max-tokens-per-pass", "22"],
+            "a pass carries 1 to 21 tokens",
+        ),
+        (["--max-tokens-per-pass", "8"], "is for --batching continuous"),
+    ],
+)
+def test_bad_batching_flags_are_refused_before_loading(run_cli, files, tmp_path, monkeypatch,
+                                                       flags, says):  # fmt: skip
+    monkeypatch.setattr("executor.api.load_weights", lambda *a, **k: pytest.fail("loaded"))
+    status, out, err = _run(run_cli, files, tmp_path / "out.jsonl", *flags)
+    assert_one_line_error(status, err, says)
+    assert out == "" and not list(tmp_path.glob("out.jsonl*"))
+
+
+def test_data_and_tensor_parallel_runs_give_one_processes_answers(files, tmp_path):
+    """Two data-parallel groups each run every other request through passes of their own; two
+    tensor-parallel ranks take the same admissions (the rule is deterministic and each rank
+    samples the same gathered logits): both give one process's static output."""
+    from tests.executor.test_data_parallel import _tp_plan, hrm, torchrun
+    from tests.executor.test_run_plan import run_args
+
+    path, prompts, plan = files
+    one = hrm(*run_args(path, prompts, plan, "--output", tmp_path / "one.jsonl"))
+    assert one.returncode == 0, one.stderr
+    for name, done in (
+        ("dp.jsonl", lambda out: torchrun(2, *run_args(path, prompts, plan, "--output", out,
+                                                       "--batching", "continuous"))),
+        ("tp.jsonl", lambda out: hrm(*run_args(path, prompts, _tp_plan(path, tmp_path, 2),
+                                               "--output", out, "--batching", "continuous"))),
+    ):  # fmt: skip
+        result = done(tmp_path / name)
+        assert result.returncode == 0, result.stderr
+        assert (tmp_path / name).read_text() == (tmp_path / "one.jsonl").read_text()
