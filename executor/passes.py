@@ -198,13 +198,6 @@ class _Answers:
         )
 
 
-def kv_blocks_for(batch_size: int, context_tokens: int) -> int:
-    """The blocks of the KV memory a static batch of `batch_size` books at `context_tokens`
-    (longest prompt + most new tokens) a sequence: what a plan counted, now shared by what the
-    running sequences hold."""
-    return -(-batch_size * context_tokens // BLOCK_TOKENS)
-
-
 def token_budget_limit(batch_size: int, micro_batch_size: int, prompt_len_max: int) -> int:
     """The most tokens a pass may carry: one micro-batch's prefill, as the plan counted its
     activations (mu x the longest prompt), beside a decode of every running sequence."""

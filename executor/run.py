@@ -21,7 +21,7 @@ from executor.api import RunSpec, load_weights, peak_memory_bytes
 from executor.batching import PartialOutput, plan_batches
 from executor.checkpoint import Checkpoint
 from executor.generate import Limits, Sampling, generate
-from executor.passes import kv_blocks_for, run_passes, token_budget_limit
+from executor.passes import run_passes, token_budget_limit
 from executor.quant import compute_dtype
 from executor.runtime import placed_runtime
 from executor.tensor_parallel import random_share, shard_checkpoint
@@ -36,6 +36,7 @@ from hrm.profiling.cpu import cpu_times, measured_others_share
 from hrm.progress import RunProgress
 from hrm.record import Measurement
 from hrm.requests import answer_line
+from hrm.rules.admission import Request, check_fits, kv_blocks
 from hrm.rules.cpu_gemm import CpuGemmChoice
 from hrm.units import format_bytes
 
@@ -51,8 +52,11 @@ def check_plan(
     host_bytes: float,
     stand_in: bool,
     device: str = "cpu",
+    max_new: list[int] | None = None,
 ) -> None:
     """Every reason the plan cannot run these prompts, as one HrmError, before any loading.
+    max_new (continuous batching): each request's most new tokens; a request then needs only to
+    fit the KV memory the plan counted (its prompt is cut into passes), not the plan's lengths.
 
     gpu_bytes: the device memory given (--gpu-mem) or present; host_bytes: the host's. Where the
     CPU stands in for the GPU, the host holds both sides of the plan. device: the run's (the
@@ -77,12 +81,17 @@ def check_plan(
     if problem:
         raise HrmError(f"{where}: {problem}; plan with another --kv-dtype")
     longest, limit = max(prompt_lens), plan.workload.prompt_len_max
-    if longest > limit:
+    if max_new is not None:
+        lives = [
+            Request(i, n, g) for i, (n, g) in enumerate(zip(prompt_lens, max_new, strict=True))
+        ]
+        check_fits(lives, kv_blocks(plan.policy.batch_size, plan.workload.max_context_len))
+    elif longest > limit:
         raise HrmError(
             f"a prompt has {longest} tokens, longer than the plan's maximum of {limit}; "
             "plan with --max-prompt-len covering the longest prompt"
         )
-    if gen_len > plan.workload.gen_len:  # from --gen-len, or from max_tokens (none given)
+    if max_new is None and gen_len > plan.workload.gen_len:  # --gen-len, or the max_tokens
         raise HrmError(
             f"{where}: the run asks for up to {gen_len} new tokens a prompt (its --gen-len, or "
             f"its requests' largest max_tokens), more than the plan's {plan.workload.gen_len} "
@@ -132,6 +141,7 @@ def execute(
     share: Share | None = None,
     batching: str = "static",
     token_budget: int | None = None,
+    kv_context: int | None = None,
 ) -> RunResult:
     """Run every pending batch of `spec`'s prompts under `policy` and `schedule` on its device.
 
@@ -144,7 +154,7 @@ def execute(
     processes took enough of the CPU that the measurement is not comparable. share: this
     process's batches and share of each layer in a run torchrun started (executor/world.py).
     batching: "static" (batches of N, each to its longest answer) or "continuous"
-    (executor/passes.py, at most token_budget tokens a pass)."""
+    (executor/passes.py, at most token_budget tokens a pass, KV for N sequences of kv_context)."""
     share = share or Share()
     continuous = batching == "continuous"
     runtime = _placed(spec, policy, schedule, checkpoint, cpu_gemm, staged, quiet, share,
@@ -154,7 +164,7 @@ def execute(
                on_batch=on_batch, share=share, weights=_weights_held(runtime.store))  # fmt: skip
     times_before, start = cpu_times(), time.perf_counter()
     try:
-        ran = _continuous(job, token_budget) if continuous else _static(job)
+        ran = _continuous(job, token_budget, kv_context) if continuous else _static(job)
     finally:
         runtime.close()
     wall = time.perf_counter() - start
@@ -223,7 +233,13 @@ def _static(job: _Job) -> _Ran:
     created = int(time.time())
     try:
         for batch, most in zip(pending, budget, strict=True):
-            gen = _generate_batch(spec, runtime, batch, job.sampling, job.stop_token_ids, bar)
+
+            def step(phase: str, tokens: int) -> None:
+                bar.step(phase, tokens)
+                if phase == "prefill":  # the batch's buffers whole, before any row retires
+                    _keep_peaks(peaks, runtime.allocated_bytes())
+
+            gen = _generate_batch(spec, runtime, batch, job.sampling, job.stop_token_ids, step)
             bar.batch_done(len(batch.indices), most)
             answers = zip(batch.indices, gen.output_token_ids, gen.finish_reasons, strict=True)
             rows = [_output(spec, i, ids, reason, created) for i, ids, reason in answers]
@@ -231,7 +247,6 @@ def _static(job: _Job) -> _Ran:
             done.update(zip(batch.indices, rows, strict=True))
             for key in totals:
                 totals[key] += getattr(gen, key)
-            _keep_peaks(peaks, runtime.allocated_bytes())
     finally:
         bar.close()
     environment = {"batches_run": len(pending), "batches_resumed": len(batches) - len(pending)}
@@ -239,10 +254,11 @@ def _static(job: _Job) -> _Ran:
                 environment=environment)  # fmt: skip
 
 
-def _continuous(job: _Job, token_budget: int | None) -> _Ran:
+def _continuous(job: _Job, token_budget: int | None, kv_context: int | None) -> _Ran:
     """The requests not done yet (a data-parallel group's every groups-th), in input order,
     through continuous passes (executor/passes.py); each answer written as it ends. The KV
-    blocks are what a static batch of N books at the longest prompt and most new tokens."""
+    blocks are what a static batch of N books at `kv_context` tokens a sequence (the plan's
+    longest prompt and generation; default: the run's)."""
     spec, policy = job.spec, job.policy
     mine = list(range(len(spec.prompts)))[job.share.group :: job.share.groups]
     pending = [i for i in mine if job.partial is None or i not in job.partial.done]
@@ -260,7 +276,8 @@ def _continuous(job: _Job, token_budget: int | None) -> _Ran:
     longest = max(spec.prompt_lens)
     budget = token_budget or token_budget_limit(policy.batch_size, policy.micro_batch_size,
                                                 longest)  # fmt: skip
-    blocks = kv_blocks_for(policy.batch_size, longest + max(map(spec.max_new, mine), default=1))
+    context = kv_context or longest + max(map(spec.max_new, mine), default=1)
+    blocks = kv_blocks(policy.batch_size, context)
     try:
         stats = run_passes(
             job.runtime, {i: spec.prompts[i] for i in pending}, limits,
@@ -278,8 +295,9 @@ def _continuous(job: _Job, token_budget: int | None) -> _Ran:
     return _Ran(done=done, totals=totals, peaks=peaks, batches=[], environment=environment)
 
 
-def _generate_batch(spec: RunSpec, runtime, batch, sampling, stop_token_ids, bar):
-    """One batch to its longest answer, each prompt with its own limits; `bar` counts tokens."""
+def _generate_batch(spec: RunSpec, runtime, batch, sampling, stop_token_ids, on_step):
+    """One batch to its longest answer, each prompt with its own limits; on_step(phase,
+    tokens) after each step."""
     return generate(
         runtime,
         [spec.prompts[i] for i in batch.indices],
@@ -288,7 +306,7 @@ def _generate_batch(spec: RunSpec, runtime, batch, sampling, stop_token_ids, bar
         stop_token_ids=stop_token_ids,
         decode=_decoder(spec),
         micro_batch_sizes=batch.micro_batch_sizes,
-        on_step=bar.step,
+        on_step=on_step,
     )
 
 

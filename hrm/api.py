@@ -47,6 +47,8 @@ def generate(
     ignore_eos: bool = False,
     threads: int | None = None,
     progress: bool = False,
+    batching: str = "static",
+    max_tokens_per_pass: int | None = None,
 ) -> list[Result]:
     """Generate for each request with a local checkpoint; the answers in request order.
 
@@ -56,7 +58,7 @@ def generate(
     max_tokens (None: every request gives its own). plan: a plan file (hrm plan -o) to run
     under; hardware: a profile to plan for first (with gpu_mem, cpu_mem, schedule), as
     `hrm run --hardware` does; neither: everything on `device`. progress: a progress bar on
-    stderr."""
+    stderr. batching, max_tokens_per_pass: as `hrm run --batching` (docs/running.md)."""
     from hrm.cli import build_parser
     from hrm.cli.run import run_job
     from hrm.requests import requests_from
@@ -64,7 +66,8 @@ def generate(
     flags = {"--gen-len": gen_len, "--plan": plan, "--hardware": hardware, "--gpu-mem": gpu_mem,
              "--cpu-mem": cpu_mem, "--schedule": schedule, "--dtype": dtype, "--device": device,
              "--temperature": temperature, "--top-p": top_p, "--seed": seed,
-             "--threads": threads}  # fmt: skip
+             "--threads": threads, "--batching": batching,
+             "--max-tokens-per-pass": max_tokens_per_pass}  # fmt: skip
     argv = ["run", "--checkpoint", str(checkpoint), "--prompts", "requests"]
     argv += [str(x) for flag, value in flags.items() if value is not None for x in (flag, value)]
     argv += ["--ignore-eos"] * ignore_eos + ["--quiet"] * (not progress)

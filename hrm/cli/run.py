@@ -398,6 +398,7 @@ def _execute(args, job, hardware, partial, warn, world):
             share=world.share(),
             batching=args.batching,
             token_budget=args.max_tokens_per_pass,
+            kv_context=job.plan.workload.max_context_len if job.plan else None,
         )
 
 
@@ -438,20 +439,21 @@ def _check_flags(args) -> list[str]:
 
 def _check_batching(args, job) -> None:
     """A pass's token budget: at least 1, at most what the plan's memory holds (one
-    micro-batch of its longest prompt beside N decodes); continuous batching only."""
+    micro-batch of its longest prompt beside N decodes), and that most when not given;
+    continuous batching only."""
     from executor.passes import token_budget_limit
     from hrm.errors import HrmError
 
     budget = args.max_tokens_per_pass
-    if budget is None:
-        return
-    if args.batching != "continuous":
+    if budget is not None and args.batching != "continuous":
         raise HrmError("--max-tokens-per-pass is for --batching continuous; add it, or leave "
                        "the flag out")  # fmt: skip
     p = job.policy
     longest = job.plan.workload.prompt_len_max if job.plan else max(job.spec.prompt_lens)
     most = token_budget_limit(p.batch_size, p.micro_batch_size, longest)
-    if not 1 <= budget <= most:
+    if budget is None:
+        args.max_tokens_per_pass = most if args.batching == "continuous" else None
+    elif not 1 <= budget <= most:
         raise HrmError(
             f"--max-tokens-per-pass {budget}: a pass carries 1 to {most} tokens under this "
             f"{'plan' if job.plan else 'run'} (N={p.batch_size} decodes and one micro-batch of "

@@ -110,6 +110,9 @@ def _planned_job(args, hardware, random_arch, warn) -> Job:
         host_bytes=host,
         stand_in=device.type == "cpu",
         device=spec.device,
+        max_new=[spec.max_new(i) for i in range(len(spec.prompts))]
+        if args.batching == "continuous"
+        else None,
     )
     profile = prediction_profile(plan, hardware, spec.device, warn)
     return Job(spec, plan.policy, plan.schedule, plan, profile, plan.stages_weights)

@@ -78,6 +78,26 @@ def life_tokens(request: Request) -> int:
     return request.prompt_len + request.max_new - 1
 
 
+def kv_blocks(batch_size: int, context_tokens: int, block_tokens: int = BLOCK_TOKENS) -> int:
+    """The blocks of the KV memory a static batch of `batch_size` books at `context_tokens` a
+    sequence (longest prompt + most new tokens): what a plan counts, which continuous batching
+    shares out by what the running requests hold."""
+    return -(-batch_size * context_tokens // block_tokens)
+
+
+def check_fits(requests: Iterable[Request], total_blocks: int, block_tokens: int = BLOCK_TOKENS):
+    """Refuse, naming it, the first request whose whole life needs more KV than there is: it
+    could never be admitted, and the run would wait for it for ever."""
+    for r in requests:
+        need = blocks_for(life_tokens(r), block_tokens)
+        if need > total_blocks:
+            raise HrmError(
+                f"request {r.index + 1} (a prompt of {r.prompt_len} tokens and up to "
+                f"{r.max_new} new) needs {need * block_tokens} tokens of KV cache; the run "
+                f"holds {total_blocks * block_tokens}: shorten it, or plan for more memory"
+            )
+
+
 class Admission:
     """The scheduler's state over one job: the queue, the running sequences and the blocks
     reserved for them."""
@@ -100,14 +120,7 @@ class Admission:
         self.prefilled: dict[int, int] = {}  # prompt tokens in, per running request
         self.generated: dict[int, int] = {}  # tokens sampled, per running request
         self.reserved = 0  # blocks of the running requests' whole lives
-        for r in self.queue:
-            need = blocks_for(life_tokens(r), block_tokens)
-            if need > total_blocks:
-                raise HrmError(
-                    f"request {r.index + 1} (a prompt of {r.prompt_len} tokens and up to "
-                    f"{r.max_new} new) needs {need * block_tokens} tokens of KV cache; the run "
-                    f"holds {total_blocks * block_tokens}: shorten it, or plan for more memory"
-                )
+        check_fits(self.queue, total_blocks, block_tokens)
 
     @property
     def done(self) -> bool:

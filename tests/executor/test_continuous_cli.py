@@ -110,3 +110,35 @@ def test_data_and_tensor_parallel_runs_give_one_processes_answers(files, tmp_pat
         result = done(tmp_path / name)
         assert result.returncode == 0, result.stderr
         assert (tmp_path / name).read_text() == (tmp_path / "one.jsonl").read_text()
+
+
+def test_a_prompt_longer_than_the_plan_runs_where_its_kv_fits_and_else_is_named(
+    run_cli, files, tmp_path, checkpoints
+):
+    """The plan (N=3, prompts of 9, 4 new) counts 3 x 13 KV tokens, 48 in blocks of 16: a
+    20-token prompt is cut into passes and runs, with the tokens it has alone; a 50-token one
+    could never be admitted and is named before any weight is loaded."""
+    from executor.checkpoint import open_checkpoint
+    from executor.generate import generate
+    from executor.model import MoEModel
+    from tests.executor.conftest import ragged_prompts
+
+    path, _, plan = files
+    long_ok, too_long = ragged_prompts([20, 50], seed=3)
+    prompts = tmp_path / "long.jsonl"
+    prompts.write_text(json.dumps({"prompt_token_ids": long_ok}) + "\n")
+    out = tmp_path / "out.jsonl"
+    status, _, err = run_cli("run", "--checkpoint", path, "--prompts", prompts, "--plan", plan,
+                             "--gen-len", "4", "--output", out, "--quiet", "--batching",
+                             "continuous")  # fmt: skip
+    assert status == 0, err
+    model = MoEModel(open_checkpoint(path, "float32"))
+    alone = generate(model, [long_ok], 4).output_token_ids[0]
+    assert json.loads(out.read_text())["output_token_ids"] == alone
+    prompts.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n"
+                               for p in (long_ok, too_long)))  # fmt: skip
+    status, _, err = run_cli("run", "--checkpoint", path, "--prompts", prompts, "--plan", plan,
+                             "--gen-len", "4", "--output", tmp_path / "x.jsonl", "--batching",
+                             "continuous")  # fmt: skip
+    assert_one_line_error(status, err, "request 2 (a prompt of 50 tokens and up to 4 new) needs "
+                          "64 tokens of KV cache; the run holds 48")  # fmt: skip
