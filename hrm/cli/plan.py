@@ -143,6 +143,9 @@ def run(args: argparse.Namespace) -> int:
     if args.output:
         written.save(args.output)
     rate, price = written.predicted.throughput_tok_s, hardware.price_per_hour
+    from planner.bound import stage1_bound
+
+    bound = stage1_bound(arch, hardware, workload, dtype, kv)
     if args.json:
         data = plan_json(result, base, args.output)
         if named is not None:
@@ -153,9 +156,11 @@ def run(args: argparse.Namespace) -> int:
             }
         data["job"] = job.to_dict(rate, price) if job is not None else None
         data["what_if"] = unrunnable
+        data["stage1_bound"] = bound.to_dict() | {"plan_share": rate / bound.generated_per_s}
         print(json.dumps(data, indent=2))
         return 0
     print(format_plan(result, base))
+    print(bound.describe(rate))
     if unrunnable:
         print(f"what-if: {unrunnable}; hrm run cannot run this plan")
     if named is not None:

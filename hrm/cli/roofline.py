@@ -38,6 +38,13 @@ def add_parser(subparsers) -> None:
     p.add_argument(
         "--micro-batch", type=int, default=64, help="GPU micro-batch size for the FFN kernel (64)"
     )
+    p.add_argument(
+        "--prompt-len",
+        type=int,
+        default=98,
+        help="mean prompt of the workload whose MoE-Lens stage-1 bound is drawn (98)",
+    )
+    p.add_argument("--gen-len", type=int, default=32, help="its new tokens a request (32)")
     p.add_argument("-o", "--output", help="PNG to write (default roofline-MODEL-HARDWARE.png)")
     p.add_argument("--json", action="store_true", help="print the numbers as one JSON object")
     p.set_defaults(run=run)
@@ -73,8 +80,8 @@ def run(args: argparse.Namespace) -> int:
     from hrm.roofline.report import build_roofline_report
 
     batches = _positive_ints(args.batch, "--batch")
-    if args.context <= 0 or args.micro_batch <= 0:
-        raise HrmError("--context and --micro-batch must be positive")
+    if min(args.context, args.micro_batch, args.prompt_len, args.gen_len) <= 0:
+        raise HrmError("--context, --micro-batch, --prompt-len and --gen-len must be positive")
     arch = resolve_model(args.model)
     arch.check_positions(args.context, 0, "--context", fix="give a shorter --context")
     hardware = resolve_hardware(args.hardware)
@@ -92,13 +99,28 @@ def run(args: argparse.Namespace) -> int:
         dtype=dtype,
         micro_batch=args.micro_batch,
     )
-    plot_roofline(report, output)
+    bound = _bound(args, arch, hardware, dtype)
+    flops = bound.tokens_per_s * 2.0 * arch.active_params  # the bound as the FLOP/s it carries
+    plot_roofline(report, output, (flops, f"MoE-Lens stage-1 bound, p {args.prompt_len} g "
+                                          f"{args.gen_len}"))  # fmt: skip
     if args.json:
-        print(json.dumps({**report.to_dict(), "output": str(output)}, indent=2))
+        data = {**report.to_dict(), "stage1_bound": bound.to_dict(), "output": str(output)}
+        print(json.dumps(data, indent=2))
     else:
         print(format_report(report))
+        print(f"  {bound.describe()} (prompts {args.prompt_len}, {args.gen_len} new tokens)")
         print(f"wrote {output}")
     return 0
+
+
+def _bound(args, arch, hardware, dtype):
+    """MoE-Lens's stage-1 bound for --prompt-len and --gen-len (planner/bound.py)."""
+    from hrm.workload import Workload
+    from planner.bound import stage1_bound
+
+    workload = Workload(prompt_len_mean=args.prompt_len, prompt_len_max=args.prompt_len,
+                        gen_len=args.gen_len)  # fmt: skip
+    return stage1_bound(arch, hardware, workload, dtype, hardware.compute_dtype(dtype))
 
 
 def format_report(report) -> str:

@@ -18,8 +18,11 @@ _KV_MARKERS = {
 }
 
 
-def plot_roofline(report: RooflineReport, path: str | Path) -> Path:
-    """Log-log roofline: CPU and GPU roofs, the PCIe cross-level roof, ops placed on them, P1/P2."""
+def plot_roofline(
+    report: RooflineReport, path: str | Path, bound: tuple[float, str] | None = None
+) -> Path:
+    """Log-log roofline: CPU and GPU roofs, the PCIe cross-level roof, ops placed on them, P1/P2;
+    bound: (FLOP/s, label) of a throughput bound (MoE-Lens's stage 1), drawn as a level line."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -30,6 +33,8 @@ def plot_roofline(report: RooflineReport, path: str | Path) -> Path:
     _draw_attention(ax, [p for p in report.points if p.op == "attention"])
     _draw_expert_ffn(ax, [p for p in report.points if p.op == "expert_ffn"], report.micro_batch)
     _draw_turning_points(ax, report)
+    if bound is not None:
+        ax.axhline(bound[0], color="tab:purple", ls="-.", lw=1.5, label=bound[1])
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("operational intensity against the data's home memory (FLOP/byte)")
