@@ -35,6 +35,7 @@ class PassStats:
     prefill_s: float = 0.0  # passes with prompt tokens
     decode_s: float = 0.0  # passes of decodes only
     peak_kv_bytes: float = 0.0
+    logits: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # if asked: [V] a token
 
     def summary(self) -> dict:
         n = len(self.tokens)
@@ -58,10 +59,11 @@ def run_passes(
     decode: Callable[[list[int]], str] | None = None,
     on_finish: Callable[[int, list[int], str], None],
     on_pass: Callable[[int], None] = lambda tokens: None,
+    keep_logits: bool = False,
 ) -> PassStats:
     """Every request of `prompts` (input index -> token ids, in the order they queue) to its
     end; on_finish(index, token ids, "stop" or "length") as each ends; on_pass(sampled) after
-    each pass."""
+    each pass; keep_logits: each request's logits of every token it sampled, in the stats."""
     requests = [Request(index=i, prompt_len=len(p), max_new=limits[i].max_new)
                 for i, p in prompts.items()]  # fmt: skip
     admission = Admission(requests, max_running=max_running, token_budget=token_budget,
@@ -70,6 +72,7 @@ def run_passes(
     runtime.start_passes(pools)
     out = _Answers(limits, stop_token_ids, decode, runtime.device)
     stats, step = PassStats(), 0
+    out.logits = stats.logits if keep_logits else None
     with torch.inference_mode():
         while not admission.done:
             p = admission.next_pass()
@@ -164,6 +167,7 @@ class _Answers:
         self.limits, self.decode, self.stops = limits, decode, set(stop_token_ids)
         self.tokens: dict[int, list[int]] = {i: [] for i in limits}
         self.reasons: dict[int, str] = {}
+        self.logits: dict[int, list[torch.Tensor]] | None = None  # kept where asked
         self.generators = {
             i: torch.Generator(device=device).manual_seed(lim.sampling.seed)
             for i, lim in limits.items()
@@ -184,6 +188,8 @@ class _Answers:
                     lim = self.limits[i]
                     token = int(sample(lg[row : row + 1], lim.sampling, self.generators[i]))
                 self.tokens[i].append(token)
+                if self.logits is not None:
+                    self.logits.setdefault(i, []).append(lg[row].float())
                 if token in self.stops or self._stop_string(i):
                     self.reasons[i] = "stop"
                     stopped.append(i)

@@ -14,7 +14,7 @@ from executor.model import MoEModel
 from executor.passes import run_passes
 from executor.runtime import Runtime, placed_runtime
 from tests.executor.conftest import ragged_prompts, reference_model
-from tests.executor.test_matches_transformers import reference_generate
+from tests.executor.test_matches_transformers import TOLERANCE, reference_generate, relative_error
 from tests.executor.test_offload import CPU, SCHEDULES, policy
 
 # a 30-token prompt is longer than a pass (BUDGET); max_new 1 ends on the first token
@@ -156,21 +156,36 @@ def test_a_compact_kv_cache_gives_the_static_runs_tokens(checkpoints):
     assert got == alone(path, prompts, kv_format="int8")
 
 
-def test_bf16_tokens_stay_with_the_static_runs(checkpoints):
-    """In bf16 a request's rows share GEMMs with other requests' in either mode; its tokens
-    differ from the static run's only where its top two logits are within bf16's rounding."""
+def test_bf16_logits_are_within_the_suites_tolerance(checkpoints):
+    """In bf16 each request's logits, token by token, within the suite's tolerance of the same
+    request run alone (as long as the tokens agree), and its first against transformers'. (On
+    this checkpoint request 3 flips an expert at its fifth token in bf16 alone too, 0.15 from
+    transformers: its pass mates change nothing.)"""
     path = checkpoints["mixtral-single"]
     prompts = ragged_prompts(LENGTHS, seed=7)
-    runtime = placed_runtime(open_checkpoint(path, "bfloat16"), policy(n=3, mu=2,
-                             dtype="bfloat16"), "cgopipe", CPU, continuous=True)  # fmt: skip
+    p = policy(n=3, mu=2, dtype="bfloat16")
+    runtime = placed_runtime(open_checkpoint(path, "bfloat16"), p, "cgopipe", CPU, continuous=True)
+    got = {}
     try:
-        got, _, _ = continuous(runtime, prompts)
+        limits = {i: Limits(max_new=m) for i, m in enumerate(MAX_NEW)}
+        stats = run_passes(
+            runtime, dict(enumerate(prompts)), limits,
+            max_running=3, token_budget=BUDGET, total_blocks=64, keep_logits=True,
+            on_finish=lambda i, ids, r: got.__setitem__(i, ids),
+        )  # fmt: skip
     finally:
         runtime.close()
-    ref = alone(path, prompts, dtype="bfloat16")
-    same = sum(a == b for g, r in zip(got, ref, strict=True) for a, b in zip(g, r, strict=True))
-    assert same >= 0.9 * sum(MAX_NEW), (got, ref)
-    assert [len(g) for g in got] == list(MAX_NEW)
+    model = MoEModel(open_checkpoint(path, "bfloat16"))
+    reference = reference_model(path, torch.bfloat16)
+    limit = TOLERANCE["bfloat16"]
+    for i, (prompt, n) in enumerate(zip(prompts, MAX_NEW, strict=True)):
+        alone = generate(model, [prompt], n, keep_logits=True)
+        _, theirs = reference_generate(reference, [prompt], 1)
+        assert relative_error(stats.logits[i][0][None], theirs[0]) <= limit, i
+        for step in range(n):
+            assert relative_error(stats.logits[i][step][None], alone.step_logits[step]) <= limit
+            if got[i][: step + 1] != alone.output_token_ids[0][: step + 1]:
+                break
 
 
 def test_blocks_come_back_as_requests_end(checkpoints):
