@@ -142,3 +142,20 @@ def test_a_prompt_longer_than_the_plan_runs_where_its_kv_fits_and_else_is_named(
                              "continuous")  # fmt: skip
     assert_one_line_error(status, err, "request 2 (a prompt of 50 tokens and up to 4 new) needs "
                           "64 tokens of KV cache; the run holds 48")  # fmt: skip
+
+
+def test_a_continuous_record_says_why_it_has_no_prediction(run_cli, files, tmp_path):
+    path, prompts, plan = files
+    record = tmp_path / "run.json"
+    flags = ["--hardware", "l4", "--batching", "continuous", "--json"]
+    status, out, err = run_cli("run", "--checkpoint", path, "--prompts", prompts, "--plan", plan,
+                               "--gen-len", "4", "--output", tmp_path / "o.jsonl", "--quiet",
+                               *flags)  # fmt: skip
+    assert status == 0, err
+    assert "carries no prediction; --batching static to compare" in err
+    data = json.loads(out)
+    assert data["predicted"] is None and data["environment"]["continuous"]["passes"] > 0
+    record.write_text(out)
+    status, _, err = run_cli("report", record, "-o", tmp_path / "rep")
+    assert_one_line_error(status, err, "a continuous batching run, which the planner does not "
+                          "predict yet")  # fmt: skip
