@@ -18,6 +18,22 @@ class Clock:
         return self.now
 
 
+def test_continuous_requests_count_as_each_ends(monkeypatch, capsys):
+    """Requests of continuous batching end one by one, in any order: each counts as done when it
+    ends, and what it gave up of its max_tokens counts toward the ETA at once."""
+    monkeypatch.setattr(hrm.progress, "LINE_INTERVAL_S", 30.0)
+    clock = Clock()
+    bar = RunProgress(tokens=30, requests=3, quiet=False, clock=clock)
+    bar.step("pass", 3)
+    bar.request_done(1, 10)  # stopped on its first token: 9 given up
+    clock.now += 30
+    bar.step("pass", 2)  # 5 made, 14 counted, 30 s
+    bar.close()
+    assert capsys.readouterr().err.splitlines() == [
+        "progress: 1/3 requests done, 5 tokens (at most 30), 0.2 tok/s, ETA 34 s"
+    ]
+
+
 def test_a_line_every_interval_with_requests_rate_and_eta(monkeypatch, capsys):
     """Two batches of 2 requests, 10 tokens at most each; the first batch's requests stop after
     4 of its 10 tokens, so its share counts whole for the ETA and 4 for the rate."""
