@@ -52,6 +52,13 @@ def add_parser(subparsers) -> None:
     p.add_argument("--max-prompt-len", type=int, help="longest prompt (default: the mean)")
     p.add_argument("--padding", action="store_true", help="pad every prompt to the longest")
     p.add_argument(
+        "--batching",
+        choices=("static", "continuous"),
+        default="static",
+        help="continuous: also price the job run by continuous batching under the best plan's "
+        "N, mu and placement, pass by pass (hrm run --batching continuous), beside static",
+    )
+    p.add_argument(
         "--gen-len",
         type=int,
         help="tokens generated per sequence: with --prompts, the default and cap of each "
@@ -78,13 +85,18 @@ def add_parser(subparsers) -> None:
         help='what-if: predict this policy beside the best, e.g. "N=504,mu=36,attn=cpu,ffn=gpu,'
         'w=0,kv=0" (w and kv fractions of the weights and KV cache on the GPU)',
     )
+    p.add_argument("--layers", type=int, help="plan only the model's first L layers")
+    _add_output_arguments(p)
+    p.set_defaults(run=run)
+
+
+def _add_output_arguments(p) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument(
         "-o",
         "--output",
         help="write the best plan (or --policy) here, for hrm run --plan",
     )
-    p.add_argument("--layers", type=int, help="plan only the model's first L layers")
     p.add_argument("--sweep", choices=SWEEPS, help="best throughput as this resource changes")
     p.add_argument("--sweep-values", help="comma-separated sizes or bandwidths (default 1/4x-4x)")
     p.add_argument(
@@ -92,7 +104,6 @@ def add_parser(subparsers) -> None:
         help="chart PNG: the sweep (default sweep-RESOURCE-MODEL-HARDWARE.png), or with several "
         "options throughput against cost per token",
     )
-    p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -143,9 +154,7 @@ def run(args: argparse.Namespace) -> int:
     if args.output:
         written.save(args.output)
     rate, price = written.predicted.throughput_tok_s, hardware.price_per_hour
-    from planner.bound import stage1_bound
-
-    bound = stage1_bound(arch, hardware, workload, dtype, kv)
+    bound, continuous = _beside(args, arch, written, hardware, workload, job)
     if args.json:
         data = plan_json(result, base, args.output)
         if named is not None:
@@ -157,10 +166,13 @@ def run(args: argparse.Namespace) -> int:
         data["job"] = job.to_dict(rate, price) if job is not None else None
         data["what_if"] = unrunnable
         data["stage1_bound"] = bound.to_dict() | {"plan_share": rate / bound.generated_per_s}
+        data["continuous"] = continuous
         print(json.dumps(data, indent=2))
         return 0
     print(format_plan(result, base))
     print(bound.describe(rate))
+    if continuous is not None:
+        print(_continuous_text(continuous))
     if unrunnable:
         print(f"what-if: {unrunnable}; hrm run cannot run this plan")
     if named is not None:
@@ -170,6 +182,60 @@ def run(args: argparse.Namespace) -> int:
     if args.output:
         print(f"wrote {args.output}" + (" (the named policy)" if written is named else ""))
     return 0
+
+
+def _beside(args, arch, plan, hardware, workload, job):
+    """What `hrm plan` prints beside the plan: MoE-Lens's stage-1 bound, and with --batching
+    continuous the job priced pass by pass."""
+    from planner.bound import stage1_bound
+
+    pol = plan.policy
+    bound = stage1_bound(arch, hardware, workload, pol.weight_dtype, pol.kv_dtype)
+    return bound, _continuous(args, arch, plan, hardware, workload, job)
+
+
+def _continuous_text(c: dict) -> str:
+    return (
+        f"continuous batching of {c['requests']} requests under this plan: "
+        f"{c['throughput_tok_s']:.1f} tok/s over {c['passes']} passes (mean "
+        f"{c['mean_sequences']:.1f} sequences), {c['over_static']:.2f}x static "
+        f"({c['share_of_bound']:.0%} of the bound)"
+    )
+
+
+def _continuous(args, arch, plan, hardware, workload, job) -> dict | None:
+    """The job under continuous batching at the plan's N, mu and placement (planner/passes.py):
+    the prompts file's requests, else 4 N requests of the given lengths; None unless asked."""
+    import math
+    import time
+
+    from hrm.rules.admission import Request
+    from planner.bound import stage1_bound
+    from planner.passes import price_job
+    from planner.setting import Setting
+
+    if args.batching != "continuous":
+        return None
+    pol = plan.policy
+    lengths = job.lengths if job is not None and job.lengths else (
+        [(math.ceil(workload.prompt_len_mean), workload.gen_len)] * (4 * pol.batch_size)
+    )  # fmt: skip
+    requests = [Request(i, p, g) for i, (p, g) in enumerate(lengths)]
+    setting = Setting(arch=arch, hardware=hardware, workload=workload,
+                      schedule=plan.schedule, weight_dtype=pol.weight_dtype,
+                      kv_dtype=pol.kv_dtype)  # fmt: skip
+    started = time.perf_counter()
+    budget = pol.micro_batch_size * workload.prompt_len_max + pol.batch_size
+    price = price_job(setting, pol, requests, token_budget=budget,
+                      context_tokens=workload.max_context_len)  # fmt: skip
+    bound = stage1_bound(setting.arch, hardware, workload, pol.weight_dtype, pol.kv_dtype)
+    return {
+        "requests": len(requests), "passes": price.passes, "seconds": price.seconds,
+        "throughput_tok_s": price.throughput_tok_s, "mean_sequences": price.mean_sequences,
+        "token_budget": budget, "over_static": price.throughput_tok_s
+        / plan.predicted.throughput_tok_s, "share_of_bound": price.throughput_tok_s
+        / bound.generated_per_s, "priced_in_s": time.perf_counter() - started,
+    }  # fmt: skip
 
 
 def _check_flags(args) -> list[str]:

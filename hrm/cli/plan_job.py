@@ -18,6 +18,7 @@ class Job:
 
     prompts: int | None
     tokens: float
+    lengths: tuple[tuple[int, int], ...] = ()  # (prompt, max new tokens) of each prompt given
 
     def hours(self, throughput_tok_s: float) -> float:
         return self.tokens / throughput_tok_s / 3600.0
@@ -65,7 +66,8 @@ def workload_and_job(args, arch):
             )
         lens, answers = prompt_lengths(Path(args.prompts), args.model, args.gen_len, args.tokenizer)
         workload = Workload.from_prompt_lens(lens, max(answers), args.padding, answers)
-        job = Job(prompts=len(lens), tokens=float(sum(answers)))
+        job = Job(prompts=len(lens), tokens=float(sum(answers)),
+                  lengths=tuple(zip(lens, answers, strict=True)))  # fmt: skip
     else:
         if args.tokenizer is not None:
             raise HrmError(

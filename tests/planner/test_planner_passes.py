@@ -1,0 +1,89 @@
+"""Continuous batching priced pass by pass (planner/passes.py): a pass of equal groups is the
+static model's step, a mixed pass overlaps its groups as the schedule does, and a job's passes
+are the executor's admission rule replayed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hrm.arch import resolve_model
+from hrm.hardware import resolve_hardware
+from hrm.policy import parse_policy_text
+from hrm.rules.admission import Request, kv_blocks, simulate
+from hrm.workload import Workload
+from planner import predict
+from planner.passes import PassPricer, price_job
+from planner.setting import Setting
+
+ARCH = resolve_model("mixtral-8x7b")
+CASES = [
+    ("N=64,mu=64,w=0,kv=0,attn=cpu,ffn=gpu", "cgopipe"),
+    ("N=64,mu=16,w=0.1,kv=0,attn=cpu,ffn=gpu", "cgopipe"),
+    ("N=64,mu=16,w=0.1,kv=0,attn=cpu,ffn=gpu", "serial"),
+    ("N=64,mu=16,w=0.1,kv=0,attn=cpu,ffn=gpu", "overlap"),
+    ("N=64,mu=16,w=0,kv=0.5,attn=gpu,ffn=gpu", "gpu-attention"),
+]
+
+
+def pricer(text: str, schedule: str, hardware="l4", prompt=99):
+    policy = parse_policy_text(text, weight_dtype="bfloat16", kv_dtype="bfloat16")
+    workload = Workload(prompt_len_mean=prompt, prompt_len_max=prompt, gen_len=2)
+    hw = resolve_hardware(hardware)
+    setting = Setting(arch=ARCH, hardware=hw, workload=workload, schedule=schedule,
+                      weight_dtype="bfloat16", kv_dtype="bfloat16")  # fmt: skip
+    plan = predict(ARCH, hw, workload, policy, schedule)
+    return PassPricer(setting, plan.policy), plan
+
+
+@pytest.mark.parametrize(("text", "schedule"), CASES)
+def test_a_pass_of_equal_groups_is_the_static_step(text, schedule):
+    """m groups of mu decodes at context 100 are a static decode step of N at 99 + 1; m groups
+    of mu prompts of 99 are its prefill (each priced at the bucket above its length, 6% at
+    most: the pass's shapes are priced once each)."""
+    p, plan = pricer(text, schedule)
+    m, mu = plan.policy.num_micro_batches, plan.policy.micro_batch_size
+    decode = p.price(None, [("decode", mu, 100.0)] * m)
+    prefill = p.price(None, [("prefill", mu, 99.0)] * m)
+    assert decode == pytest.approx(plan.predicted.decode_s, rel=2e-3)
+    assert prefill == pytest.approx(plan.predicted.prefill_s, rel=2e-3)
+
+
+def test_a_mixed_pass_overlaps_its_groups_and_streams_the_weights_once():
+    p, _ = pricer(*CASES[1])
+    decode, prefill = ("decode", 16, 300.0), ("prefill", 16, 64.0)
+    both = p.price(None, [decode, decode, prefill])
+    alone = p.price(None, [decode, decode]), p.price(None, [prefill])
+    assert max(alone) <= both < sum(alone)  # one weight stream, not two
+
+
+def test_a_jobs_passes_are_the_admission_rules_and_their_prices_add_up():
+    p, plan = pricer(*CASES[1])
+    requests = [Request(i, 20 + 7 * i % 90, 4 + 5 * i % 40) for i in range(150)]
+    limits = dict(max_running=64, token_budget=16 * 99 + 64, total_blocks=kv_blocks(64, 139))
+    passes = simulate(requests, **limits)
+    price = price_job(p.setting, plan.policy, requests, token_budget=limits["token_budget"],
+                      context_tokens=139)  # fmt: skip
+    assert price.passes == len(passes)
+    assert price.generated_tokens == sum(r.max_new for r in requests)
+    assert price.seconds == pytest.approx(price.prefill_s + price.decode_s)
+    assert price.prefill_s > 0 and price.decode_s > 0
+
+
+def test_hrm_plan_prices_the_job_continuously_beside_static(run_cli, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_token_ids": [1] * (10 + i % 50),
+                                           "max_tokens": 4 + i % 60}) + "\n"
+                               for i in range(300)))  # fmt: skip
+    args = ["plan", "--model", "mixtral-8x7b", "--hardware", "l4", "--prompts", prompts]
+    status, out, err = run_cli(*args, "--batching", "continuous", "--json")
+    assert status == 0, err
+    data = json.loads(out)
+    c, static = data["continuous"], data["predicted"]["throughput_tok_s"]
+    assert c["requests"] == 300 and c["passes"] > 0 and c["throughput_tok_s"] > 0
+    assert c["over_static"] == pytest.approx(c["throughput_tok_s"] / static)
+    status, out, err = run_cli(*args, "--batching", "continuous")
+    assert status == 0 and "continuous batching of 300 requests under this plan" in out
+    status, _, err = run_cli(*args, "--batching", "rolling")
+    assert status == 2 and "invalid choice: 'rolling'" in err
