@@ -290,7 +290,8 @@ def _continuous(job: _Job, token_budget: int | None, kv_context: int | None) -> 
     totals = {"prefill_s": stats.prefill_s, "decode_s": stats.decode_s,
               "generated_tokens": bar.made}  # fmt: skip
     environment = {"batching": "continuous", "continuous": stats.summary(), "batches_run": 0,
-                   "batches_resumed": len(mine) - len(pending), "token_budget": budget}  # fmt: skip
+                   "batches_resumed": len(mine) - len(pending), "token_budget": budget,
+                   "kv_context": context}  # fmt: skip
     peaks = job.runtime.allocated_bytes()
     return _Ran(done=done, totals=totals, peaks=peaks, batches=[], environment=environment)
 

@@ -122,11 +122,6 @@ def load_records(paths: Sequence[str | os.PathLike]) -> list[Row]:
     rows = []
     for path in paths:
         record = _load_record(path)
-        if not record.predicted and record.environment.get("batching") == "continuous":
-            raise HrmError(
-                f"{path}: a continuous batching run, which the planner does not predict yet; "
-                "make the record with hrm run --hardware PROFILE --batching static"
-            )
         if not record.predicted:
             raise HrmError(
                 f"{path}: the record has no prediction; make it with hrm run --hardware PROFILE"

@@ -42,6 +42,7 @@ class JobPrice:
     decode_s: float
     generated_tokens: int
     mean_sequences: float
+    busy_s: dict[str, float]  # each queue's busy seconds over the passes (the heads left out)
 
     @property
     def throughput_tok_s(self) -> float:
@@ -55,6 +56,7 @@ class PassPricer:
         self.setting, self.policy = setting, policy
         self.v = policy_vector(policy)
         self._groups: dict[tuple[str, int, float], dict[str, float]] = {}
+        self.busy_s = dict.fromkeys(("gpu", "cpu", "h2d", "d2h"), 0.0)  # over the passes priced
 
     def group(self, phase: str, b: int, length: float) -> dict[str, float]:
         """One group's per-layer seconds on each queue, its chain, fill and head: decode at
@@ -110,6 +112,8 @@ class PassPricer:
         if hw.stand_in:
             layer = max(layer, sum(queues.values()))
         fill = priced[0]["fill"] if m >= 2 and s.schedule != "serial" else 0.0
+        for q, busy in queues.items():
+            self.busy_s[q] += s.arch.num_layers * busy
         return s.arch.num_layers * layer + fill + sum(g["head"] for g in priced)
 
 
@@ -153,4 +157,5 @@ def price_job(
         decode_s=decode,
         generated_tokens=sum(r.max_new for r in requests),
         mean_sequences=sequences / len(passes) if passes else 0.0,
+        busy_s=pricer.busy_s,
     )

@@ -20,7 +20,10 @@ def run_record(spec, result, *, policy, schedule: str, profile=None, plan=None):
     from planner import MODEL_VERSION
 
     predicted = None
-    if profile is not None and result.batches:
+    continuous = result.environment.get("continuous")
+    if profile is not None and continuous and result.groups is None and result.outputs:
+        predicted = _predict_passes(spec, result, policy, schedule, profile)
+    elif profile is not None and result.batches:
         predicted = _predict_batches(spec, result, policy, schedule, profile)
     environment = {**result.environment, "model_version": MODEL_VERSION}
     if plan is not None:
@@ -58,6 +61,31 @@ def _predict_batches(spec, result, policy, schedule, profile) -> dict:
         "generated_tokens": tokens,
         "throughput_tok_s": tokens / total_s if total_s else 0.0,
         "busy_s": busy,
+    }
+
+
+def _predict_passes(spec, result, policy, schedule, profile) -> dict:
+    """The planner's prediction of a continuous run: the requests that ran, through the
+    executor's admission rule at the run's limits, each pass priced (planner/passes.py)."""
+    from hrm.rules.admission import Request
+    from planner.passes import price_job
+    from planner.setting import Setting
+
+    env, ran = result.environment, sorted(result.outputs)
+    requests = [Request(i, len(spec.prompts[i]), spec.max_new(i)) for i in ran]
+    setting = Setting(arch=spec.arch, hardware=profile, workload=spec.workload(ran),
+                      schedule=schedule, weight_dtype=policy.weight_dtype,
+                      kv_dtype=policy.kv_dtype, cpu_gemm=result.cpu_gemm)  # fmt: skip
+    price = price_job(setting, policy, requests, token_budget=env["token_budget"],
+                      context_tokens=env["kv_context"])  # fmt: skip
+    return {
+        "prefill_s": price.prefill_s,
+        "decode_s": price.decode_s,
+        "generated_tokens": price.generated_tokens,
+        "throughput_tok_s": price.throughput_tok_s,
+        "busy_s": price.busy_s,
+        "passes": price.passes,
+        "mean_sequences_per_pass": price.mean_sequences,
     }
 
 

@@ -173,9 +173,6 @@ def run_job(args: argparse.Namespace, warn):
     hardware = resolve_hardware(args.hardware) if args.hardware else None
     job = settle_job(args, hardware, random_arch, planner_args, warn)
     _check_batching(args, job)
-    if args.batching == "continuous" and job.profile is not None:
-        warn("note: the planner predicts static batches only, so this continuous run's record "
-             "carries no prediction; --batching static to compare with it")  # fmt: skip
     tp = job.plan.tensor_parallel if job.plan is not None else 1
     if tp > 1 and "WORLD_SIZE" not in os.environ:
         _launch(args, tp)  # one machine's ranks, started by torch's launcher

@@ -144,7 +144,9 @@ def test_a_prompt_longer_than_the_plan_runs_where_its_kv_fits_and_else_is_named(
                           "64 tokens of KV cache; the run holds 48")  # fmt: skip
 
 
-def test_a_continuous_record_says_why_it_has_no_prediction(run_cli, files, tmp_path):
+def test_a_continuous_run_is_predicted_pass_by_pass(run_cli, files, tmp_path):
+    """`hrm run --hardware` predicts a continuous run by replaying its admission rule: the
+    predicted passes are the measured ones, and hrm report takes the record."""
     path, prompts, plan = files
     record = tmp_path / "run.json"
     flags = ["--hardware", "l4", "--batching", "continuous", "--json"]
@@ -152,10 +154,11 @@ def test_a_continuous_record_says_why_it_has_no_prediction(run_cli, files, tmp_p
                                "--gen-len", "4", "--output", tmp_path / "o.jsonl", "--quiet",
                                *flags)  # fmt: skip
     assert status == 0, err
-    assert "carries no prediction; --batching static to compare" in err
     data = json.loads(out)
-    assert data["predicted"] is None and data["environment"]["continuous"]["passes"] > 0
+    measured = data["environment"]["continuous"]
+    assert data["predicted"]["passes"] == measured["passes"] > 0
+    assert data["predicted"]["mean_sequences_per_pass"] == measured["mean_sequences_per_pass"]
+    assert data["predicted"]["generated_tokens"] == data["measured"]["generated_tokens"]
     record.write_text(out)
     status, _, err = run_cli("report", record, "-o", tmp_path / "rep")
-    assert_one_line_error(status, err, "a continuous batching run, which the planner does not "
-                          "predict yet")  # fmt: skip
+    assert status == 0, err
