@@ -7,7 +7,9 @@ top-2, random weights). The plan: N=64, mu=16, nothing resident, attention on th
 Static runs batches of N to their longest answer; continuous keeps N running, admitting prompts
 into every pass (at most one micro-batch of the longest prompt beside N decodes). Each round
 runs both, in turn, so that the host's drift falls on both alike; the median of --rounds rounds
-is kept, after one warm-up round. Then one bf16 round of each. Prints a table and writes
+is kept, after one warm-up round. Then one bf16 round of each. Each run is also predicted as
+`hrm run --hardware` predicts it, on this host's bundled profile with its CPU standing in for
+the GPU (static: batch by batch; continuous: pass by pass). Prints a table and writes
 reports/bench_batching.json.
     python bench/bench_batching.py [--rounds 3] [--requests 256]
 """
@@ -38,10 +40,15 @@ def job(requests: int, vocab: int, seed: int = 0):
     return prompts, [rng.randint(8, 128) for _ in prompts]
 
 
-def run_once(spec, policy, checkpoint, mode: str) -> dict:
+def run_once(spec, policy, checkpoint, mode: str, profile) -> dict:
+    """One run of the job, measured and predicted (`hrm run --hardware`'s prediction on
+    `profile`, this host's CPU standing in for the GPU)."""
     from executor.run import execute
+    from hrm.cli.records import run_record
 
     result = execute(spec, policy, "cgopipe", checkpoint=checkpoint, quiet=True, batching=mode)
+    record = run_record(spec, result, policy=policy, schedule="cgopipe", profile=profile)
+    predicted = record.predicted or {}
     m, env = result.measured, result.environment
     seconds = m.prefill_s + m.decode_s
     kv = m.buffer_bytes["cpu"].get("kv cache", 0.0)
@@ -55,6 +62,8 @@ def run_once(spec, policy, checkpoint, mode: str) -> dict:
         # continuous: the blocks held at the peak; static: each batch's rectangular cache
         "peak_kv_bytes": stats.get("peak_kv_bytes", kv),
         "kv_allocated_bytes": kv,
+        "predicted_tok_s": predicted.get("throughput_tok_s"),
+        "predicted_passes": predicted.get("passes"),
     }
 
 
@@ -68,12 +77,18 @@ def main() -> int:
     from executor.api import RunSpec
     from executor.checkpoint import random_checkpoint
     from hrm.arch import resolve_model
+    from hrm.hardware.stand_in import stand_in_profile
     from hrm.policy import parse_policy_text
+    from hrm.profiling.host_gemm import bundled_profile_of_this_host
     from hrm.requests import Request
 
+    host = bundled_profile_of_this_host()
+    profile = stand_in_profile(host, 8e9) if host is not None else None
     arch = dataclasses.replace(resolve_model("mixtral-8x7b"), name="bench", **BENCH)
     prompts, max_tokens = job(args.requests, arch.vocab_size)
-    rows, out = {}, {"requests": args.requests, "policy": POLICY, "rounds": args.rounds}
+    rows = {}
+    out = {"requests": args.requests, "policy": POLICY, "rounds": args.rounds,
+           "profile": host.name if host else None}  # fmt: skip
     for dtype, rounds in (("float32", args.rounds), ("bfloat16", 1)):
         requests = tuple(
             Request(line=n + 1, prompt=q, max_tokens=m)
@@ -87,7 +102,7 @@ def main() -> int:
         runs = {mode: [] for mode in MODES}
         for r in range(rounds + (dtype == "float32")):  # float32's first round warms up
             for mode in MODES:
-                once = run_once(spec, policy, checkpoint, mode)
+                once = run_once(spec, policy, checkpoint, mode, profile)
                 print(f"{dtype} round {r} {mode}: {once['tok_s']:.1f} tok/s", file=sys.stderr)
                 runs[mode].append(once)
         kept = {m: v[1:] if dtype == "float32" else v for m, v in runs.items()}
@@ -113,13 +128,21 @@ def _median(runs: list[dict]) -> dict:
 
 def _print(rows) -> None:
     print(f"{'dtype':9} {'batching':10} {'tokens':>6} {'seconds':>8} {'tok/s':>7} {'passes':>6} "
-          f"{'seq/pass':>8} {'peak KV MB':>10}")  # fmt: skip
+          f"{'seq/pass':>8} {'peak KV MB':>10} {'predicted':>9} {'error':>6}")  # fmt: skip
     for dtype, modes in rows.items():
         for mode, r in modes.items():
             seq = r["mean_sequences_per_pass"]
             print(f"{dtype:9} {mode:10} {r['tokens']:>6} {r['seconds']:>8.2f} {r['tok_s']:>7.1f} "
                   f"{r['passes'] or '-':>6} {seq if seq is None else round(seq, 1)!s:>8} "
-                  f"{r['peak_kv_bytes'] / 1e6:>10.1f}")  # fmt: skip
+                  f"{r['peak_kv_bytes'] / 1e6:>10.1f} {_predicted(r)}")  # fmt: skip
+
+
+def _predicted(r: dict) -> str:
+    """The predicted tok/s and its error against the measured, or '-' without a profile."""
+    if not r.get("predicted_tok_s"):
+        return f"{'-':>9} {'-':>6}"
+    error = (r["predicted_tok_s"] - r["tok_s"]) / r["tok_s"]
+    return f"{r['predicted_tok_s']:>9.1f} {error:>+6.0%}"
 
 
 if __name__ == "__main__":
