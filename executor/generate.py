@@ -184,18 +184,20 @@ class _Sequences:
         return out
 
     def _stop_string(self, i: int) -> bool:
-        stop = self.limits[i].stop
-        return (
-            bool(stop)
-            and self.decode is not None
-            and any(s in self.decode(self.tokens[i]) for s in stop)
-        )
+        return holds_stop_string(self.limits[i], self.decode, self.tokens[i])
 
     def retire(self) -> torch.Tensor:
         """The rows that go on [rows] (bool); the others' sequences have stopped."""
         keep = torch.tensor([not self.done[i] for i in self.rows], dtype=torch.bool)
         self.rows = [i for i in self.rows if not self.done[i]]
         return keep
+
+
+def holds_stop_string(limits: Limits, decode, tokens: list[int]) -> bool:
+    """Whether the text of `tokens` (by `decode`) holds one of the sequence's stop strings."""
+    return (
+        bool(limits.stop) and decode is not None and any(s in decode(tokens) for s in limits.stop)
+    )
 
 
 def _sync(device: torch.device) -> None:

@@ -20,17 +20,17 @@ import torch
 import torch.nn.functional as F
 
 from executor.attention import sink_attention
-from executor.quant import dequantize_rows, quantize_rows
+from executor.kv_cache import StoredRows
 from hrm.formats import row_bytes
 from hrm.rules.admission import BLOCK_TOKENS
 
 
-class KVBlocks:
+class KVBlocks(StoredRows):
     """The pools of every layer and the block tables of the running sequences."""
 
     def __init__(self, arch, *, blocks: int, dtype: torch.dtype, layer_devices, kv_format=None):
         self.arch, self.dtype, self.format = arch, dtype, kv_format
-        self.value_dim = arch.kv_lora_rank or None
+        self.head_dim, self.value_dim = arch.head_dim, arch.kv_lora_rank or None
         row, store_dtype = arch.head_dim, dtype
         if kv_format is not None:
             row, store_dtype = row_bytes(arch.head_dim, kv_format), torch.uint8
@@ -73,25 +73,6 @@ class KVBlocks:
         return [
             table[t // BLOCK_TOKENS] * BLOCK_TOKENS + t % BLOCK_TOKENS for t in range(start, stop)
         ]
-
-    def stored(self, x: torch.Tensor) -> torch.Tensor:
-        if self.format is None:
-            return x
-        if not x.shape[-1]:
-            return x.new_empty(x.shape, dtype=torch.uint8)
-        return quantize_rows(x, self.format)
-
-    def values(self, rows: torch.Tensor) -> torch.Tensor:
-        if self.format is None:
-            return rows
-        return dequantize_rows(rows, self.format, self.arch.head_dim, self.dtype)
-
-    def keys_and_values(self, k_rows, v_rows):
-        """Stored rows [..., row] as K and V in the model's dtype (latent: V from K)."""
-        keys = self.values(k_rows)
-        if self.value_dim:
-            return keys, keys[..., : self.value_dim]
-        return keys, self.values(v_rows)
 
     def nbytes(self) -> dict[str, float]:
         out: dict[str, float] = {}

@@ -32,7 +32,40 @@ from executor.quant import dequantize_rows, quantize_rows
 from hrm.formats import row_bytes
 
 
-class KVCache:
+class StoredRows:
+    """How a cache stores K and V rows and reads them back, for a cache with `format` (a compact
+    format, or None), `head_dim`, `dtype` and `value_dim` (latent attention's values, K's first
+    columns; None otherwise): the left-padded KVCache and the paged KVBlocks alike."""
+
+    format: str | None
+    head_dim: int
+    dtype: torch.dtype
+    value_dim: int | None
+
+    def stored(self, x: torch.Tensor) -> torch.Tensor:
+        """K or V [..., D] as the cache stores its rows (latent attention's V, [..., 0]: none)."""
+        if self.format is None:
+            return x
+        if not x.shape[-1]:
+            return x.new_empty(x.shape, dtype=torch.uint8)
+        return quantize_rows(x, self.format)
+
+    def values(self, rows: torch.Tensor) -> torch.Tensor:
+        """Stored rows [..., row] as K or V [..., D] in the model's dtype."""
+        if self.format is None:
+            return rows
+        return dequantize_rows(rows, self.format, self.head_dim, self.dtype)
+
+    def keys_and_values(self, k_rows: torch.Tensor, v_rows: torch.Tensor):
+        """Stored K and V rows (of the cache, or a copy of them) as K and V in the model's
+        dtype; latent attention's V is K's first value_dim columns, a view."""
+        keys = self.values(k_rows)
+        if self.value_dim is not None:
+            return keys, keys[..., : self.value_dim]
+        return keys, self.values(v_rows)
+
+
+class KVCache(StoredRows):
     """K and V per layer as [B, nkv, S, D]; S = longest prompt + generation length."""
 
     # B = batch, nkv = key/value heads, S = slots, D = head dim, T = packed prompt tokens
@@ -191,33 +224,11 @@ class KVCache:
         self.k[layer][:, :, at] = self.stored(k)
         self.v[layer][:, :, at] = self.stored(v)
 
-    def stored(self, x: torch.Tensor) -> torch.Tensor:
-        """K or V [..., D] as this cache stores its rows (latent attention's V, [..., 0]: none)."""
-        if self.format is None:
-            return x
-        if not x.shape[-1]:
-            return x.new_empty(x.shape, dtype=torch.uint8)
-        return quantize_rows(x, self.format)
-
-    def values(self, rows: torch.Tensor) -> torch.Tensor:
-        """Stored rows [..., row] as K or V [..., D] in the model's dtype."""
-        if self.format is None:
-            return rows
-        return dequantize_rows(rows, self.format, self.head_dim, self.dtype)
-
     def view(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of slots [0, end) as [B, nkv, end, D] (a ring: its filled slots, in ring
         order): views (no copy), or a compact cache's rows dequantized."""
         n = self.filled(layer, end)
         return self.keys_and_values(self.k[layer][:, :, :n], self.v[layer][:, :, :n])
-
-    def keys_and_values(self, k_rows: torch.Tensor, v_rows: torch.Tensor):
-        """Stored K and V rows (of this cache, or a prefetch of it) as K and V in the model's
-        dtype; latent attention's V is K's first value_dim columns, a view."""
-        keys = self.values(k_rows)
-        if self.value_dim is not None:
-            return keys, keys[..., : self.value_dim]
-        return keys, self.values(v_rows)
 
     def valid_on(self, device: torch.device) -> torch.Tensor:
         """The padding mask [B, S] on `device` (copied once per batch; it is fixed after start)."""

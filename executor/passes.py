@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from executor.generate import Limits, sample
+from executor.generate import Limits, holds_stop_string, sample
 from executor.kv_blocks import KVBlocks
 from executor.pass_tasks import PassGroup
 from executor.runtime import HOST, Runtime
@@ -190,18 +190,12 @@ class _Answers:
                 self.tokens[i].append(token)
                 if self.logits is not None:
                     self.logits.setdefault(i, []).append(lg[row].float())
-                if token in self.stops or self._stop_string(i):
+                if token in self.stops or holds_stop_string(
+                    self.limits[i], self.decode, self.tokens[i]
+                ):
                     self.reasons[i] = "stop"
                     stopped.append(i)
         return stopped
-
-    def _stop_string(self, i: int) -> bool:
-        stop = self.limits[i].stop
-        return (
-            bool(stop)
-            and self.decode is not None
-            and any(s in self.decode(self.tokens[i]) for s in stop)
-        )
 
 
 def token_budget_limit(batch_size: int, micro_batch_size: int, prompt_len_max: int) -> int:
