@@ -47,7 +47,7 @@ def generate(
     ignore_eos: bool = False,
     threads: int | None = None,
     progress: bool = False,
-    batching: str = "static",
+    batching: str = "continuous",
     max_tokens_per_pass: int | None = None,
 ) -> list[Result]:
     """Generate for each request with a local checkpoint; the answers in request order.

@@ -112,10 +112,10 @@ def _add_run_arguments(p) -> None:
     p.add_argument(
         "--batching",
         choices=BATCHINGS,
-        default="static",
-        help="static: batches of N, each run to its longest answer (MoE-Lightning's); "
-        "continuous: every pass carries the running answers and newly admitted prompts, a "
-        "finished request's KV memory goes to the next (static)",
+        default="continuous",
+        help="continuous: every pass carries the running answers and newly admitted prompts, a "
+        "finished request's KV memory goes to the next; static: batches of N, each run to its "
+        "longest answer (MoE-Lightning's) (continuous)",
     )
     p.add_argument(
         "--max-tokens-per-pass",
@@ -446,8 +446,8 @@ def _check_batching(args, job) -> None:
 
     budget = args.max_tokens_per_pass
     if budget is not None and args.batching != "continuous":
-        raise HrmError("--max-tokens-per-pass is for --batching continuous; add it, or leave "
-                       "the flag out")  # fmt: skip
+        raise HrmError("--max-tokens-per-pass is for --batching continuous (the default); "
+                       "leave out --batching static, or the flag")  # fmt: skip
     p = job.policy
     longest = job.plan.workload.prompt_len_max if job.plan else max(job.spec.prompt_lens)
     most = token_budget_limit(p.batch_size, p.micro_batch_size, longest)

@@ -80,7 +80,7 @@ def test_a_partial_file_resumes_in_its_own_batching_only(run_cli, files, tmp_pat
             ["--batching", "continuous", "--max-tokens-per-pass", "22"],
             "a pass carries 1 to 21 tokens",
         ),
-        (["--max-tokens-per-pass", "8"], "is for --batching continuous"),
+        (["--batching", "static", "--max-tokens-per-pass", "8"], "is for --batching continuous"),
     ],
 )
 def test_bad_batching_flags_are_refused_before_loading(run_cli, files, tmp_path, monkeypatch,

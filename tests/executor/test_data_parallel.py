@@ -51,7 +51,8 @@ def test_two_resident_groups_write_the_one_process_output_once(checkpoints, tmp_
     lines = ragged_prompts([1 + i % 9 for i in range(11)], seed=9)
     prompts.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in lines))
     one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
-    common = ("run", "--checkpoint", path, "--prompts", prompts, "--gen-len", 4, "--quiet")
+    common = ("run", "--checkpoint", path, "--prompts", prompts, "--gen-len", 4, "--quiet",
+              "--batching", "static")  # fmt: skip
     assert hrm(*common, "--output", one).returncode == 0
     done = torchrun(2, *common, "--output", two, "--json")
     assert done.returncode == 0, done.stderr

@@ -81,8 +81,8 @@ def test_a_second_run_into_a_live_output_is_refused_naming_the_first(checkpoints
     prompts = write_prompts(tmp_path / "p.jsonl", (3, 5, 4))
     out = tmp_path / "out.jsonl"
     args = ("run", "--checkpoint", checkpoints["mixtral-single"], "--prompts", prompts,
-            "--gen-len", "3", "--quiet", "--output", out)  # fmt: skip
-    first = slow_run(4.0, *args)
+            "--gen-len", "3", "--quiet", "--output", out, "--batching", "static")  # fmt: skip
+    first = slow_run(4.0, *args)  # (the sleep is per static batch)
     lock = tmp_path / "out.jsonl.lock"
     deadline = time.monotonic() + 60
     while not (lock.exists() and lock.read_text()) and time.monotonic() < deadline:
@@ -264,7 +264,7 @@ def test_a_bf16_run_resumed_gives_the_uninterrupted_answers_bit_for_bit(
     plan = predict(read_arch(path), resolve_hardware("l4"), workload, policy, "cgopipe")
     plan_path = plan.save(tmp_path / "plan.json")
     common = ("run", "--checkpoint", path, "--plan", plan_path, "--prompts", prompts,
-              "--gen-len", "5", "--ignore-eos", "--quiet")  # fmt: skip
+              "--gen-len", "5", "--ignore-eos", "--quiet", "--batching", "static")  # fmt: skip
     whole, out = tmp_path / "whole.jsonl", tmp_path / "out.jsonl"
     assert run_cli(*common, "--output", whole)[0] == 0
     real = kill_after_first_batch(monkeypatch)

@@ -65,7 +65,7 @@ def test_a_resident_run_is_run_by_the_driver_that_runs_plans(
     import executor.run
 
     args = ["run", "--checkpoint", checkpoints["dbrx"], "--prompt-len", "4", "--batch", "3",
-            "--gen-len", "3", "--quiet"]  # fmt: skip
+            "--gen-len", "3", "--quiet", "--batching", "static"]  # fmt: skip
     out = tmp_path / "out.jsonl"
     real = executor.run.generate
 
@@ -174,7 +174,8 @@ def test_hardware_adds_the_planners_prediction_of_this_run(run_cli, checkpoints)
     from hrm.workload import Workload
     from planner import predict_resident_run
 
-    args = ["--prompt-len", "6", "--batch", "3", "--gen-len", "4", "--ignore-eos", "--quiet"]
+    args = ["--prompt-len", "6", "--batch", "3", "--gen-len", "4", "--ignore-eos", "--quiet",
+            "--batching", "static"]  # fmt: skip
     checkpoint = checkpoints["mixtral-fused"]
     status, stdout, stderr = run_cli(
         "run", "--checkpoint", checkpoint, *args, "--dtype", "bfloat16", "--hardware", "ci-cpu"

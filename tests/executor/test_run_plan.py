@@ -33,6 +33,8 @@ def run_args(path, prompts, plan, *extra):
         "--gen-len",
         "4",
         "--quiet",
+        "--batching",  # static batches: what these tests are about (continuous: test_continuous*)
+        "static",
         *extra,
     ]
 
