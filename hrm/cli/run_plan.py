@@ -88,8 +88,6 @@ def _planned_job(args, hardware, random_arch, warn) -> Job:
             f"--kv-dtype {args.kv_dtype} differs from the plan's {plan.policy.kv_dtype}; "
             "leave --kv-dtype out or plan with it"
         )
-    if plan is not None and args.gen_len is None:  # requests without max_tokens: the plan's
-        args.gen_len = plan.workload.gen_len
     spec = run_spec(args, random_arch, dtype, kv)
     if plan is None:
         plan = _plan_for(args, spec, hardware)

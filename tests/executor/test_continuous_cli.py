@@ -162,16 +162,3 @@ def test_a_continuous_run_is_predicted_pass_by_pass(run_cli, files, tmp_path):
     record.write_text(out)
     status, _, err = run_cli("report", record, "-o", tmp_path / "rep")
     assert status == 0, err
-
-
-def test_a_plan_gives_the_new_tokens_of_requests_without_max_tokens(run_cli, files, tmp_path):
-    """`hrm run --plan` of requests without max_tokens needed --gen-len, though the plan knows
-    the generation it was made for (4 here)."""
-    path, prompts, plan = files
-    out = tmp_path / "out.jsonl"
-    status, _, err = run_cli("run", "--checkpoint", path, "--prompts", prompts, "--plan", plan,
-                             "--output", out, "--quiet")  # fmt: skip
-    assert status == 0, err
-    assert [json.loads(line)["completion_tokens"] for line in out.read_text().splitlines()] == [
-        4
-    ] * 10
