@@ -196,9 +196,3 @@ class _Answers:
                     self.reasons[i] = "stop"
                     stopped.append(i)
         return stopped
-
-
-def token_budget_limit(batch_size: int, micro_batch_size: int, prompt_len_max: int) -> int:
-    """The most tokens a pass may carry: one micro-batch's prefill, as the plan counted its
-    activations (mu x the longest prompt), beside a decode of every running sequence."""
-    return micro_batch_size * prompt_len_max + batch_size

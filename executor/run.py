@@ -21,7 +21,7 @@ from executor.api import RunSpec, load_weights, peak_memory_bytes
 from executor.batching import PartialOutput, plan_batches
 from executor.checkpoint import Checkpoint
 from executor.generate import Limits, Sampling, generate
-from executor.passes import run_passes, token_budget_limit
+from executor.passes import run_passes
 from executor.quant import compute_dtype
 from executor.runtime import placed_runtime
 from executor.tensor_parallel import random_share, shard_checkpoint
@@ -36,7 +36,7 @@ from hrm.profiling.cpu import cpu_times, measured_others_share
 from hrm.progress import RunProgress
 from hrm.record import Measurement
 from hrm.requests import answer_line
-from hrm.rules.admission import Request, check_fits, kv_blocks
+from hrm.rules.admission import Request, check_fits, kv_blocks, token_budget_limit
 from hrm.rules.cpu_gemm import CpuGemmChoice
 from hrm.units import format_bytes
 

@@ -191,7 +191,7 @@ def _beside(args, arch, plan, hardware, workload, job):
 
     pol = plan.policy
     bound = stage1_bound(arch, hardware, workload, pol.weight_dtype, pol.kv_dtype)
-    return bound, _continuous(args, arch, plan, hardware, workload, job)
+    return bound, _continuous(args, arch, plan, hardware, workload, job, bound)
 
 
 def _continuous_text(c: dict) -> str:
@@ -203,14 +203,14 @@ def _continuous_text(c: dict) -> str:
     )
 
 
-def _continuous(args, arch, plan, hardware, workload, job) -> dict | None:
+def _continuous(args, arch, plan, hardware, workload, job, bound) -> dict | None:
     """The job under continuous batching at the plan's N, mu and placement (planner/passes.py):
-    the prompts file's requests, else 4 N requests of the given lengths; None unless asked."""
+    the prompts file's requests, else 4 N requests of the given lengths, and its share of
+    `bound`; None unless asked."""
     import math
     import time
 
-    from hrm.rules.admission import Request
-    from planner.bound import stage1_bound
+    from hrm.rules.admission import Request, token_budget_limit
     from planner.passes import price_job
     from planner.setting import Setting
 
@@ -225,10 +225,9 @@ def _continuous(args, arch, plan, hardware, workload, job) -> dict | None:
                       schedule=plan.schedule, weight_dtype=pol.weight_dtype,
                       kv_dtype=pol.kv_dtype)  # fmt: skip
     started = time.perf_counter()
-    budget = pol.micro_batch_size * workload.prompt_len_max + pol.batch_size
+    budget = token_budget_limit(pol.batch_size, pol.micro_batch_size, workload.prompt_len_max)
     price = price_job(setting, pol, requests, token_budget=budget,
                       context_tokens=workload.max_context_len)  # fmt: skip
-    bound = stage1_bound(setting.arch, hardware, workload, pol.weight_dtype, pol.kv_dtype)
     return {
         "requests": len(requests), "passes": price.passes, "seconds": price.seconds,
         "throughput_tok_s": price.throughput_tok_s, "mean_sequences": price.mean_sequences,

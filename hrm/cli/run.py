@@ -441,8 +441,8 @@ def _check_batching(args, job) -> None:
     """A pass's token budget: at least 1, at most what the plan's memory holds (one
     micro-batch of its longest prompt beside N decodes), and that most when not given;
     continuous batching only."""
-    from executor.passes import token_budget_limit
     from hrm.errors import HrmError
+    from hrm.rules.admission import token_budget_limit
 
     budget = args.max_tokens_per_pass
     if budget is not None and args.batching != "continuous":

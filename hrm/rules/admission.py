@@ -85,6 +85,12 @@ def kv_blocks(batch_size: int, context_tokens: int, block_tokens: int = BLOCK_TO
     return -(-batch_size * context_tokens // block_tokens)
 
 
+def token_budget_limit(batch_size: int, micro_batch_size: int, prompt_len_max: int) -> int:
+    """The most tokens a pass may carry: one micro-batch's prefill, as a plan counts its
+    activations (mu x the longest prompt), beside a decode of every running sequence."""
+    return micro_batch_size * prompt_len_max + batch_size
+
+
 def check_fits(requests: Iterable[Request], total_blocks: int, block_tokens: int = BLOCK_TOKENS):
     """Refuse, naming it, the first request whose whole life needs more KV than there is: it
     could never be admitted, and the run would wait for it for ever."""
