@@ -53,7 +53,7 @@ class PassPricer:
     """Prices passes for one setting and policy; group prices are kept by shape."""
 
     def __init__(self, setting: Setting, policy: Policy):
-        self.setting, self.policy = setting, policy
+        self.setting = setting
         self.v = policy_vector(policy)
         self._groups: dict[tuple[str, int, float], dict[str, float]] = {}
         self.busy_s = dict.fromkeys(("gpu", "cpu", "h2d", "d2h"), 0.0)  # over the passes priced
@@ -62,11 +62,11 @@ class PassPricer:
         """One group's per-layer seconds on each queue, its chain, fill and head: decode at
         context `length`, or prefill of chunks of `length` tokens."""
         if phase == "decode":
-            length = CONTEXT_BUCKET ** math.ceil(math.log(max(length, 1.0), CONTEXT_BUCKET))
+            length = _bucket(max(length, 1.0))
         else:  # chunks too, from 16 tokens (a pass's prompts are of every length)
             length = float(max(1, round(length)))
             if length > 16:
-                length = round(CONTEXT_BUCKET ** math.ceil(math.log(length, CONTEXT_BUCKET)))
+                length = round(_bucket(length))
         key = (phase, b, length)
         if key not in self._groups:
             self._groups[key] = self._price_group(phase, b, length)
@@ -89,8 +89,8 @@ class PassPricer:
         out["weights"] = float(q.components["h2d"]["weights"].weights @ v)
         return out
 
-    def price(self, p: Pass, groups: Sequence[tuple[str, int, float]]) -> float:
-        """Seconds of pass `p`, cut into `groups` (phase, sequences, context or chunk)."""
+    def price(self, groups: Sequence[tuple[str, int, float]]) -> float:
+        """Seconds of a pass cut into `groups` (phase, sequences, context or chunk)."""
         s, hw = self.setting, self.setting.hardware
         priced = [self.group(*g) for g in groups]
         m = len(priced)
@@ -115,6 +115,11 @@ class PassPricer:
         for q, busy in queues.items():
             self.busy_s[q] += s.arch.num_layers * busy
         return s.arch.num_layers * layer + fill + sum(g["head"] for g in priced)
+
+
+def _bucket(length: float) -> float:
+    """The next power of CONTEXT_BUCKET at or above `length`."""
+    return CONTEXT_BUCKET ** math.ceil(math.log(length, CONTEXT_BUCKET))
 
 
 def pass_groups(p: Pass, micro_batch_size: int) -> list[tuple[str, int, float]]:
@@ -144,7 +149,7 @@ def price_job(
     pricer = PassPricer(setting, policy)
     prefill = decode = 0.0
     for p in passes:
-        seconds = pricer.price(p, pass_groups(p, policy.micro_batch_size))
+        seconds = pricer.price(pass_groups(p, policy.micro_batch_size))
         if p.chunks:
             prefill += seconds
         else:

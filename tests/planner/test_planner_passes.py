@@ -44,8 +44,8 @@ def test_a_pass_of_equal_groups_is_the_static_step(text, schedule):
     most: the pass's shapes are priced once each)."""
     p, plan = pricer(text, schedule)
     m, mu = plan.policy.num_micro_batches, plan.policy.micro_batch_size
-    decode = p.price(None, [("decode", mu, 100.0)] * m)
-    prefill = p.price(None, [("prefill", mu, 99.0)] * m)
+    decode = p.price([("decode", mu, 100.0)] * m)
+    prefill = p.price([("prefill", mu, 99.0)] * m)
     assert decode == pytest.approx(plan.predicted.decode_s, rel=2e-3)
     assert prefill == pytest.approx(plan.predicted.prefill_s, rel=2e-3)
 
@@ -53,8 +53,8 @@ def test_a_pass_of_equal_groups_is_the_static_step(text, schedule):
 def test_a_mixed_pass_overlaps_its_groups_and_streams_the_weights_once():
     p, _ = pricer(*CASES[1])
     decode, prefill = ("decode", 16, 300.0), ("prefill", 16, 64.0)
-    both = p.price(None, [decode, decode, prefill])
-    alone = p.price(None, [decode, decode]), p.price(None, [prefill])
+    both = p.price([decode, decode, prefill])
+    alone = p.price([decode, decode]), p.price([prefill])
     assert max(alone) <= both < sum(alone)  # one weight stream, not two
 
 
