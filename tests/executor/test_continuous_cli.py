@@ -85,7 +85,8 @@ def test_a_partial_file_resumes_in_its_own_batching_only(run_cli, files, tmp_pat
 )
 def test_bad_batching_flags_are_refused_before_loading(run_cli, files, tmp_path, monkeypatch,
                                                        flags, says):  # fmt: skip
-    monkeypatch.setattr("executor.api.load_weights", lambda *a, **k: pytest.fail("loaded"))
+    # where the run driver calls it (executor.run binds its own name at import)
+    monkeypatch.setattr("executor.run.load_weights", lambda *a, **k: pytest.fail("loaded"))
     status, out, err = _run(run_cli, files, tmp_path / "out.jsonl", *flags)
     assert_one_line_error(status, err, says)
     assert out == "" and not list(tmp_path.glob("out.jsonl*"))
