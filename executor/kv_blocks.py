@@ -43,6 +43,7 @@ class KVBlocks(StoredRows):
         ]
         self.blocks = blocks
         self.free = list(range(blocks - 1, -1, -1))  # popped from the end: block 0 first
+        self.owned = bytearray(blocks)  # 1 while a sequence's table holds the block
         self.tables: dict[int, list[int]] = {}
         self.peak_held = 0
         self.token_bytes = nkv * (row + v_row) * store_dtype.itemsize  # K and V, a token, a layer
@@ -57,14 +58,21 @@ class KVBlocks(StoredRows):
         need = -(-tokens // BLOCK_TOKENS) - len(table)
         if need > len(self.free):
             raise RuntimeError(f"KV blocks over-committed: {need} wanted, {len(self.free)} free")
-        table.extend(self.free.pop() for _ in range(max(0, need)))
+        for _ in range(max(0, need)):
+            block = self.free.pop()
+            if self.owned[block]:
+                raise RuntimeError(f"KV block {block} is free and held at once")
+            self.owned[block] = 1
+            table.append(block)
         self.peak_held = max(self.peak_held, self.held)
 
     def release(self, seq: int) -> None:
         """An ended sequence's blocks, back to the pool."""
         table = self.tables.pop(seq)
-        if set(table) & set(self.free):
-            raise RuntimeError(f"KV block freed twice (sequence {seq})")
+        for block in table:  # per block, not against the whole free list: a release is frequent
+            if not self.owned[block]:
+                raise RuntimeError(f"KV block freed twice (sequence {seq})")
+            self.owned[block] = 0
         self.free.extend(reversed(table))
 
     def slots(self, seq: int, start: int, stop: int) -> list[int]:
