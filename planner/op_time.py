@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from scipy.special import gammaln
 
 from hrm.arch import ModelArch
 from hrm.hardware.parts import DeviceSpec
@@ -16,7 +17,7 @@ from hrm.roofline.ops import (
     ffn_output_elements,
     routed_expert_op,
 )
-from hrm.rules.cpu_gemm import CpuGemmChoice, gemm_flops_per_s
+from hrm.rules.cpu_gemm import CpuGemmChoice, gemm_flops_per_s, gemm_flops_per_s_each
 
 
 def op_seconds(
@@ -31,13 +32,17 @@ def op_seconds(
     elementwise rate in `dtype`, else the memory bandwidth over the element size."""
 
     def rate(fn) -> np.ndarray:  # one lookup per row count: `rows` may be an array of them
-        return np.vectorize(fn, otypes=[float])(np.asarray(rows, dtype=float))
+        at = np.asarray(rows, dtype=float)
+        if at.size < 8:
+            return np.fromiter(map(fn, at.flat), float, at.size).reshape(at.shape)
+        once, where = np.unique(at, return_inverse=True)  # a decode's steps share their rows
+        return np.fromiter(map(fn, once), float, once.size)[where].reshape(at.shape)
 
     if cpu_gemm is None:
         compute = np.asarray(op.flops) / rate(lambda r: device.matmul_flops_per_s(dtype, r))
     elif op.gemm_shapes:
         compute = sum(
-            flops / rate(lambda r, shape=shape: gemm_flops_per_s(device, cpu_gemm, r, shape))
+            flops / gemm_flops_per_s_each(device, cpu_gemm, rows, shape)
             for shape, flops in op.gemm_flops()
         )
     else:
@@ -126,8 +131,6 @@ def _binomial(trials: int, p: float) -> tuple[np.ndarray, np.ndarray]:
     reach = 8 * math.sqrt(trials * p * (1 - p)) + 1
     lo, hi = max(1, math.floor(trials * p - reach)), min(trials, math.ceil(trials * p + reach))
     counts = np.arange(lo, hi + 1)
-    log_choose = np.array(
-        [math.lgamma(trials + 1) - math.lgamma(n + 1) - math.lgamma(trials - n + 1) for n in counts]
-    )
+    log_choose = gammaln(trials + 1) - gammaln(counts + 1) - gammaln(trials - counts + 1)
     log_p = counts * math.log(p) + (trials - counts) * math.log1p(-p)
     return counts, np.exp(log_choose + log_p)

@@ -40,6 +40,7 @@ class Setting:
     )
     # one Setting per kind of layer, with its share of the layers (kinds)
     _kinds: list = field(default_factory=list, init=False, compare=False, repr=False)
+    _chosen: list = field(default_factory=list, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         check_tensor_parallel(self.arch, self.hardware)
@@ -53,11 +54,16 @@ class Setting:
         if not self.arch.dense_layers:
             return [(self, 1.0)]
         if not self._kinds:
-            self._kinds.extend(
-                (dataclasses.replace(self, arch=kind), n / self.arch.num_layers)
-                for kind, n in self.arch.layer_kinds()
-            )
+            for kind, n in self.arch.layer_kinds():
+                self._kinds.append((self.alike(arch=kind), n / self.arch.num_layers))
         return self._kinds
+
+    def alike(self, **changes) -> Setting:
+        """This setting with other `changes` (arch: a kind of layer; workload), sharing what
+        holds across them: the CPU's GEMM choice, with its memo."""
+        setting = dataclasses.replace(self, **changes)
+        object.__setattr__(setting, "_chosen", self._chosen)
+        return setting
 
     @property
     def compute_dtype(self) -> str:
@@ -71,9 +77,11 @@ class Setting:
         hrm.rules.cpu_gemm picks from the profile's curves."""
         if self.cpu_gemm is not None:
             return self.cpu_gemm
-        return choose_cpu_gemm(
-            self.hardware.cpu, self.compute_dtype, source=f"profile {self.hardware.name}"
-        )
+        if not self._chosen:  # once: it keeps its rates' memo (hrm.rules.cpu_gemm)
+            self._chosen.append(choose_cpu_gemm(
+                self.hardware.cpu, self.compute_dtype, source=f"profile {self.hardware.name}"
+            ))  # fmt: skip
+        return self._chosen[0]
 
     @property
     def steps(self) -> int:

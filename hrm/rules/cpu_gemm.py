@@ -15,14 +15,17 @@ clearly less time: sgemm ran 2 and 3 rows as GEMVs on an AVX-512 EPYC, slower th
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
+
 from hrm.errors import HrmError
 from hrm.hardware.parts import HALF_DTYPES, WIDENED_KEYS, Curve, gemm_shape_key
-from hrm.rules.gemm_paths import padded_tokens
+from hrm.rules.gemm_paths import TOKEN_PAD, padded_tokens
 from hrm.schema import check_keys
 
 PATHS = ("native", "widened")
@@ -115,6 +118,9 @@ class CpuGemmChoice:
     # path -> shape key (or ANY_SHAPE) -> {tokens: rows run} up to SMALL_PAD_LIMIT
     small_pads: Mapping[str, Mapping[str, Mapping[int, int]]] = field(default_factory=dict)
     source: str
+    # id(rates) -> (rates, {(tokens, shape): FLOP/s}): a search asks for the same few row counts
+    # hundreds of thousands of times; holding `rates` keeps its id from being reused
+    _memo: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def path_at(self, tokens: float) -> str:
         starts = [start for start, _ in self.buckets]
@@ -164,7 +170,7 @@ class CpuGemmChoice:
         data = check_keys(
             data,
             where=where,
-            required=set(cls.__dataclass_fields__) - {"small_pads"},
+            required={f.name for f in dataclasses.fields(cls) if f.init} - {"small_pads"},
             optional={"calls", "small_pads"},
         )
         buckets = data["buckets"]
@@ -295,9 +301,41 @@ def gemm_flops_per_s(
 ) -> float:
     """Useful FLOP/s of a GEMM at `tokens` rows along the chosen path: the path's rate at the rows
     it runs (padded or not) at its shape, times the useful share of those rows."""
-    path = choice.path_at(tokens)
-    rows = choice.rows_at(tokens, shape)
-    return rate_at(rates, rate_key(rates, choice.dtype, path), rows, shape) * tokens / rows
+    memo = choice._memo.setdefault(id(rates), (rates, {}))[1]
+    if (tokens, shape) not in memo:
+        path = choice.path_at(tokens)
+        rows = choice.rows_at(tokens, shape)
+        key = rate_key(rates, choice.dtype, path)
+        memo[tokens, shape] = rate_at(rates, key, rows, shape) * tokens / rows
+    return memo[tokens, shape]
+
+
+def gemm_flops_per_s_each(
+    rates: GemmRates, choice: CpuGemmChoice, tokens, shape: tuple[int, int] | None = None
+) -> np.ndarray:
+    """gemm_flops_per_s at each of an array of token counts (a binomial's counts of rows per
+    expert: a search asks for hundreds of thousands), the curves read in one interpolation a
+    path; small counts, with their pads, one by one."""
+    t = np.asarray(tokens, dtype=float)
+    out = np.empty_like(t)
+    small = t <= SMALL_PAD_LIMIT
+    for i in np.flatnonzero(small):
+        out.flat[i] = gemm_flops_per_s(rates, choice, float(t.flat[i]), shape)
+    starts = np.array([start for start, _ in choice.buckets])
+    bucket = np.searchsorted(starts, t, side="right") - 1
+    for b, (_, path) in enumerate(choice.buckets):
+        mask = (bucket == b) & ~small
+        if not mask.any():
+            continue
+        x = t[mask]  # above SMALL_PAD_LIMIT: padded to the next multiple where the path pads
+        rows = np.ceil(x / TOKEN_PAD) * TOKEN_PAD if path in choice.padded else x
+        key = rate_key(rates, choice.dtype, path)
+        curve = rates.matmul_curves.get(key)
+        if shape is not None:
+            curve = rates.gemm_shape_curves.get(gemm_shape_key(*shape), {}).get(key, curve)
+        rate = curve.at_each(rows) if curve is not None else peak_at(rates, key)
+        out[mask] = rate * x / rows
+    return out
 
 
 def gemm_peak_flops_per_s(rates: GemmRates, choice: CpuGemmChoice) -> float:
