@@ -32,9 +32,11 @@ class PassStats:
     tokens: list[int] = field(default_factory=list)
     sequences: list[int] = field(default_factory=list)
     head_rows: list[int] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
     prefill_s: float = 0.0  # passes with prompt tokens
     decode_s: float = 0.0  # passes of decodes only
     peak_kv_bytes: float = 0.0
+    peak_kv_blocks: int = 0  # of one layer's pool (every layer holds the same blocks)
     logits: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # if asked: [V] a token
 
     def summary(self) -> dict:
@@ -44,6 +46,10 @@ class PassStats:
             "mean_sequences_per_pass": sum(self.sequences) / n if n else 0.0,
             "mean_tokens_per_pass": sum(self.tokens) / n if n else 0.0,
             "peak_kv_bytes": self.peak_kv_bytes,
+            "peak_kv_blocks": self.peak_kv_blocks,
+            # each pass: its tokens and seconds (the planner's prediction sits beside them)
+            "pass_tokens": list(self.tokens),
+            "pass_seconds": list(self.seconds),
         }
 
 
@@ -86,9 +92,11 @@ def run_passes(
             else:
                 stats.decode_s += seconds
             stats.tokens.append(p.tokens)
+            stats.seconds.append(seconds)
             stats.sequences.append(len(p.decodes) + len(p.chunks))
             stats.head_rows.append(sum(0 if x is None else x.shape[0] for x in logits))
             stats.peak_kv_bytes = max(stats.peak_kv_bytes, _held_bytes(pools))
+            stats.peak_kv_blocks = pools.peak_held
             for i in admission.complete(p, stopped):
                 pools.release(i)
                 on_finish(i, out.tokens[i], out.reasons.get(i, "length"))

@@ -142,6 +142,7 @@ def execute(
     batching: str = "static",
     token_budget: int | None = None,
     kv_context: int | None = None,
+    max_running: int | None = None,
 ) -> RunResult:
     """Run every pending batch of `spec`'s prompts under `policy` and `schedule` on its device.
 
@@ -154,7 +155,8 @@ def execute(
     processes took enough of the CPU that the measurement is not comparable. share: this
     process's batches and share of each layer in a run torchrun started (executor/world.py).
     batching: "static" (batches of N, each to its longest answer) or "continuous"
-    (executor/passes.py, at most token_budget tokens a pass, KV for N sequences of kv_context)."""
+    (executor/passes.py, at most token_budget tokens a pass and max_running requests at once
+    (default N), KV for N sequences of kv_context)."""
     share = share or Share()
     continuous = batching == "continuous"
     runtime = _placed(spec, policy, schedule, checkpoint, cpu_gemm, staged, quiet, share,
@@ -164,7 +166,8 @@ def execute(
                on_batch=on_batch, share=share, weights=_weights_held(runtime.store))  # fmt: skip
     times_before, start = cpu_times(), time.perf_counter()
     try:
-        ran = _continuous(job, token_budget, kv_context) if continuous else _static(job)
+        limits = (token_budget, kv_context, max_running or policy.batch_size)
+        ran = _continuous(job, *limits) if continuous else _static(job)
     finally:
         runtime.close()
     wall = time.perf_counter() - start
@@ -254,7 +257,8 @@ def _static(job: _Job) -> _Ran:
                 environment=environment)  # fmt: skip
 
 
-def _continuous(job: _Job, token_budget: int | None, kv_context: int | None) -> _Ran:
+def _continuous(job: _Job, token_budget: int | None, kv_context: int | None,
+                max_running: int) -> _Ran:  # fmt: skip
     """The requests not done yet (a data-parallel group's every groups-th), in input order,
     through continuous passes (executor/passes.py); each answer written as it ends. The KV
     blocks are what a static batch of N books at `kv_context` tokens a sequence (the plan's
@@ -274,14 +278,13 @@ def _continuous(job: _Job, token_budget: int | None, kv_context: int | None) -> 
         bar.request_done(len(ids), limits[i].max_new)
 
     longest = max(spec.prompt_lens)
-    budget = token_budget or token_budget_limit(policy.batch_size, policy.micro_batch_size,
-                                                longest)  # fmt: skip
+    budget = token_budget or token_budget_limit(max_running, policy.micro_batch_size, longest)
     context = kv_context or longest + max(map(spec.max_new, mine), default=1)
     blocks = kv_blocks(policy.batch_size, context)
     try:
         stats = run_passes(
             job.runtime, {i: spec.prompts[i] for i in pending}, limits,
-            max_running=policy.batch_size, token_budget=budget, total_blocks=blocks,
+            max_running=max_running, token_budget=budget, total_blocks=blocks,
             stop_token_ids=job.stop_token_ids, decode=_decoder(spec), on_finish=finish,
             on_pass=lambda sampled: bar.step("pass", sampled),
         )  # fmt: skip
@@ -291,7 +294,7 @@ def _continuous(job: _Job, token_budget: int | None, kv_context: int | None) -> 
               "generated_tokens": bar.made}  # fmt: skip
     environment = {"batching": "continuous", "continuous": stats.summary(), "batches_run": 0,
                    "batches_resumed": len(mine) - len(pending), "token_budget": budget,
-                   "kv_context": context}  # fmt: skip
+                   "kv_context": context, "max_running": max_running}  # fmt: skip
     peaks = job.runtime.allocated_bytes()
     return _Ran(done=done, totals=totals, peaks=peaks, batches=[], environment=environment)
 

@@ -6,6 +6,7 @@ accounting the planner checked (docs/architecture.md, Data model).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -114,6 +115,37 @@ class MemoryFootprint:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Continuous:
+    """How a continuous run of the plan admits requests (hrm/rules/admission.py), and the
+    planner's simulation of the job it was planned for. The KV pool is what the policy's N
+    sequences at the workload's longest context hold; up to `max_running` requests share it."""
+
+    max_running: int
+    token_budget: int  # the most tokens a pass carries
+    requests: int  # in the job simulated
+    passes: int
+    peak_kv_blocks: int  # reserved at the simulated peak, of the pool's
+    predicted: Prediction  # prefill_s: the passes that carried prompt tokens
+
+    def __post_init__(self) -> None:
+        positive_int(self.max_running, where="plan: continuous: max_running")
+        positive_int(self.token_budget, where="plan: continuous: token_budget")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {"predicted": self.predicted.to_dict()}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "continuous") -> Continuous:
+        required, optional = dataclass_keys(cls)
+        data = check_keys(data, where=where, required=required, optional=optional)
+        ints = {k: data[k] for k in required - {"predicted"}}
+        for key, value in ints.items():
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise HrmError(f"{where}: {key} must be a whole number, got {value!r}")
+        return cls(**ints, predicted=Prediction.from_dict(data["predicted"], f"{where}: predicted"))
+
+
+@dataclass(frozen=True, kw_only=True)
 class Plan:
     model: str
     hardware: str
@@ -131,6 +163,8 @@ class Plan:
     # The profile planned on (with --gpus, --gpu-mem, ... applied), so that a plan file needs
     # nothing beside it wherever it is copied; None in a plan older than it (`hardware` names it)
     machine: HardwareProfile | None = None
+    # hrm plan --batching continuous: the limits of a continuous run and its prediction
+    continuous: Continuous | None = None
 
     def __post_init__(self) -> None:
         check_schedule(self.schedule)
@@ -161,6 +195,7 @@ class Plan:
             "geometry": dict(self.geometry),
             "tensor_parallel": self.tensor_parallel,
             **({"machine": self.machine.to_dict()} if self.machine is not None else {}),
+            **({"continuous": self.continuous.to_dict()} if self.continuous is not None else {}),
         }
 
     @classmethod
@@ -182,6 +217,9 @@ class Plan:
             tensor_parallel=data.get("tensor_parallel", 1),
             machine=HardwareProfile.from_dict(data["machine"], f"{where}: machine")
             if data.get("machine") is not None
+            else None,
+            continuous=Continuous.from_dict(data["continuous"], f"{where}: continuous")
+            if data.get("continuous") is not None
             else None,
         )
 

@@ -130,6 +130,27 @@ def prefill_tensors_bytes(
     return tokens * (held + peak) * dtype_bytes(ACTIVATION_DTYPE)
 
 
+def activation_tokens(
+    arch: ModelArch,
+    workload: Workload,
+    *,
+    batch_size: int,
+    micro_batch_size: int,
+    ffn_on_gpu: bool,
+) -> int:
+    """The most tokens one continuous pass may carry (its decodes and prompt chunks), so that
+    their hidden states, held between layers, fit what memory_terms counts for a static plan at
+    (N, mu): where the GPU runs the layers, a pass's micro-batches are the static ones (at most
+    mu sequences, mu prompts' tokens) and their hidden states go to the host between layers, as
+    N prompts' do (the hidden-state offload, N * S); where the CPU runs them, the whole pass's
+    stay in the CPU's activations (N decodes' residual stream, or one micro-batch's prefill)."""
+    if ffn_on_gpu:
+        return batch_size * workload.prompt_len_max
+    stream = arch.hidden_size * dtype_bytes(ACTIVATION_DTYPE)
+    held = max(batch_size * stream, prefill_tensors_bytes(arch, workload, micro_batch_size))
+    return int(held // stream)
+
+
 def memory_terms(
     arch: ModelArch,
     workload: Workload,

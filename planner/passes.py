@@ -10,11 +10,14 @@ exactly as a static step does: per layer T_layer >= each queue's sum over the gr
 CPU standing in for the GPU, their total), the longest group's chain; serial adds the chains
 up; the weights stream once a pass in as many pages as the pass has groups; fill and drain
 when there are two groups or more, and each sampling group's LM head.
+
+Shapes are priced on a grid: contexts and chunks at powers of CONTEXT_BUCKET (6% apart), and
+groups of more than 16 sequences between two sizes of that grid, interpolated linearly (a
+pass's last group is of any size, and each new shape is a static model's layer to price).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -43,6 +46,9 @@ class JobPrice:
     generated_tokens: int
     mean_sequences: float
     busy_s: dict[str, float]  # each queue's busy seconds over the passes (the heads left out)
+    peak_running: int  # the most requests running at once
+    peak_blocks: int  # the most KV blocks reserved at once (admission reserves whole lives)
+    pass_seconds: tuple[float, ...]  # each pass's, in order
 
     @property
     def throughput_tok_s(self) -> float:
@@ -50,11 +56,16 @@ class JobPrice:
 
 
 class PassPricer:
-    """Prices passes for one setting and policy; group prices are kept by shape."""
+    """Prices passes for one setting and policy. A group's terms, as vectors over the placement
+    basis, are kept by shape in `shapes`, which pricers of one setting may share (a search
+    prices many policies' passes of the same shapes); their values at this policy in _groups."""
 
-    def __init__(self, setting: Setting, policy: Policy):
+    def __init__(self, setting: Setting, policy: Policy, shapes: dict | None = None):
         self.setting = setting
         self.v = policy_vector(policy)
+        self.shapes: dict[tuple[str, int, float], dict[str, np.ndarray]] = (
+            {} if shapes is None else shapes
+        )
         self._groups: dict[tuple[str, int, float], dict[str, float]] = {}
         self.busy_s = dict.fromkeys(("gpu", "cpu", "h2d", "d2h"), 0.0)  # over the passes priced
 
@@ -69,24 +80,36 @@ class PassPricer:
                 length = round(_bucket(length))
         key = (phase, b, length)
         if key not in self._groups:
-            self._groups[key] = self._price_group(phase, b, length)
+            lo, hi = _sizes_around(b)
+            share = (b - lo) / (hi - lo) if hi > lo else 0.0
+            terms = {k: (1 - share) * t for k, t in self._terms(phase, lo, length).items()}
+            if share:
+                for k, t in self._terms(phase, hi, length).items():
+                    terms[k] = terms[k] + share * t
+            self._groups[key] = {k: float(t @ self.v) for k, t in terms.items()}
         return self._groups[key]
 
-    def _price_group(self, phase: str, b: int, length: float) -> dict[str, float]:
+    def _terms(self, phase: str, b: int, length: float) -> dict[str, np.ndarray]:
+        key = (phase, b, length)
+        if key not in self.shapes:
+            self.shapes[key] = self._group_terms(phase, b, length)
+        return self.shapes[key]
+
+    def _group_terms(self, phase: str, b: int, length: float) -> dict[str, np.ndarray]:
         prompt = length - 1 if phase == "decode" else length
         prompt = max(prompt, 1.0)
         workload = Workload(prompt_len_mean=prompt, prompt_len_max=math.ceil(prompt), gen_len=2)
-        setting = dataclasses.replace(self.setting, workload=workload)
+        setting = self.setting.alike(workload=workload)
         object.__setattr__(setting, "ffn_memo", self.setting.ffn_memo)  # by rows: any workload
         q = queue_terms(setting, micro_batch_seconds(setting, b))
-        step, v = (0 if phase == "prefill" else 1), self.v
-        out = {name: float(q.queue(name).scaled[step] @ v) for name in q.components}
+        step = 0 if phase == "prefill" else 1
+        out = {name: q.queue(name).scaled[step] for name in q.components}
         # a compact format's dequantize is once per pass of a layer, not per group
-        out["dequantize"] = float(q.components["gpu"]["dequantize"].unscaled[step] @ v)
-        out["chain"] = float(q.chain.unscaled[step] @ v)
-        out["fill"] = float(q.fill.unscaled[step] @ v)
-        out["head"] = sum(float(e.scaled[step] @ v) for e in q.head.values())
-        out["weights"] = float(q.components["h2d"]["weights"].weights @ v)
+        out["dequantize"] = q.components["gpu"]["dequantize"].unscaled[step]
+        out["chain"] = q.chain.unscaled[step]
+        out["fill"] = q.fill.unscaled[step]
+        out["head"] = sum(e.scaled[step] for e in q.head.values())
+        out["weights"] = q.components["h2d"]["weights"].weights
         return out
 
     def price(self, groups: Sequence[tuple[str, int, float]]) -> float:
@@ -117,6 +140,17 @@ class PassPricer:
         return s.arch.num_layers * layer + fill + sum(g["head"] for g in priced)
 
 
+def _sizes_around(b: int) -> tuple[int, int]:
+    """The priced group sizes either side of `b` sequences: every size to 16, then whole powers
+    of CONTEXT_BUCKET (a pass's last group is of any size; a group between two is
+    interpolated)."""
+    if b <= 16:
+        return b, b
+    k = math.floor(math.log(b, CONTEXT_BUCKET))
+    lo, hi = math.floor(CONTEXT_BUCKET**k), math.ceil(CONTEXT_BUCKET ** (k + 1))
+    return max(16, min(lo, b)), max(hi, b)
+
+
 def _bucket(length: float) -> float:
     """The next power of CONTEXT_BUCKET at or above `length`."""
     return CONTEXT_BUCKET ** math.ceil(math.log(length, CONTEXT_BUCKET))
@@ -141,19 +175,20 @@ def price_job(
     *,
     token_budget: int,
     context_tokens: int,
+    max_running: int | None = None,
+    shapes: dict | None = None,
 ) -> JobPrice:
     """The job's passes under the executor's admission rule (every request to its max_new), at
-    most N running, KV for N sequences of `context_tokens`, each pass priced."""
-    passes = simulate(requests, max_running=policy.batch_size, token_budget=token_budget,
-                      total_blocks=kv_blocks(policy.batch_size, context_tokens))  # fmt: skip
-    pricer = PassPricer(setting, policy)
-    prefill = decode = 0.0
-    for p in passes:
-        seconds = pricer.price(pass_groups(p, policy.micro_batch_size))
-        if p.chunks:
-            prefill += seconds
-        else:
-            decode += seconds
+    most `max_running` running (default N), KV for N sequences of `context_tokens`, each pass
+    priced; `shapes`: group terms shared with other pricers of `setting` (PassPricer)."""
+    passes, admission = simulate(
+        requests, max_running=max_running or policy.batch_size, token_budget=token_budget,
+        total_blocks=kv_blocks(policy.batch_size, context_tokens),
+    )  # fmt: skip
+    pricer = PassPricer(setting, policy, shapes)
+    seconds = [pricer.price(pass_groups(p, policy.micro_batch_size)) for p in passes]
+    prefill = sum(s for s, p in zip(seconds, passes, strict=True) if p.chunks)
+    decode = sum(s for s, p in zip(seconds, passes, strict=True) if not p.chunks)
     sequences = sum(len(p.decodes) + len(p.chunks) for p in passes)
     return JobPrice(
         passes=len(passes),
@@ -163,4 +198,7 @@ def price_job(
         generated_tokens=sum(r.max_new for r in requests),
         mean_sequences=sequences / len(passes) if passes else 0.0,
         busy_s=pricer.busy_s,
+        peak_running=admission.peak_running,
+        peak_blocks=admission.peak_reserved,
+        pass_seconds=tuple(seconds),
     )

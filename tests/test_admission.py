@@ -1,5 +1,6 @@
 """hrm.rules.admission with the executor's KV blocks: admissions and endings in any order never
-book a block twice, never over-commit the pool, and leave every block free at the end."""
+book a block twice, never over-commit the pool, and leave every block free at the end; the
+rule's count of blocks held (what the planner's simulation reports) is the pools'."""
 
 from __future__ import annotations
 
@@ -48,8 +49,11 @@ def test_blocks_are_never_double_booked_or_leaked(lengths, max_running, budget, 
         for i in admission.complete(p, stopped):
             pools.release(i)
             ended.add(i)
+        assert admission.held == pools.held  # the rule counts the blocks the pools hand out
     assert ended == set(range(len(requests)))
     assert pools.held == 0 and sorted(pools.free) == list(range(total))
+    assert admission.peak_held == pools.peak_held
+    assert admission.peak_held <= admission.peak_reserved <= total
 
 
 def test_a_request_that_can_never_fit_is_named():
@@ -61,7 +65,7 @@ def test_a_request_that_can_never_fit_is_named():
 
 
 def test_a_long_prompt_is_cut_across_passes_and_decodes_go_first():
-    passes = simulate([Request(0, 5, 3), Request(1, 20, 2)], max_running=2, token_budget=8,
+    passes, _ = simulate([Request(0, 5, 3), Request(1, 20, 2)], max_running=2, token_budget=8,
                       total_blocks=8)  # fmt: skip
     shapes = [([i for i, _ in p.decodes], [(c.index, c.start, c.length) for c in p.chunks])
               for p in passes]  # fmt: skip

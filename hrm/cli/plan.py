@@ -55,8 +55,8 @@ def add_parser(subparsers) -> None:
         "--batching",
         choices=("static", "continuous"),
         default="static",
-        help="continuous: also price the job run by continuous batching under the best plan's "
-        "N, mu and placement, pass by pass (hrm run --batching continuous), beside static",
+        help="continuous: also plan the job run by continuous batching (hrm run's default), "
+        "simulated and priced pass by pass, beside the best static plan; -o writes it",
     )
     p.add_argument(
         "--gen-len",
@@ -150,11 +150,12 @@ def run(args: argparse.Namespace) -> int:
     named, requested_weights = _named(args, arch, hardware, workload, options)
     result = search(arch, hardware, workload, top_k=args.top, max_batch_size=cap, **options)
     base = baselines(Setting(arch=arch, hardware=hardware, workload=workload, **options), cap)
-    written = named if named is not None and args.output else result.best
+    static = named if named is not None and args.output else result.best
+    bound, written, seconds = _beside(args, arch, static, result, hardware, workload, job)
     if args.output:
         written.save(args.output)
-    rate, price = written.predicted.throughput_tok_s, hardware.price_per_hour
-    bound, continuous = _beside(args, arch, written, hardware, workload, job)
+    rate = (written.continuous or written).predicted.throughput_tok_s
+    price = hardware.price_per_hour
     if args.json:
         data = plan_json(result, base, args.output)
         if named is not None:
@@ -166,13 +167,15 @@ def run(args: argparse.Namespace) -> int:
         data["job"] = job.to_dict(rate, price) if job is not None else None
         data["what_if"] = unrunnable
         data["stage1_bound"] = bound.to_dict() | {"plan_share": rate / bound.generated_per_s}
-        data["continuous"] = continuous
+        data["continuous"] = _continuous_json(written, static, bound, seconds)
         print(json.dumps(data, indent=2))
         return 0
     print(format_plan(result, base))
     print(bound.describe(rate))
-    if continuous is not None:
-        print(_continuous_text(continuous))
+    if written.continuous is not None:
+        from hrm.cli.plan_continuous import describe
+
+        print(describe(written, static, bound.generated_per_s))
     if unrunnable:
         print(f"what-if: {unrunnable}; hrm run cannot run this plan")
     if named is not None:
@@ -180,61 +183,33 @@ def run(args: argparse.Namespace) -> int:
     if job is not None:
         print(job.describe(rate, price))
     if args.output:
-        print(f"wrote {args.output}" + (" (the named policy)" if written is named else ""))
+        print(f"wrote {args.output}" + (" (the named policy)" if named is not None else ""))
     return 0
 
 
-def _beside(args, arch, plan, hardware, workload, job):
-    """What `hrm plan` prints beside the plan: MoE-Lens's stage-1 bound, and with --batching
-    continuous the job priced pass by pass."""
+def _beside(args, arch, static, result, hardware, workload, job):
+    """MoE-Lens's stage-1 bound at the static plan's dtypes, and the plan to write: with
+    --batching continuous the continuous plan over the static ones (only `static` when it is
+    the named policy), with the seconds it took."""
     from planner.bound import stage1_bound
 
-    pol = plan.policy
+    pol = static.policy
     bound = stage1_bound(arch, hardware, workload, pol.weight_dtype, pol.kv_dtype)
-    return bound, _continuous(args, arch, plan, hardware, workload, job, bound)
-
-
-def _continuous_text(c: dict) -> str:
-    return (
-        f"continuous batching of {c['requests']} requests under this plan: "
-        f"{c['throughput_tok_s']:.1f} tok/s over {c['passes']} passes (mean "
-        f"{c['mean_sequences']:.1f} sequences), {c['over_static']:.2f}x static "
-        f"({c['share_of_bound']:.0%} of the bound)"
-    )
-
-
-def _continuous(args, arch, plan, hardware, workload, job, bound) -> dict | None:
-    """The job under continuous batching at the plan's N, mu and placement (planner/passes.py):
-    the prompts file's requests, else 4 N requests of the given lengths, and its share of
-    `bound`; None unless asked."""
-    import math
-    import time
-
-    from hrm.rules.admission import Request, token_budget_limit
-    from planner.passes import price_job
-    from planner.setting import Setting
-
     if args.batching != "continuous":
+        return bound, static, None
+    from hrm.cli.plan_continuous import continuous_plan
+
+    candidates = [static] if static is not result.best else list(result.top)
+    plan, seconds = continuous_plan(arch, hardware, workload, job, candidates)
+    return bound, plan, seconds
+
+
+def _continuous_json(plan, static, bound, seconds) -> dict | None:
+    if plan.continuous is None:
         return None
-    pol = plan.policy
-    lengths = job.lengths if job is not None and job.lengths else (
-        [(math.ceil(workload.prompt_len_mean), workload.gen_len)] * (4 * pol.batch_size)
-    )  # fmt: skip
-    requests = [Request(i, p, g) for i, (p, g) in enumerate(lengths)]
-    setting = Setting(arch=arch, hardware=hardware, workload=workload,
-                      schedule=plan.schedule, weight_dtype=pol.weight_dtype,
-                      kv_dtype=pol.kv_dtype)  # fmt: skip
-    started = time.perf_counter()
-    budget = token_budget_limit(pol.batch_size, pol.micro_batch_size, workload.prompt_len_max)
-    price = price_job(setting, pol, requests, token_budget=budget,
-                      context_tokens=workload.max_context_len)  # fmt: skip
-    return {
-        "requests": len(requests), "passes": price.passes, "seconds": price.seconds,
-        "throughput_tok_s": price.throughput_tok_s, "mean_sequences": price.mean_sequences,
-        "token_budget": budget, "over_static": price.throughput_tok_s
-        / plan.predicted.throughput_tok_s, "share_of_bound": price.throughput_tok_s
-        / bound.generated_per_s, "priced_in_s": time.perf_counter() - started,
-    }  # fmt: skip
+    from hrm.cli.plan_continuous import to_json
+
+    return to_json(plan, static, bound.generated_per_s, seconds)
 
 
 def _check_flags(args) -> list[str]:

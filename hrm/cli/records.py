@@ -77,7 +77,8 @@ def _predict_passes(spec, result, policy, schedule, profile) -> dict:
                       schedule=schedule, weight_dtype=policy.weight_dtype,
                       kv_dtype=policy.kv_dtype, cpu_gemm=result.cpu_gemm)  # fmt: skip
     price = price_job(setting, policy, requests, token_budget=env["token_budget"],
-                      context_tokens=env["kv_context"])  # fmt: skip
+                      context_tokens=env["kv_context"],
+                      max_running=env.get("max_running"))  # fmt: skip
     return {
         "prefill_s": price.prefill_s,
         "decode_s": price.decode_s,
@@ -86,6 +87,7 @@ def _predict_passes(spec, result, policy, schedule, profile) -> dict:
         "busy_s": price.busy_s,
         "passes": price.passes,
         "mean_sequences_per_pass": price.mean_sequences,
+        "pass_seconds": list(price.pass_seconds),  # beside the measured ones, pass by pass
     }
 
 

@@ -399,7 +399,15 @@ def _execute(args, job, hardware, partial, warn, world):
             batching=args.batching,
             token_budget=args.max_tokens_per_pass,
             kv_context=job.plan.workload.max_context_len if job.plan else None,
+            max_running=_max_running(job),
         )
+
+
+def _max_running(job) -> int:
+    """Requests running at once: the plan's continuous limit (hrm plan --batching continuous),
+    else N."""
+    c = job.plan.continuous if job.plan is not None else None
+    return c.max_running if c is not None else job.policy.batch_size
 
 
 def _check_flags(args) -> list[str]:
@@ -448,15 +456,16 @@ def _check_batching(args, job) -> None:
     if budget is not None and args.batching != "continuous":
         raise HrmError("--max-tokens-per-pass is for --batching continuous (the default); "
                        "leave out --batching static, or the flag")  # fmt: skip
-    p = job.policy
+    p, running = job.policy, _max_running(job)
     longest = job.plan.workload.prompt_len_max if job.plan else max(job.spec.prompt_lens)
-    most = token_budget_limit(p.batch_size, p.micro_batch_size, longest)
+    most = token_budget_limit(running, p.micro_batch_size, longest)
+    planned = job.plan.continuous.token_budget if job.plan and job.plan.continuous else most
     if budget is None:
-        args.max_tokens_per_pass = most if args.batching == "continuous" else None
+        args.max_tokens_per_pass = planned if args.batching == "continuous" else None
     elif not 1 <= budget <= most:
         raise HrmError(
             f"--max-tokens-per-pass {budget}: a pass carries 1 to {most} tokens under this "
-            f"{'plan' if job.plan else 'run'} (N={p.batch_size} decodes and one micro-batch of "
+            f"{'plan' if job.plan else 'run'} ({running} decodes and one micro-batch of "
             f"{p.micro_batch_size} prompts of {longest} tokens, what its memory holds)"
         )
 

@@ -126,6 +126,10 @@ class Admission:
         self.prefilled: dict[int, int] = {}  # prompt tokens in, per running request
         self.generated: dict[int, int] = {}  # tokens sampled, per running request
         self.reserved = 0  # blocks of the running requests' whole lives
+        # the most at once over the job: requests running, blocks reserved, and blocks holding
+        # KV rows (what the executor's pools hand out as tokens are written: KVBlocks.peak_held)
+        self.peak_running = self.peak_reserved = self.peak_held = 0
+        self.held = 0  # blocks holding the running requests' rows
         check_fits(self.queue, total_blocks, block_tokens)
 
     @property
@@ -158,6 +162,8 @@ class Admission:
             self.reserved += need
             chunks.append(self._chunk(r, 0, room))
             room -= chunks[-1].length
+        self.peak_running = max(self.peak_running, len(self.running))
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
         return Pass(decodes=decodes, chunks=tuple(chunks))
 
     @staticmethod
@@ -169,27 +175,39 @@ class Admission:
         """Account for a pass that ran: its chunks are in, its samplers have a token more.
         Returns the requests that ended (at max_new, or in `stopped`: a stop token or string),
         whose blocks are free again, in the order they sampled."""
+        bt = self.block_tokens
         for c in done.chunks:
+            self.held += -(-(c.start + c.length) // bt) - (-(-c.start // bt))
             self.prefilled[c.index] = c.start + c.length
         ended = []
         stop = set(stopped)
         for i in done.samples:
             self.generated[i] += 1
+            if self.generated[i] > 1 and (self._rows(i) - 1) % bt == 0:
+                self.held += 1  # the token fed back opened a block
             if i in stop or self.generated[i] >= self.running[i].max_new:
                 ended.append(i)
+        self.peak_held = max(self.peak_held, self.held)
         for i in ended:
+            self.held -= -(-self._rows(i) // bt)
             r = self.running.pop(i)
             del self.prefilled[i], self.generated[i]
-            self.reserved -= blocks_for(life_tokens(r), self.block_tokens)
+            self.reserved -= blocks_for(life_tokens(r), bt)
         return ended
 
+    def _rows(self, i: int) -> int:
+        """KV rows request i has written: its prompt so far and every sampled token fed back
+        (all but the last)."""
+        return self.prefilled[i] + max(0, self.generated[i] - 1)
 
-def simulate(requests: Sequence[Request], **limits) -> list[Pass]:
-    """Every pass of a job whose requests all run to their max_new (what the planner prices)."""
+
+def simulate(requests: Sequence[Request], **limits) -> tuple[list[Pass], Admission]:
+    """Every pass of a job whose requests all run to their max_new (what the planner prices),
+    and the admission that made them, with its peaks."""
     admission = Admission(requests, **limits)
     passes = []
     while not admission.done:
         p = admission.next_pass()
         passes.append(p)
         admission.complete(p)
-    return passes
+    return passes, admission

@@ -125,6 +125,32 @@ def test_a_pass_computes_the_running_sequences_and_admitted_tokens_only(checkpoi
     assert sum(stats.tokens) == sum(LENGTHS) + sum(MAX_NEW) - len(LENGTHS)
 
 
+@pytest.mark.parametrize(("n", "budget"), [(3, BUDGET), (8, 40)])
+def test_the_planners_simulation_is_the_runs_passes_and_blocks(checkpoints, n, budget):
+    """The planner's simulation (hrm.rules.admission.simulate, what planner/passes.py prices) of
+    a job is the executor's run of it, pass by pass, and its peak of blocks holding KV rows is
+    the peak the executor's pools handed out; with more requests running than a static batch
+    (8 > N=3, as a continuous plan admits) as with N."""
+    from hrm.rules.admission import Request, simulate
+
+    path = checkpoints["mixtral-single"]
+    prompts = ragged_prompts(LENGTHS, seed=7)
+    runtime = placed_runtime(open_checkpoint(path, "float32"), policy(n=3, mu=2), "cgopipe", CPU,
+                             continuous=True)  # fmt: skip
+    try:
+        _, stats, _ = continuous(runtime, prompts, n=n, budget=budget)
+    finally:
+        runtime.close()
+    requests = [
+        Request(i, len(p), m) for i, (p, m) in enumerate(zip(prompts, MAX_NEW, strict=True))
+    ]
+    passes, admission = simulate(requests, max_running=n, token_budget=budget, total_blocks=64)
+    assert stats.tokens == [p.tokens for p in passes]
+    assert stats.sequences == [len(p.decodes) + len(p.chunks) for p in passes]
+    assert stats.peak_kv_blocks == admission.peak_held > 0
+    assert max(stats.sequences) == admission.peak_running
+
+
 def test_a_stop_token_ends_a_request_and_frees_its_blocks(checkpoints):
     path = checkpoints["mixtral-single"]
     prompts = ragged_prompts(LENGTHS, seed=7)

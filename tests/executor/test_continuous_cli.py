@@ -163,3 +163,27 @@ def test_a_continuous_run_is_predicted_pass_by_pass(run_cli, files, tmp_path):
     record.write_text(out)
     status, _, err = run_cli("report", record, "-o", tmp_path / "rep")
     assert status == 0, err
+
+
+def test_a_plans_continuous_limits_are_what_the_run_admits(run_cli, files, tmp_path):
+    """A plan of `hrm plan --batching continuous` names how many requests run at once (more
+    than its N) and a pass's tokens: the run admits by them, its answers are the static run's,
+    and the prediction replays the same passes, each beside its measured seconds."""
+    path, prompts, plan = files
+    data = json.loads(plan.read_text())
+    data["continuous"] = {"max_running": 5, "token_budget": 11, "requests": 10, "passes": 1,
+                          "peak_kv_blocks": 1, "predicted": data["predicted"]}  # fmt: skip
+    plan.write_text(json.dumps(data))
+    status, _, err = _run(run_cli, files, tmp_path / "static.jsonl", "--batching", "static")
+    assert status == 0, err
+    status, out, err = _run(run_cli, files, tmp_path / "cont.jsonl", "--hardware", "l4", "--json")
+    assert status == 0, err
+    assert (tmp_path / "cont.jsonl").read_text() == (tmp_path / "static.jsonl").read_text()
+    record = json.loads(out)
+    env, predicted = record["environment"], record["predicted"]
+    assert (env["max_running"], env["token_budget"]) == (5, 11)
+    assert max(env["continuous"]["pass_tokens"]) <= 11 + 5
+    assert predicted["passes"] == env["continuous"]["passes"]
+    assert len(predicted["pass_seconds"]) == len(env["continuous"]["pass_seconds"])
+    status, _, err = _run(run_cli, files, tmp_path / "x.jsonl", "--max-tokens-per-pass", "24")
+    assert_one_line_error(status, err, "a pass carries 1 to 23 tokens under this plan (5 decodes")

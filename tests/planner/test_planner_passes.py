@@ -5,17 +5,23 @@ are the executor's admission rule replayed."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
 from hrm.arch import resolve_model
 from hrm.hardware import resolve_hardware
+from hrm.plan import Plan
 from hrm.policy import parse_policy_text
-from hrm.rules.admission import Request, kv_blocks, simulate
+from hrm.rules.admission import Request, kv_blocks, simulate, token_budget_limit
 from hrm.workload import Workload
 from planner import predict
+from planner.continuous import plan_continuous
+from planner.memory import activation_tokens
 from planner.passes import PassPricer, price_job
+from planner.search import search
 from planner.setting import Setting
+from tests.conftest import assert_one_line_error
 
 ARCH = resolve_model("mixtral-8x7b")
 CASES = [
@@ -62,7 +68,7 @@ def test_a_jobs_passes_are_the_admission_rules_and_their_prices_add_up():
     p, plan = pricer(*CASES[1])
     requests = [Request(i, 20 + 7 * i % 90, 4 + 5 * i % 40) for i in range(150)]
     limits = dict(max_running=64, token_budget=16 * 99 + 64, total_blocks=kv_blocks(64, 139))
-    passes = simulate(requests, **limits)
+    passes, _ = simulate(requests, **limits)
     price = price_job(p.setting, plan.policy, requests, token_budget=limits["token_budget"],
                       context_tokens=139)  # fmt: skip
     assert price.passes == len(passes)
@@ -84,6 +90,58 @@ def test_hrm_plan_prices_the_job_continuously_beside_static(run_cli, tmp_path):
     assert c["requests"] == 300 and c["passes"] > 0 and c["throughput_tok_s"] > 0
     assert c["over_static"] == pytest.approx(c["throughput_tok_s"] / static)
     status, out, err = run_cli(*args, "--batching", "continuous")
-    assert status == 0 and "continuous batching of 300 requests under this plan" in out
+    assert status == 0 and "1.00x the best static plan" not in out
+    assert re.search(r"continuous +[\d.]+ tok/s, [\d.]+x the best static plan", out), out
     status, _, err = run_cli(*args, "--batching", "rolling")
     assert status == 2 and "invalid choice: 'rolling'" in err
+
+
+def _mixed(count: int) -> list[Request]:
+    return [Request(i, 10 + 37 * i % 500, 16 + 53 * i % 241) for i in range(count)]
+
+
+def test_the_continuous_plan_admits_more_than_n_and_beats_the_static_plans_n():
+    """Mixed lengths book less than the longest context each, so the continuous plan runs more
+    requests than the static N from the same pool, within the pool and the pass's memory, and
+    prices above running N at once; its limits replay to the passes it predicted."""
+    requests = _mixed(400)
+    workload = Workload.from_prompt_lens([r.prompt_len for r in requests], 256, False,
+                                         [r.max_new for r in requests])  # fmt: skip
+    hw = resolve_hardware("l4")
+    static = search(ARCH, hw, workload, top_k=5, max_batch_size=128).top  # a smaller pool
+    setting = Setting(arch=ARCH, hardware=hw, workload=workload)
+    plan = plan_continuous(setting, static, requests)
+    c, pol, context = plan.continuous, plan.policy, workload.max_context_len
+    assert plan.policy in [p.policy for p in static]
+    at_n = price_job(setting, pol, requests, context_tokens=context,
+                     token_budget=token_budget_limit(pol.batch_size, pol.micro_batch_size,
+                                                     workload.prompt_len_max))  # fmt: skip
+    assert c.predicted.throughput_tok_s >= at_n.throughput_tok_s
+    assert c.max_running > pol.batch_size and c.peak_kv_blocks <= kv_blocks(pol.batch_size, context)
+    assert c.token_budget <= activation_tokens(ARCH, workload, batch_size=pol.batch_size,
+                                               micro_batch_size=pol.micro_batch_size,
+                                               ffn_on_gpu=pol.ffn_on_gpu)  # fmt: skip
+    passes, _ = simulate(requests, max_running=c.max_running, token_budget=c.token_budget,
+                         total_blocks=kv_blocks(pol.batch_size, context))  # fmt: skip
+    assert len(passes) == c.passes and c.requests == 400
+    assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
+
+
+def test_hrm_plan_writes_the_continuous_plan_and_refuses_a_broken_one(run_cli, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_token_ids": [1] * r.prompt_len,
+                                           "max_tokens": r.max_new}) + "\n"
+                               for r in _mixed(400)))  # fmt: skip
+    out = tmp_path / "plan.json"
+    status, _, err = run_cli("plan", "--model", "mixtral-8x7b", "--hardware", "l4", "--prompts",
+                             prompts, "--batching", "continuous", "--max-batch-size", "128", "-o",
+                             out)  # fmt: skip
+    assert status == 0, err
+    data = json.loads(out.read_text())
+    assert data["continuous"]["max_running"] > data["policy"]["batch_size"]
+    data["continuous"]["max_running"] = 0
+    out.write_text(json.dumps(data))
+    status, _, err = run_cli("run", "--model", "mixtral-8x7b", "--random-weights", "--layers",
+                             "1", "--plan", out, "--batch", "2", "--prompt-len", "4",
+                             "--gen-len", "2")  # fmt: skip
+    assert_one_line_error(status, err, "continuous: max_running: must be a positive integer")

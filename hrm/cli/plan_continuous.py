@@ -1,0 +1,61 @@
+"""`hrm plan --batching continuous`: the continuous plan (planner/continuous.py) of the job, the
+prompts file's requests or, from lengths alone, 4 N requests of them, beside the best static
+plan and MoE-Lens's stage-1 bound."""
+
+from __future__ import annotations
+
+import math
+import time
+
+from hrm.plan import Plan
+
+
+def job_requests(workload, job, batch_size: int) -> list:
+    """The requests simulated: the prompts file's (prompt, max_tokens), else 4 N requests of the
+    mean prompt and the generation length (four generations of a static batch)."""
+    from hrm.rules.admission import Request
+
+    lengths = job.lengths if job is not None and job.lengths else (
+        [(math.ceil(workload.prompt_len_mean), workload.gen_len)] * (4 * batch_size)
+    )  # fmt: skip
+    return [Request(i, p, g) for i, (p, g) in enumerate(lengths)]
+
+
+def continuous_plan(arch, hardware, workload, job, static: list[Plan]) -> tuple[Plan, float]:
+    """The continuous plan over the static `static` plans (best first), and the seconds it took."""
+    from planner.continuous import plan_continuous
+    from planner.setting import Setting
+
+    best = static[0]
+    setting = Setting(arch=arch, hardware=hardware, workload=workload, schedule=best.schedule,
+                      weight_dtype=best.policy.weight_dtype,
+                      kv_dtype=best.policy.kv_dtype)  # fmt: skip
+    started = time.perf_counter()
+    plan = plan_continuous(setting, static, job_requests(workload, job, best.policy.batch_size))
+    return plan, time.perf_counter() - started
+
+
+def describe(plan: Plan, static: Plan, bound_rate: float) -> str:
+    c, p = plan.continuous, plan.policy
+    rate = c.predicted.throughput_tok_s
+    where = lambda on_gpu: "GPU" if on_gpu else "CPU"  # noqa: E731
+    return (
+        f"continuous  {rate:.1f} tok/s, {rate / static.predicted.throughput_tok_s:.2f}x the best "
+        f"static plan, {rate / bound_rate:.0%} of the bound: {c.requests} requests in "
+        f"{c.passes} passes, up to {c.max_running} running and {c.token_budget} tokens a pass\n"
+        f"            KV pool of N={p.batch_size} at the longest context (peak "
+        f"{c.peak_kv_blocks} blocks reserved), mu={p.micro_batch_size} attention "
+        f"{where(p.attention_on_gpu)} FFN {where(p.ffn_on_gpu)} weights-on-GPU "
+        f"{p.weights_gpu_fraction:.0%} KV-on-GPU {p.kv_gpu_fraction:.0%}"
+    )
+
+
+def to_json(plan: Plan, static: Plan, bound_rate: float, seconds: float) -> dict:
+    rate = plan.continuous.predicted.throughput_tok_s
+    return plan.continuous.to_dict() | {
+        "throughput_tok_s": rate,
+        "policy": plan.policy.to_dict(),
+        "over_static": rate / static.predicted.throughput_tok_s,
+        "share_of_bound": rate / bound_rate,
+        "planned_in_s": seconds,
+    }
