@@ -47,7 +47,14 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument("--tokenizer", help="tokenizer (a checkpoint folder) for --prompts' text")
     p.add_argument(
-        "--prompt-len", type=float, help="mean prompt length (tokens; --prompts counts them)"
+        "--prompt-len",
+        help="mean prompt length (tokens; --prompts counts them), or LO-HI: --requests prompts "
+        "of lengths drawn uniformly from LO to HI",
+    )
+    p.add_argument(
+        "--requests",
+        type=int,
+        help="requests drawn when --prompt-len or --gen-len is a range LO-HI (default 1000)",
     )
     p.add_argument("--max-prompt-len", type=int, help="longest prompt (default: the mean)")
     p.add_argument("--padding", action="store_true", help="pad every prompt to the longest")
@@ -60,9 +67,9 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument(
         "--gen-len",
-        type=int,
-        help="tokens generated per sequence: with --prompts, the default and cap of each "
-        "request's max_tokens (default: the largest max_tokens)",
+        help="tokens generated per sequence, or LO-HI: drawn uniformly per request; with "
+        "--prompts, the default and cap of each request's max_tokens (default: the largest "
+        "max_tokens)",
     )
     p.add_argument("--cpu-mem", help="CPU memory to plan for, e.g. '128 GB' (default: profile)")
     p.add_argument("--gpu-mem", help="memory per GPU to plan for, e.g. '12 GB' (default: profile)")

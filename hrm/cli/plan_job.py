@@ -52,13 +52,49 @@ def model(args):
     return resolve_model(args.model).first_layers(args.layers)
 
 
+DRAWN_REQUESTS = 1000  # requests drawn from length ranges without --requests
+DRAW_SEED = 0  # the same ranges draw the same job, run after run
+
+
+def lengths_given(text: str | None, flag: str, integer: bool):
+    """--prompt-len or --gen-len: None, a number, or a range LO-HI (a tuple of whole
+    numbers); anything else refused in one line."""
+    if text is None:
+        return None
+    lo, dash, hi = text.strip().partition("-")
+    try:
+        if dash:
+            value = (int(lo), int(hi))
+            if not 1 <= value[0] <= value[1]:
+                raise ValueError
+            return value
+        value = int(text) if integer else float(text)
+    except ValueError:
+        raise HrmError(
+            f"{flag} {text!r}: give a {'whole ' if integer else ''}number of tokens, or a range "
+            "LO-HI of whole numbers with 1 <= LO <= HI"
+        ) from None
+    if not math.isfinite(value) or value <= 0:
+        raise HrmError(f"{flag} must be positive, got {text}")
+    return value
+
+
 def workload_and_job(args, arch):
-    """The Workload to plan and the Job (None without --prompts or --dataset-tokens); the
-    lengths fit the model's positions."""
+    """The Workload to plan and the Job (None without --prompts, --dataset-tokens or a length
+    range); the lengths fit the model's positions."""
     from hrm.workload import Workload
 
-    if args.gen_len is not None and args.gen_len <= 0:
-        raise HrmError(f"--gen-len must be positive, got {args.gen_len}")
+    args.prompt_len = lengths_given(args.prompt_len, "--prompt-len", integer=False)
+    args.gen_len = lengths_given(args.gen_len, "--gen-len", integer=True)
+    drawn = isinstance(args.prompt_len, tuple) or isinstance(args.gen_len, tuple)
+    if args.requests is not None and not drawn:
+        raise HrmError("--requests counts the requests drawn from a range LO-HI of --prompt-len "
+                       "or --gen-len; give a range, or leave --requests out")  # fmt: skip
+    if drawn and args.prompts is None:
+        return _drawn(args, arch)
+    if isinstance(args.gen_len, tuple):
+        raise HrmError("--prompts gives each request's max_tokens; --gen-len with it is one "
+                       "number, their default and cap")  # fmt: skip
     if args.prompts is not None:
         if args.prompt_len is not None or args.max_prompt_len is not None:
             raise HrmError(
@@ -85,13 +121,42 @@ def workload_and_job(args, arch):
     return workload, job
 
 
+def _drawn(args, arch):
+    """--requests requests (default DRAWN_REQUESTS) whose prompt and generation lengths are
+    drawn uniformly from the ranges given (a number is every request's), with a fixed seed."""
+    import random
+
+    from hrm.workload import Workload
+
+    if args.gen_len is None:
+        raise HrmError("--gen-len: give the tokens each sequence generates (or a range LO-HI)")
+    if args.prompt_len is None:
+        raise HrmError("give --prompt-len (a mean, or a range LO-HI) or --prompts FILE.jsonl")
+    if args.max_prompt_len is not None:
+        raise HrmError("--max-prompt-len: a range LO-HI of --prompt-len gives the longest itself")
+    count = DRAWN_REQUESTS if args.requests is None else args.requests
+    if count < 1:
+        raise HrmError(f"--requests must be at least 1, got {count}")
+    rng = random.Random(DRAW_SEED)
+
+    def draw(given):
+        if isinstance(given, tuple):
+            return rng.randint(*given)
+        return math.ceil(given)
+
+    lengths = [(draw(args.prompt_len), draw(args.gen_len)) for _ in range(count)]
+    lens, answers = [p for p, _ in lengths], [g for _, g in lengths]
+    workload = Workload.from_prompt_lens(lens, max(answers), args.padding, answers)
+    arch.check_positions(workload.prompt_len_max, workload.gen_len, "the longest prompt")
+    job = Job(prompts=count, tokens=float(sum(answers)), lengths=tuple(lengths))
+    return workload, job
+
+
 def _given_workload(args):
     from hrm.workload import Workload
 
     if args.prompt_len is None:
         raise HrmError("give --prompt-len (the mean prompt length) or --prompts FILE.jsonl")
-    if not math.isfinite(args.prompt_len) or args.prompt_len <= 0:
-        raise HrmError(f"--prompt-len must be positive, got {args.prompt_len:g}")
     longest = args.max_prompt_len if args.max_prompt_len is not None else math.ceil(args.prompt_len)
     if longest <= 0:
         raise HrmError(f"--max-prompt-len must be positive, got {longest}")

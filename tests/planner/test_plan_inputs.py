@@ -268,3 +268,45 @@ def test_a_request_without_max_tokens_needs_gen_len(run_cli, tmp_path):
     assert_one_line_error(status, err, "batch.jsonl:1: no max_tokens, and no --gen-len")
     status, _, err = run_cli("plan", *L4, "--prompt-len", "20")
     assert_one_line_error(status, err, "--gen-len")
+
+
+def test_length_ranges_draw_a_job_as_a_prompts_file_would_give_it(run_cli, tmp_path):
+    """--prompt-len and --gen-len LO-HI draw --requests requests uniformly, the same ones run
+    after run; the plan is the plan of a prompts file of those lengths."""
+    import random
+
+    from hrm.cli.plan_job import DRAW_SEED
+
+    args = ["plan", *L4, "--prompt-len", "80-120", "--gen-len", "32-256", "--requests", "300"]
+    status, out, err = run_cli(*args, "--json")
+    assert status == 0, err
+    data = json.loads(out)
+    rng = random.Random(DRAW_SEED)
+    lengths = [(rng.randint(80, 120), rng.randint(32, 256)) for _ in range(300)]
+    path = tmp_path / "drawn.jsonl"
+    path.write_text("".join(json.dumps({"prompt_token_ids": [1] * p, "max_tokens": g}) + "\n"
+                            for p, g in lengths))  # fmt: skip
+    status, same, err = run_cli("plan", *L4, "--prompts", path, "--json")
+    assert status == 0, err
+    assert json.loads(same)["policy"] == data["policy"] and data["job"]["prompts"] == 300
+    assert data["job"]["tokens"] == sum(g for _, g in lengths)
+    assert json.loads(run_cli(*args, "--json")[1])["predicted"] == data["predicted"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--prompt-len", "5-", "--gen-len", "8"], "--prompt-len '5-': give a number of tokens"),
+        (["--prompt-len", "10-5", "--gen-len", "8"], "a range LO-HI of whole numbers with 1 <="),
+        (["--prompt-len", "0-5", "--gen-len", "8"], "--prompt-len '0-5': give a number"),
+        (["--prompt-len", "9", "--gen-len", "4.5"], "--gen-len '4.5': give a whole number"),
+        (["--prompt-len", "9", "--gen-len", "8-x"], "--gen-len '8-x': give a whole number"),
+        (["--prompt-len", "9", "--gen-len", "0"], "--gen-len must be positive, got 0"),
+        (["--prompt-len", "9", "--gen-len", "8", "--requests", "5"], "--requests counts"),
+        (["--prompt-len", "9", "--gen-len", "2-8", "--requests", "0"], "--requests must be at"),
+        (["--prompt-len", "2-9", "--max-prompt-len", "9", "--gen-len", "8"], "gives the longest"),
+        (["--prompt-len", "2-9"], "--gen-len: give the tokens each sequence generates"),
+    ],
+)
+def test_malformed_length_ranges_are_refused_in_one_line(run_cli, flags, message):
+    assert_one_line_error(*run_cli("plan", *L4, *flags)[::2], message)
