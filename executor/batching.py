@@ -1,11 +1,5 @@
-"""Request batching and resumable output: a prompts file of any size runs in batches of a plan's N.
-
-Batches (reference, section 3, Algorithm 2): prompts sorted longest first are cut into batches of
-N; inside a batch each prompt goes to the micro-batch with the fewest tokens that has room
-(mu sequences), which evens out the micro-batches' work. The reference moves a request that would
-overflow the KV budget to the next batch; here no request can: each micro-batch's cache is sized
-for its own longest prompt, and no prompt is longer than the plan's maximum (checked before any
-weight is loaded), so every batch fits the N x (longest prompt + generation) the plan counted.
+"""Resumable output of a prompts file run in batches of a plan's N (hrm/rules/batches.py) or
+continuously.
 
 Output: each finished batch's lines are appended (with their input index) to OUT.jsonl.partial,
 whose first line names the run (a digest of the prompts, plan and generation settings); at the
@@ -20,42 +14,12 @@ import hashlib
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from executor.output_files import partial_files
 from hrm.errors import HrmError
-
-
-@dataclass(frozen=True)
-class Batch:
-    """Input indices of one batch, ordered micro-batch by micro-batch (mu at most in each)."""
-
-    indices: tuple[int, ...]
-    micro_batch_sizes: tuple[int, ...]
-
-
-def plan_batches(prompt_lens: Sequence[int], batch_size: int, micro_batch_size: int) -> list[Batch]:
-    order = sorted(range(len(prompt_lens)), key=lambda i: (-prompt_lens[i], i))
-    batches = []
-    for start in range(0, len(order), batch_size):
-        members = order[start : start + batch_size]
-        count = -(-len(members) // micro_batch_size)
-        groups: list[list[int]] = [[] for _ in range(count)]
-        tokens = [0] * count
-        for i in members:  # longest first, into the open micro-batch with the fewest tokens
-            open_ = [g for g in range(count) if len(groups[g]) < micro_batch_size]
-            g = min(open_, key=lambda g: (tokens[g], g))
-            groups[g].append(i)
-            tokens[g] += prompt_lens[i]
-        batches.append(
-            Batch(
-                indices=tuple(i for g in groups for i in g),
-                micro_batch_sizes=tuple(len(g) for g in groups),
-            )
-        )
-    return batches
+from hrm.rules.batches import Batch
 
 
 def run_digest(prompts: Sequence[Sequence[int]], settings: dict[str, Any]) -> str:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from executor.api import RunSpec, load_weights, peak_memory_bytes
-from executor.batching import PartialOutput, plan_batches
+from executor.batching import PartialOutput
 from executor.checkpoint import Checkpoint
 from executor.generate import Limits, Sampling, generate
 from executor.passes import run_passes
@@ -37,6 +37,7 @@ from hrm.progress import RunProgress
 from hrm.record import Measurement
 from hrm.requests import answer_line
 from hrm.rules.admission import Request, check_fits, kv_blocks, token_budget_limit
+from hrm.rules.batches import plan_batches
 from hrm.rules.cpu_gemm import CpuGemmChoice
 from hrm.units import format_bytes
 

@@ -124,6 +124,7 @@ class Continuous:
     token_budget: int  # the most tokens a pass carries
     requests: int  # in the job simulated
     passes: int
+    peak_running: int  # the most that ran at once in the simulation
     peak_kv_blocks: int  # reserved at the simulated peak, of the pool's
     predicted: Prediction  # prefill_s: the passes that carried prompt tokens
 

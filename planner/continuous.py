@@ -23,6 +23,9 @@ from collections.abc import Sequence
 
 from hrm.plan import Continuous, Plan, Prediction
 from hrm.rules.admission import Request, blocks_for, kv_blocks, life_tokens
+from hrm.rules.batches import plan_batches
+from hrm.workload import Workload
+from planner.evaluate import predict
 from planner.memory import activation_tokens
 from planner.passes import JobPrice, price_job
 from planner.search import MAX_BATCH_SIZE
@@ -63,6 +66,7 @@ def plan_continuous(setting: Setting, static: Sequence[Plan], requests: Sequence
         token_budget=budget,
         requests=len(requests),
         passes=price.passes,
+        peak_running=price.peak_running,
         peak_kv_blocks=price.peak_blocks,
         predicted=Prediction(
             prefill_s=price.prefill_s,
@@ -100,3 +104,24 @@ def _candidates(static: Sequence[Plan]) -> list[Plan]:
         if kind not in by_kind or p.batch_size > by_kind[kind].policy.batch_size:
             by_kind[kind] = plan
     return list(by_kind.values())[:CANDIDATES]
+
+
+def price_static_job(setting: Setting, plan: Plan, requests: Sequence[Request]) -> Prediction:
+    """The same job as `hrm run --batching static` runs it, to set beside the continuous one:
+    the plan's batches of N (hrm/rules/batches.py, the last one short), one after another, each
+    predicted at its own size and lengths over its micro-batches' left-padded KV caches."""
+    pol = plan.policy
+    prefill = decode = 0.0
+    for batch in plan_batches([r.prompt_len for r in requests], pol.batch_size,
+                              pol.micro_batch_size):  # fmt: skip
+        members = [requests[i] for i in batch.indices]
+        answers = [r.max_new for r in members]
+        workload = Workload.from_prompt_lens([r.prompt_len for r in members], max(answers),
+                                             False, answers)  # fmt: skip
+        n = len(members)
+        at = dataclasses.replace(pol, batch_size=n, micro_batch_size=min(n, pol.micro_batch_size))
+        p = predict(setting.arch, setting.hardware, workload, at, plan.schedule,
+                    padded_kv_cache=True).predicted  # fmt: skip
+        prefill, decode = prefill + p.prefill_s, decode + p.decode_s
+    generated = sum(r.max_new for r in requests)
+    return Prediction(prefill_s=prefill, decode_s=decode, generated_tokens=generated)

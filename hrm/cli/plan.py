@@ -158,7 +158,8 @@ def run(args: argparse.Namespace) -> int:
     result = search(arch, hardware, workload, top_k=args.top, max_batch_size=cap, **options)
     base = baselines(Setting(arch=arch, hardware=hardware, workload=workload, **options), cap)
     static = named if named is not None and args.output else result.best
-    bound, written, seconds = _beside(args, arch, static, result, hardware, workload, job)
+    bound, planned = _beside(args, arch, static, result, hardware, workload, job)
+    written = planned["plan"] if planned else static
     if args.output:
         written.save(args.output)
     rate = (written.continuous or written).predicted.throughput_tok_s
@@ -174,15 +175,15 @@ def run(args: argparse.Namespace) -> int:
         data["job"] = job.to_dict(rate, price) if job is not None else None
         data["what_if"] = unrunnable
         data["stage1_bound"] = bound.to_dict() | {"plan_share": rate / bound.generated_per_s}
-        data["continuous"] = _continuous_json(written, static, bound, seconds)
+        data["continuous"] = _continuous_json(planned, bound)
         print(json.dumps(data, indent=2))
         return 0
     print(format_plan(result, base))
     print(bound.describe(rate))
-    if written.continuous is not None:
+    if planned:
         from hrm.cli.plan_continuous import describe
 
-        print(describe(written, static, bound.generated_per_s))
+        print(describe(planned, bound.generated_per_s))
     if unrunnable:
         print(f"what-if: {unrunnable}; hrm run cannot run this plan")
     if named is not None:
@@ -195,28 +196,27 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _beside(args, arch, static, result, hardware, workload, job):
-    """MoE-Lens's stage-1 bound at the static plan's dtypes, and the plan to write: with
-    --batching continuous the continuous plan over the static ones (only `static` when it is
-    the named policy), with the seconds it took."""
+    """MoE-Lens's stage-1 bound at the static plan's dtypes, and with --batching continuous the
+    continuous plan over the static ones (only `static` when it is the named policy), with the
+    same job in static batches (hrm/cli/plan_continuous.py); else None."""
     from planner.bound import stage1_bound
 
     pol = static.policy
     bound = stage1_bound(arch, hardware, workload, pol.weight_dtype, pol.kv_dtype)
     if args.batching != "continuous":
-        return bound, static, None
+        return bound, None
     from hrm.cli.plan_continuous import continuous_plan
 
     candidates = [static] if static is not result.best else list(result.top)
-    plan, seconds = continuous_plan(arch, hardware, workload, job, candidates)
-    return bound, plan, seconds
+    return bound, continuous_plan(arch, hardware, workload, job, candidates)
 
 
-def _continuous_json(plan, static, bound, seconds) -> dict | None:
-    if plan.continuous is None:
+def _continuous_json(planned, bound) -> dict | None:
+    if not planned:
         return None
     from hrm.cli.plan_continuous import to_json
 
-    return to_json(plan, static, bound.generated_per_s, seconds)
+    return to_json(planned, bound.generated_per_s)
 
 
 def _check_flags(args) -> list[str]:

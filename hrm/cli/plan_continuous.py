@@ -21,9 +21,10 @@ def job_requests(workload, job, batch_size: int) -> list:
     return [Request(i, p, g) for i, (p, g) in enumerate(lengths)]
 
 
-def continuous_plan(arch, hardware, workload, job, static: list[Plan]) -> tuple[Plan, float]:
-    """The continuous plan over the static `static` plans (best first), and the seconds it took."""
-    from planner.continuous import plan_continuous
+def continuous_plan(arch, hardware, workload, job, static: list[Plan]) -> dict:
+    """The continuous plan over the `static` plans (best first), the same job run as static
+    batches of the best, and the seconds both took."""
+    from planner.continuous import plan_continuous, price_static_job
     from planner.setting import Setting
 
     best = static[0]
@@ -31,31 +32,38 @@ def continuous_plan(arch, hardware, workload, job, static: list[Plan]) -> tuple[
                       weight_dtype=best.policy.weight_dtype,
                       kv_dtype=best.policy.kv_dtype)  # fmt: skip
     started = time.perf_counter()
-    plan = plan_continuous(setting, static, job_requests(workload, job, best.policy.batch_size))
-    return plan, time.perf_counter() - started
+    requests = job_requests(workload, job, best.policy.batch_size)
+    plan = plan_continuous(setting, static, requests)
+    batches = price_static_job(setting, best, requests)
+    return {"plan": plan, "static_job": batches, "seconds": time.perf_counter() - started}
 
 
-def describe(plan: Plan, static: Plan, bound_rate: float) -> str:
+def describe(planned: dict, bound_rate: float) -> str:
+    plan, batches = planned["plan"], planned["static_job"]
     c, p = plan.continuous, plan.policy
     rate = c.predicted.throughput_tok_s
     where = lambda on_gpu: "GPU" if on_gpu else "CPU"  # noqa: E731
     return (
-        f"continuous  {rate:.1f} tok/s, {rate / static.predicted.throughput_tok_s:.2f}x the best "
-        f"static plan, {rate / bound_rate:.0%} of the bound: {c.requests} requests in "
-        f"{c.passes} passes, up to {c.max_running} running and {c.token_budget} tokens a pass\n"
-        f"            KV pool of N={p.batch_size} at the longest context (peak "
-        f"{c.peak_kv_blocks} blocks reserved), mu={p.micro_batch_size} attention "
+        f"continuous  {rate:.1f} tok/s, {rate / batches.throughput_tok_s:.2f}x the same "
+        f"{c.requests} requests in static batches of the best plan "
+        f"({batches.throughput_tok_s:.1f} tok/s), {rate / bound_rate:.0%} of the bound\n"
+        f"            {c.passes} passes, up to {c.max_running} requests running (at most "
+        f"{c.peak_running} did) and "
+        f"{c.token_budget} tokens a pass; KV pool of N={p.batch_size} at the longest context "
+        f"(peak {c.peak_kv_blocks} blocks reserved), mu={p.micro_batch_size} attention "
         f"{where(p.attention_on_gpu)} FFN {where(p.ffn_on_gpu)} weights-on-GPU "
         f"{p.weights_gpu_fraction:.0%} KV-on-GPU {p.kv_gpu_fraction:.0%}"
     )
 
 
-def to_json(plan: Plan, static: Plan, bound_rate: float, seconds: float) -> dict:
+def to_json(planned: dict, bound_rate: float) -> dict:
+    plan, batches = planned["plan"], planned["static_job"]
     rate = plan.continuous.predicted.throughput_tok_s
     return plan.continuous.to_dict() | {
         "throughput_tok_s": rate,
         "policy": plan.policy.to_dict(),
-        "over_static": rate / static.predicted.throughput_tok_s,
+        "static_job": batches.to_dict(),
+        "over_static": rate / batches.throughput_tok_s,
         "share_of_bound": rate / bound_rate,
-        "planned_in_s": seconds,
+        "planned_in_s": planned["seconds"],
     }

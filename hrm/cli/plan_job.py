@@ -124,8 +124,6 @@ def workload_and_job(args, arch):
 def _drawn(args, arch):
     """--requests requests (default DRAWN_REQUESTS) whose prompt and generation lengths are
     drawn uniformly from the ranges given (a number is every request's), with a fixed seed."""
-    import random
-
     from hrm.workload import Workload
 
     if args.gen_len is None:
@@ -137,19 +135,25 @@ def _drawn(args, arch):
     count = DRAWN_REQUESTS if args.requests is None else args.requests
     if count < 1:
         raise HrmError(f"--requests must be at least 1, got {count}")
-    rng = random.Random(DRAW_SEED)
-
-    def draw(given):
-        if isinstance(given, tuple):
-            return rng.randint(*given)
-        return math.ceil(given)
-
-    lengths = [(draw(args.prompt_len), draw(args.gen_len)) for _ in range(count)]
+    lengths = draw_lengths(args.prompt_len, args.gen_len, count)
     lens, answers = [p for p, _ in lengths], [g for _, g in lengths]
     workload = Workload.from_prompt_lens(lens, max(answers), args.padding, answers)
     arch.check_positions(workload.prompt_len_max, workload.gen_len, "the longest prompt")
     job = Job(prompts=count, tokens=float(sum(answers)), lengths=tuple(lengths))
     return workload, job
+
+
+def draw_lengths(prompt, gen, count: int) -> list[tuple[int, int]]:
+    """`count` (prompt, max new tokens) pairs, each drawn uniformly from its range (LO, HI),
+    or a number for all; seeded with DRAW_SEED."""
+    import random
+
+    rng = random.Random(DRAW_SEED)
+
+    def draw(given):
+        return rng.randint(*given) if isinstance(given, tuple) else math.ceil(given)
+
+    return [(draw(prompt), draw(gen)) for _ in range(count)]
 
 
 def _given_workload(args):

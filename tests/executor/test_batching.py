@@ -9,8 +9,9 @@ import re
 
 import pytest
 
-from executor.batching import InOrder, PartialOutput, plan_batches, run_digest
+from executor.batching import InOrder, PartialOutput, run_digest
 from hrm.errors import HrmError
+from hrm.rules.batches import plan_batches
 
 
 def test_batches_are_cut_longest_first_and_evened_over_micro_batches():

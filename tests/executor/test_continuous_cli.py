@@ -172,7 +172,8 @@ def test_a_plans_continuous_limits_are_what_the_run_admits(run_cli, files, tmp_p
     path, prompts, plan = files
     data = json.loads(plan.read_text())
     data["continuous"] = {"max_running": 5, "token_budget": 11, "requests": 10, "passes": 1,
-                          "peak_kv_blocks": 1, "predicted": data["predicted"]}  # fmt: skip
+                          "peak_running": 3, "peak_kv_blocks": 1,
+                          "predicted": data["predicted"]}  # fmt: skip
     plan.write_text(json.dumps(data))
     status, _, err = _run(run_cli, files, tmp_path / "static.jsonl", "--batching", "static")
     assert status == 0, err

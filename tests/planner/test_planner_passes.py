@@ -4,6 +4,7 @@ are the executor's admission rule replayed."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -14,9 +15,10 @@ from hrm.hardware import resolve_hardware
 from hrm.plan import Plan
 from hrm.policy import parse_policy_text
 from hrm.rules.admission import Request, kv_blocks, simulate, token_budget_limit
+from hrm.rules.batches import plan_batches
 from hrm.workload import Workload
 from planner import predict
-from planner.continuous import plan_continuous
+from planner.continuous import plan_continuous, price_static_job
 from planner.memory import activation_tokens
 from planner.passes import PassPricer, price_job
 from planner.search import search
@@ -78,6 +80,7 @@ def test_a_jobs_passes_are_the_admission_rules_and_their_prices_add_up():
 
 
 def test_hrm_plan_prices_the_job_continuously_beside_static(run_cli, tmp_path):
+    """The continuous plan's job beside the same requests in the best static plan's batches."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt_token_ids": [1] * (10 + i % 50),
                                            "max_tokens": 4 + i % 60}) + "\n"
@@ -86,12 +89,15 @@ def test_hrm_plan_prices_the_job_continuously_beside_static(run_cli, tmp_path):
     status, out, err = run_cli(*args, "--batching", "continuous", "--json")
     assert status == 0, err
     data = json.loads(out)
-    c, static = data["continuous"], data["predicted"]["throughput_tok_s"]
+    c, job = data["continuous"], data["continuous"]["static_job"]
     assert c["requests"] == 300 and c["passes"] > 0 and c["throughput_tok_s"] > 0
-    assert c["over_static"] == pytest.approx(c["throughput_tok_s"] / static)
+    assert job["generated_tokens"] == c["predicted"]["generated_tokens"] == data["job"]["tokens"]
+    assert c["over_static"] == pytest.approx(c["throughput_tok_s"] / job["throughput_tok_s"])
+    assert c["peak_running"] <= c["max_running"]
     status, out, err = run_cli(*args, "--batching", "continuous")
-    assert status == 0 and "1.00x the best static plan" not in out
-    assert re.search(r"continuous +[\d.]+ tok/s, [\d.]+x the best static plan", out), out
+    assert status == 0, err
+    assert re.search(r"continuous +[\d.]+ tok/s, [\d.]+x the same 300 requests in static batches",
+                     out), out  # fmt: skip
     status, _, err = run_cli(*args, "--batching", "rolling")
     assert status == 2 and "invalid choice: 'rolling'" in err
 
@@ -145,3 +151,26 @@ def test_hrm_plan_writes_the_continuous_plan_and_refuses_a_broken_one(run_cli, t
                              "1", "--plan", out, "--batch", "2", "--prompt-len", "4",
                              "--gen-len", "2")  # fmt: skip
     assert_one_line_error(status, err, "continuous: max_running: must be a positive integer")
+
+
+def test_the_static_job_is_the_executors_batches_each_priced_at_its_size():
+    """A job of 2.5 N requests is three static batches: two of N and one of N/2, each priced
+    by the model at its own size and lengths."""
+    requests = [Request(i, 40 + i % 7, 8 + i % 5) for i in range(160)]
+    p, plan = pricer("N=64,mu=16,w=0.1,kv=0,attn=cpu,ffn=gpu", "cgopipe")
+    job = price_static_job(p.setting, plan, requests)
+    batches = plan_batches([r.prompt_len for r in requests], 64, 16)
+    assert [len(b.indices) for b in batches] == [64, 64, 32]
+    alone = []
+    for b in batches:
+        members = [requests[i] for i in b.indices]
+        answers = [r.max_new for r in members]
+        workload = Workload.from_prompt_lens([r.prompt_len for r in members], max(answers),
+                                             False, answers)  # fmt: skip
+        n = len(members)
+        at = dataclasses.replace(plan.policy, batch_size=n, micro_batch_size=min(n, 16))
+        alone.append(predict(ARCH, p.setting.hardware, workload, at, "cgopipe",
+                             padded_kv_cache=True).predicted.total_s)  # fmt: skip
+    assert job.total_s == pytest.approx(sum(alone))
+    assert job.generated_tokens == sum(r.max_new for r in requests)
+    assert alone[2] < alone[0]  # the short batch is priced short
