@@ -2,9 +2,10 @@
 bound beside them: what `hrm plan --batching continuous` prints for each setting and job.
 
 A job is drawn as `hrm plan --prompt-len LO-HI --gen-len LO-HI --requests K` draws it (uniform,
-seeded). The static figure is the best static plan's throughput for the job's lengths (each
-request to its own max_tokens, issue 35's model); the continuous figure is the job simulated
-pass by pass under the continuous plan (planner/continuous.py).
+seeded). The static figure is the job run as `hrm run --batching static` runs it: the best
+static plan's batches of N (the last one short), each priced at its own size and lengths; the
+continuous figure is the job simulated pass by pass under the continuous plan
+(planner/continuous.py).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from hrm.hardware import resolve_hardware
 from hrm.rules.admission import Request
 from hrm.workload import Workload
 from planner.bound import stage1_bound
-from planner.continuous import plan_continuous
+from planner.continuous import plan_continuous, price_static_job
 from planner.search import search
 from planner.setting import Setting
 
@@ -66,13 +67,15 @@ def _row(arch, hw, weights, kv, prompt, gen, count) -> dict:
                       kv_dtype=kv)  # fmt: skip
     requests = [Request(i, p, g) for i, (p, g) in enumerate(lengths)]
     plan = plan_continuous(setting, list(static), requests)
+    batches = price_static_job(setting, static[0], requests)
     seconds = time.perf_counter() - started
     bound = stage1_bound(arch, hw, workload, weights, kv)
     c = plan.continuous
     return {
         "static": static[0].to_dict(),
         "continuous": plan.to_dict(),
-        "static_tok_s": static[0].predicted.throughput_tok_s,
+        "static_batch_tok_s": static[0].predicted.throughput_tok_s,
+        "static_tok_s": batches.throughput_tok_s,
         "continuous_tok_s": c.predicted.throughput_tok_s,
         "bound": bound.to_dict(),
         "bound_tok_s": bound.generated_per_s,
@@ -95,26 +98,29 @@ def batching_markdown(rows: list[dict]) -> str:
         "",
         "Made by `bench/batching_rows.py`, as `hrm plan --batching continuous` plans each job: "
         "the requests drawn uniformly (seeded) from the ranges, as `--prompt-len LO-HI "
-        "--gen-len LO-HI --requests K` draws them. static = the best static plan for the job's "
-        "lengths (one batch of N, each request to its own max_tokens); continuous = the job "
+        "--gen-len LO-HI --requests K` draws them. static = the job in the best static plan's "
+        "batches of N, as `hrm run --batching static` runs it (sorted longest first, the last "
+        "batch short, each request to its own max_tokens, each batch to its longest); one "
+        "batch = that plan's own figure for one full batch; continuous = the job "
         "simulated pass by pass by the executor's admission rule under the continuous plan "
         "(N = its KV pool in sequences of the longest context, R = requests running at most, "
         "T = tokens a pass); bound = T_max of MoE-Lens's stage 1 in generated tokens/s, with "
         "what binds (memory: PME x M / delta; gpu: T_GPU).",
         "",
-        "| model | hardware | weights | job | static tok/s (N, mu) | continuous tok/s (N, R, "
-        "T, mu) | x static | bound tok/s (binds) | share of bound |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|",
+        "| model | hardware | weights | job | static tok/s (N, mu) | one batch | continuous "
+        "tok/s (N, R, T, mu) | x static | bound tok/s (binds) | share of bound |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lead = f"| {r['model']} | {r['hardware']} | {r['weights']} | {r['job']} |"
         if "error" in r:
-            lines.append(f"{lead} {r['error']} | | | | |")
+            lines.append(f"{lead} {r['error']} | | | | | |")
             continue
         sp, cp = r["static"]["policy"], r["continuous"]["policy"]
         c = r["continuous"]["continuous"]
         lines.append(
             f"{lead} {r['static_tok_s']:.1f} ({sp['batch_size']}, {sp['micro_batch_size']}) | "
+            f"{r['static_batch_tok_s']:.1f} | "
             f"{r['continuous_tok_s']:.1f} ({cp['batch_size']}, {c['max_running']}, "
             f"{c['token_budget']}, {cp['micro_batch_size']}) | "
             f"{r['continuous_tok_s'] / r['static_tok_s']:.2f}x | {r['bound_tok_s']:.1f} "

@@ -181,22 +181,27 @@ def price_job(
     """The job's passes under the executor's admission rule (every request to its max_new), at
     most `max_running` running (default N), KV for N sequences of `context_tokens`, each pass
     priced; `shapes`: group terms shared with other pricers of `setting` (PassPricer)."""
-    passes, admission = simulate(
+    spans, admission = simulate(
         requests, max_running=max_running or policy.batch_size, token_budget=token_budget,
         total_blocks=kv_blocks(policy.batch_size, context_tokens),
     )  # fmt: skip
     pricer = PassPricer(setting, policy, shapes)
-    seconds = [pricer.price(pass_groups(p, policy.micro_batch_size)) for p in passes]
-    prefill = sum(s for s, p in zip(seconds, passes, strict=True) if p.chunks)
-    decode = sum(s for s, p in zip(seconds, passes, strict=True) if not p.chunks)
-    sequences = sum(len(p.decodes) + len(p.chunks) for p in passes)
+    seconds, prefill, sequences = [], 0.0, 0
+    for p, count in spans:
+        groups = pass_groups(p, policy.micro_batch_size)
+        for later in range(count):  # a span's decodes each a token further, pass by pass
+            seconds.append(pricer.price([(ph, b, c + later) for ph, b, c in groups]))
+        if p.chunks:
+            prefill += seconds[-1]
+        sequences += count * (len(p.decodes) + len(p.chunks))
+    decode = sum(seconds) - prefill
     return JobPrice(
-        passes=len(passes),
+        passes=len(seconds),
         seconds=prefill + decode,
         prefill_s=prefill,
         decode_s=decode,
         generated_tokens=sum(r.max_new for r in requests),
-        mean_sequences=sequences / len(passes) if passes else 0.0,
+        mean_sequences=sequences / len(seconds) if seconds else 0.0,
         busy_s=pricer.busy_s,
         peak_running=admission.peak_running,
         peak_blocks=admission.peak_reserved,

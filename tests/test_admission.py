@@ -11,7 +11,14 @@ from hypothesis import strategies as st
 from executor.kv_blocks import KVBlocks
 from hrm.arch import resolve_model
 from hrm.errors import HrmError
-from hrm.rules.admission import BLOCK_TOKENS, Admission, Request, blocks_for, simulate
+from hrm.rules.admission import (
+    BLOCK_TOKENS,
+    Admission,
+    Request,
+    blocks_for,
+    expand,
+    simulate,
+)
 
 requests_st = st.lists(st.tuples(st.integers(1, 300), st.integers(1, 200)), min_size=1, max_size=40)
 
@@ -65,8 +72,9 @@ def test_a_request_that_can_never_fit_is_named():
 
 
 def test_a_long_prompt_is_cut_across_passes_and_decodes_go_first():
-    passes, _ = simulate([Request(0, 5, 3), Request(1, 20, 2)], max_running=2, token_budget=8,
-                      total_blocks=8)  # fmt: skip
+    spans, _ = simulate([Request(0, 5, 3), Request(1, 20, 2)], max_running=2, token_budget=8,
+                        total_blocks=8)  # fmt: skip
+    passes = list(expand(spans))
     shapes = [([i for i, _ in p.decodes], [(c.index, c.start, c.length) for c in p.chunks])
               for p in passes]  # fmt: skip
     assert shapes == [
@@ -77,3 +85,23 @@ def test_a_long_prompt_is_cut_across_passes_and_decodes_go_first():
         ([1], []),
     ]
     assert BLOCK_TOKENS == 16
+
+
+@settings(max_examples=60, deadline=None)
+@given(requests_st, st.integers(1, 8), st.integers(1, 64), st.integers(0, 40))
+def test_a_simulations_spans_are_the_passes_one_by_one(lengths, max_running, budget, spare):
+    """simulate's spans (a decode-only pass repeated until a sequence ends) expand to exactly
+    the passes the executor's loop (next_pass, complete) makes, with the same peaks."""
+    requests = [Request(i, p, g) for i, (p, g) in enumerate(lengths)]
+    limits = dict(max_running=max_running, token_budget=budget,
+                  total_blocks=max(blocks_for(p + g - 1) for p, g in lengths) + spare)  # fmt: skip
+    one_by_one = Admission(requests, **limits)
+    passes = []
+    while not one_by_one.done:
+        passes.append(one_by_one.next_pass())
+        one_by_one.complete(passes[-1])
+    spans, admission = simulate(requests, **limits)
+    assert list(expand(spans)) == passes
+    assert len(spans) <= len(passes)
+    peaks = ("peak_running", "peak_reserved", "peak_held")
+    assert [getattr(admission, k) for k in peaks] == [getattr(one_by_one, k) for k in peaks]

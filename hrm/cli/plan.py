@@ -54,7 +54,8 @@ def add_parser(subparsers) -> None:
     p.add_argument(
         "--requests",
         type=int,
-        help="requests drawn when --prompt-len or --gen-len is a range LO-HI (default 1000)",
+        help="the job's requests, of --prompt-len and --gen-len (drawn from a range LO-HI; "
+        "default 1000 with a range)",
     )
     p.add_argument("--max-prompt-len", type=int, help="longest prompt (default: the mean)")
     p.add_argument("--padding", action="store_true", help="pad every prompt to the longest")

@@ -86,11 +86,11 @@ def workload_and_job(args, arch):
 
     args.prompt_len = lengths_given(args.prompt_len, "--prompt-len", integer=False)
     args.gen_len = lengths_given(args.gen_len, "--gen-len", integer=True)
-    drawn = isinstance(args.prompt_len, tuple) or isinstance(args.gen_len, tuple)
-    if args.requests is not None and not drawn:
-        raise HrmError("--requests counts the requests drawn from a range LO-HI of --prompt-len "
-                       "or --gen-len; give a range, or leave --requests out")  # fmt: skip
-    if drawn and args.prompts is None:
+    ranges = isinstance(args.prompt_len, tuple) or isinstance(args.gen_len, tuple)
+    if args.prompts is not None and args.requests is not None:
+        raise HrmError("--prompts is the job; --requests sizes a job of --prompt-len and "
+                       "--gen-len: give one of them")  # fmt: skip
+    if (ranges or args.requests is not None) and args.prompts is None:
         return _drawn(args, arch)
     if isinstance(args.gen_len, tuple):
         raise HrmError("--prompts gives each request's max_tokens; --gen-len with it is one "
@@ -122,8 +122,9 @@ def workload_and_job(args, arch):
 
 
 def _drawn(args, arch):
-    """--requests requests (default DRAWN_REQUESTS) whose prompt and generation lengths are
-    drawn uniformly from the ranges given (a number is every request's), with a fixed seed."""
+    """A job of --requests requests (default DRAWN_REQUESTS) whose prompt and generation
+    lengths are drawn uniformly from the ranges given (a number is every request's), with a
+    fixed seed."""
     from hrm.workload import Workload
 
     if args.gen_len is None:

@@ -17,7 +17,7 @@ preempted, and its blocks return to the pool when it ends (docs/decisions.md, 20
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from hrm.errors import HrmError
@@ -59,6 +59,13 @@ class Pass:
     def samples(self) -> tuple[int, ...]:
         """Requests that sample a token in this pass, decodes first."""
         return tuple(i for i, _ in self.decodes) + tuple(c.index for c in self.chunks if c.last)
+
+    def shifted(self, later: int) -> Pass:
+        """The decode-only pass `later` passes on in a span (Admission.next_span): the same
+        sequences, each `later` tokens further."""
+        if not later:
+            return self
+        return Pass(decodes=tuple((i, pos + later) for i, pos in self.decodes), chunks=())
 
     def groups(self, micro_batch_size: int) -> list[tuple[str, list]]:
         """The pass cut into micro-batches of at most `micro_batch_size` sequences: decodes
@@ -124,6 +131,8 @@ class Admission:
         self.queue: deque[Request] = deque(requests)
         self.running: dict[int, Request] = {}  # admitted, in admission order
         self.prefilled: dict[int, int] = {}  # prompt tokens in, per running request
+        self.filling: dict[int, None] = {}  # running requests whose prompt is partly in
+        self.decoding: dict[int, int] = {}  # the others: the position of the token they feed
         self.generated: dict[int, int] = {}  # tokens sampled, per running request
         self.reserved = 0  # blocks of the running requests' whole lives
         # the most at once over the job: requests running, blocks reserved, and blocks holding
@@ -138,19 +147,14 @@ class Admission:
 
     def next_pass(self) -> Pass:
         """The tokens of the next pass (empty only when the job is done)."""
-        decodes = tuple(
-            (i, r.prompt_len + self.generated[i] - 1)
-            for i, r in self.running.items()
-            if self.prefilled[i] == r.prompt_len
-        )
+        decodes = tuple(self.decoding.items())
         room = self.token_budget - len(decodes)
         chunks: list[Chunk] = []
-        for i, r in self.running.items():  # prompts partly in, oldest first
+        for i in self.filling:  # prompts partly in, oldest first
             if room <= 0:
                 break
-            if self.prefilled[i] < r.prompt_len:
-                chunks.append(self._chunk(r, self.prefilled[i], room))
-                room -= chunks[-1].length
+            chunks.append(self._chunk(self.running[i], self.prefilled[i], room))
+            room -= chunks[-1].length
         while room > 0 and self.queue and len(self.running) < self.max_running:
             r = self.queue[0]
             need = blocks_for(life_tokens(r), self.block_tokens)
@@ -158,6 +162,7 @@ class Admission:
                 break  # in input order: a long request is not overtaken for ever
             self.queue.popleft()
             self.running[r.index] = r
+            self.filling[r.index] = None
             self.prefilled[r.index], self.generated[r.index] = 0, 0
             self.reserved += need
             chunks.append(self._chunk(r, 0, room))
@@ -175,25 +180,51 @@ class Admission:
         """Account for a pass that ran: its chunks are in, its samplers have a token more.
         Returns the requests that ended (at max_new, or in `stopped`: a stop token or string),
         whose blocks are free again, in the order they sampled."""
-        bt = self.block_tokens
+        bt, stop, ended = self.block_tokens, set(stopped), []
         for c in done.chunks:
             self.held += -(-(c.start + c.length) // bt) - (-(-c.start // bt))
             self.prefilled[c.index] = c.start + c.length
-        ended = []
-        stop = set(stopped)
-        for i in done.samples:
+        for i, pos in done.decodes:  # the token fed went to row `pos`
+            self.decoding[i] = pos + 1
             self.generated[i] += 1
-            if self.generated[i] > 1 and (self._rows(i) - 1) % bt == 0:
-                self.held += 1  # the token fed back opened a block
+            if pos % bt == 0:
+                self.held += 1
             if i in stop or self.generated[i] >= self.running[i].max_new:
                 ended.append(i)
+        for c in done.chunks:
+            if c.last:  # its first token is sampled; it decodes from the next pass
+                i = c.index
+                del self.filling[i]
+                self.decoding[i], self.generated[i] = c.start + c.length, 1
+                if i in stop or self.running[i].max_new <= 1:
+                    ended.append(i)
         self.peak_held = max(self.peak_held, self.held)
         for i in ended:
             self.held -= -(-self._rows(i) // bt)
             r = self.running.pop(i)
-            del self.prefilled[i], self.generated[i]
+            del self.prefilled[i], self.generated[i], self.decoding[i]
             self.reserved -= blocks_for(life_tokens(r), bt)
         return ended
+
+    def next_span(self) -> tuple[Pass, int]:
+        """The next pass and how many passes it repeats for: a pass of decodes alone (nothing
+        admitted, no prompt partly in and given a chunk) repeats, each sequence a token further
+        (Pass.shifted), until the first of its sequences ends, since until then no block, no
+        running slot and no token of the budget frees up. complete_span accounts for them."""
+        p = self.next_pass()
+        if p.chunks or not p.decodes:
+            return p, 1
+        return p, min(self.running[i].max_new - self.generated[i] for i, _ in p.decodes)
+
+    def complete_span(self, span: Pass, count: int) -> list[int]:
+        """complete() of `count` passes of a span from next_span (no stop tokens: a simulation
+        runs every request to its max_new); returns the requests that ended."""
+        bt, before = self.block_tokens, count - 1  # the passes before the last: none ends
+        for i, pos in span.decodes:  # pos rows written so far
+            self.decoding[i] = pos + before
+            self.generated[i] += before
+            self.held += -(-(pos + before) // bt) - (-(-pos // bt))
+        return self.complete(span.shifted(before))
 
     def _rows(self, i: int) -> int:
         """KV rows request i has written: its prompt so far and every sampled token fed back
@@ -201,13 +232,22 @@ class Admission:
         return self.prefilled[i] + max(0, self.generated[i] - 1)
 
 
-def simulate(requests: Sequence[Request], **limits) -> tuple[list[Pass], Admission]:
+def simulate(requests: Sequence[Request], **limits) -> tuple[list[tuple[Pass, int]], Admission]:
     """Every pass of a job whose requests all run to their max_new (what the planner prices),
-    and the admission that made them, with its peaks."""
+    as spans (a pass and how many times it repeats, Admission.next_span), and the admission
+    that made them, with its peaks. Work goes with the spans and the sequences in them, not
+    with the passes: a job of long generations is many passes of a few spans."""
     admission = Admission(requests, **limits)
-    passes = []
+    spans = []
     while not admission.done:
-        p = admission.next_pass()
-        passes.append(p)
-        admission.complete(p)
-    return passes, admission
+        span = admission.next_span()
+        spans.append(span)
+        admission.complete_span(*span)
+    return spans, admission
+
+
+def expand(spans: Iterable[tuple[Pass, int]]) -> Iterator[Pass]:
+    """The passes of `spans`, one by one (what the executor runs)."""
+    for p, count in spans:
+        for later in range(count):
+            yield p.shifted(later)

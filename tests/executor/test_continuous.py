@@ -131,7 +131,7 @@ def test_the_planners_simulation_is_the_runs_passes_and_blocks(checkpoints, n, b
     a job is the executor's run of it, pass by pass, and its peak of blocks holding KV rows is
     the peak the executor's pools handed out; with more requests running than a static batch
     (8 > N=3, as a continuous plan admits) as with N."""
-    from hrm.rules.admission import Request, simulate
+    from hrm.rules.admission import Request, expand, simulate
 
     path = checkpoints["mixtral-single"]
     prompts = ragged_prompts(LENGTHS, seed=7)
@@ -144,7 +144,8 @@ def test_the_planners_simulation_is_the_runs_passes_and_blocks(checkpoints, n, b
     requests = [
         Request(i, len(p), m) for i, (p, m) in enumerate(zip(prompts, MAX_NEW, strict=True))
     ]
-    passes, admission = simulate(requests, max_running=n, token_budget=budget, total_blocks=64)
+    spans, admission = simulate(requests, max_running=n, token_budget=budget, total_blocks=64)
+    passes = list(expand(spans))
     assert stats.tokens == [p.tokens for p in passes]
     assert stats.sequences == [len(p.decodes) + len(p.chunks) for p in passes]
     assert stats.peak_kv_blocks == admission.peak_held > 0

@@ -302,7 +302,7 @@ def test_length_ranges_draw_a_job_as_a_prompts_file_would_give_it(run_cli, tmp_p
         (["--prompt-len", "9", "--gen-len", "4.5"], "--gen-len '4.5': give a whole number"),
         (["--prompt-len", "9", "--gen-len", "8-x"], "--gen-len '8-x': give a whole number"),
         (["--prompt-len", "9", "--gen-len", "0"], "--gen-len must be positive, got 0"),
-        (["--prompt-len", "9", "--gen-len", "8", "--requests", "5"], "--requests counts"),
+        (["--prompts", "x.jsonl", "--requests", "5"], "--prompts is the job; --requests"),
         (["--prompt-len", "9", "--gen-len", "2-8", "--requests", "0"], "--requests must be at"),
         (["--prompt-len", "2-9", "--max-prompt-len", "9", "--gen-len", "8"], "gives the longest"),
         (["--prompt-len", "2-9"], "--gen-len: give the tokens each sequence generates"),

@@ -14,7 +14,7 @@ from hrm.arch import resolve_model
 from hrm.hardware import resolve_hardware
 from hrm.plan import Plan
 from hrm.policy import parse_policy_text
-from hrm.rules.admission import Request, kv_blocks, simulate, token_budget_limit
+from hrm.rules.admission import Request, expand, kv_blocks, simulate, token_budget_limit
 from hrm.rules.batches import plan_batches
 from hrm.workload import Workload
 from planner import predict
@@ -70,7 +70,7 @@ def test_a_jobs_passes_are_the_admission_rules_and_their_prices_add_up():
     p, plan = pricer(*CASES[1])
     requests = [Request(i, 20 + 7 * i % 90, 4 + 5 * i % 40) for i in range(150)]
     limits = dict(max_running=64, token_budget=16 * 99 + 64, total_blocks=kv_blocks(64, 139))
-    passes, _ = simulate(requests, **limits)
+    passes = list(expand(simulate(requests, **limits)[0]))
     price = price_job(p.setting, plan.policy, requests, token_budget=limits["token_budget"],
                       context_tokens=139)  # fmt: skip
     assert price.passes == len(passes)
@@ -127,9 +127,9 @@ def test_the_continuous_plan_admits_more_than_n_and_beats_the_static_plans_n():
     assert c.token_budget <= activation_tokens(ARCH, workload, batch_size=pol.batch_size,
                                                micro_batch_size=pol.micro_batch_size,
                                                ffn_on_gpu=pol.ffn_on_gpu)  # fmt: skip
-    passes, _ = simulate(requests, max_running=c.max_running, token_budget=c.token_budget,
+    spans, _ = simulate(requests, max_running=c.max_running, token_budget=c.token_budget,
                          total_blocks=kv_blocks(pol.batch_size, context))  # fmt: skip
-    assert len(passes) == c.passes and c.requests == 400
+    assert len(list(expand(spans))) == c.passes and c.requests == 400
     assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
 
 
