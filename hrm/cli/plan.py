@@ -36,42 +36,7 @@ def add_parser(subparsers) -> None:
         "--price",
         help='USD per machine-hour, e.g. "t4=0.35,l4=0.70" (else the profile\'s price_per_hour)',
     )
-    dataset = p.add_mutually_exclusive_group()
-    dataset.add_argument(
-        "--dataset-tokens", type=float, help="tokens to generate in all: time and cost of the job"
-    )
-    dataset.add_argument(
-        "--prompts",
-        help="JSONL prompts file: plan for its prompts' lengths, at most as many as it has, and "
-        "report the job's hours",
-    )
-    p.add_argument("--tokenizer", help="tokenizer (a checkpoint folder) for --prompts' text")
-    p.add_argument(
-        "--prompt-len",
-        help="mean prompt length (tokens; --prompts counts them), or LO-HI: --requests prompts "
-        "of lengths drawn uniformly from LO to HI",
-    )
-    p.add_argument(
-        "--requests",
-        type=int,
-        help="the job's requests, of --prompt-len and --gen-len (drawn from a range LO-HI; "
-        "default 1000 with a range)",
-    )
-    p.add_argument("--max-prompt-len", type=int, help="longest prompt (default: the mean)")
-    p.add_argument("--padding", action="store_true", help="pad every prompt to the longest")
-    p.add_argument(
-        "--batching",
-        choices=("static", "continuous"),
-        default="static",
-        help="continuous: also plan the job run by continuous batching (hrm run's default), "
-        "simulated and priced pass by pass, beside the best static plan; -o writes it",
-    )
-    p.add_argument(
-        "--gen-len",
-        help="tokens generated per sequence, or LO-HI: drawn uniformly per request; with "
-        "--prompts, the default and cap of each request's max_tokens (default: the largest "
-        "max_tokens)",
-    )
+    _add_job_arguments(p)
     p.add_argument("--cpu-mem", help="CPU memory to plan for, e.g. '128 GB' (default: profile)")
     p.add_argument("--gpu-mem", help="memory per GPU to plan for, e.g. '12 GB' (default: profile)")
     p.add_argument("--pcie", help="host-to-device bandwidth per GPU, e.g. '16 GB/s'")
@@ -111,6 +76,46 @@ def _add_output_arguments(p) -> None:
         "--plot",
         help="chart PNG: the sweep (default sweep-RESOURCE-MODEL-HARDWARE.png), or with several "
         "options throughput against cost per token",
+    )
+
+
+def _add_job_arguments(p) -> None:
+    """What the plan is for: the job's requests, their lengths, and how they are batched."""
+    dataset = p.add_mutually_exclusive_group()
+    dataset.add_argument(
+        "--dataset-tokens", type=float, help="tokens to generate in all: time and cost of the job"
+    )
+    dataset.add_argument(
+        "--prompts",
+        help="JSONL prompts file: plan for its prompts' lengths, at most as many as it has, and "
+        "report the job's hours",
+    )
+    p.add_argument("--tokenizer", help="tokenizer (a checkpoint folder) for --prompts' text")
+    p.add_argument(
+        "--prompt-len",
+        help="mean prompt length (tokens; --prompts counts them), or LO-HI: --requests prompts "
+        "of lengths drawn uniformly from LO to HI",
+    )
+    p.add_argument(
+        "--requests",
+        type=int,
+        help="the job's requests, of --prompt-len and --gen-len (drawn from a range LO-HI; "
+        "default 1000 with a range)",
+    )
+    p.add_argument("--max-prompt-len", type=int, help="longest prompt (default: the mean)")
+    p.add_argument("--padding", action="store_true", help="pad every prompt to the longest")
+    p.add_argument(
+        "--batching",
+        choices=("static", "continuous"),
+        default="static",
+        help="continuous: also plan the job run by continuous batching (hrm run's default), "
+        "simulated and priced pass by pass, beside the best static plan; -o writes it",
+    )
+    p.add_argument(
+        "--gen-len",
+        help="tokens generated per sequence, or LO-HI: drawn uniformly per request; with "
+        "--prompts, the default and cap of each request's max_tokens (default: the largest "
+        "max_tokens)",
     )
 
 
