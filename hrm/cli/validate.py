@@ -48,7 +48,9 @@ def add_parser(subparsers) -> None:
         "validate",
         help="run a sweep with the executor, report predicted against measured, fail past a MAPE",
         description="Profile this host (or take --hardware, a profile of it), run a sweep of "
-        "batch sizes, prompt lengths (uniform and ragged), generation lengths and dtypes, write "
+        "batch sizes, prompt lengths (uniform and ragged), generation lengths and dtypes, and "
+        "each schedule on the CPU standing in for a GPU (cgopipe also with continuous batching "
+        "of a job of mixed max_tokens, predicted pass by pass), write "
         "each RunRecord under DIR/runs/ and the report (hrm report) into DIR, and exit with "
         "status 1 when the mean absolute percentage error over the settings (each the median of "
         "its runs' errors) exceeds --max-mape.",
@@ -132,7 +134,9 @@ def _validate(args, checkpoint: Path, hardware) -> int:
     batches, prompts, gens = SWEEPS[sweep]
     settings = list(itertools.product(SWEEP_DTYPES[sweep], batches, prompts, gens))
     schedules = SCHEDULES if hardware is None or not hardware.has_gpu else ()
-    offloaded = list(itertools.product(SWEEP_DTYPES[sweep], schedules))
+    # every schedule's static batches, and cgopipe's continuous batching of a mixed job
+    offloaded = [(d, s, "static") for d, s in itertools.product(SWEEP_DTYPES[sweep], schedules)]
+    offloaded += [(d, "cgopipe", "continuous") for d in SWEEP_DTYPES[sweep] if schedules]
     records: dict[str, dict] = {}
     spreads: dict[str, list[float]] = {}
     warm_up: dict[str, float] = {}  # setting -> the untimed first pass's throughput
@@ -184,11 +188,13 @@ def _validate(args, checkpoint: Path, hardware) -> int:
                     name = _setting_name(*setting)
                     check_speed(name, rep, setting[0])
                     keep(name, rep, _resident_run(checkpoint, setting, hardware))
-                for dtype, schedule in _warmed(offloaded, rep, sweep):
+                for dtype, schedule, batching in _warmed(offloaded, rep, sweep):
                     shape = OFFLOADED[sweep]
-                    name = f"{dtype}-{schedule}-b{shape[0]}-m{shape[1]}-p{shape[2]}r-g{shape[3]}"
+                    how = schedule if batching == "static" else f"{schedule}-{batching}"
+                    name = f"{dtype}-{how}-b{shape[0]}-m{shape[1]}-p{shape[2]}r-g{shape[3]}"
                     check_speed(name, rep, dtype)
-                    record = _offloaded_run(checkpoint, hardware, dtype, schedule, shape)
+                    record = _offloaded_run(checkpoint, hardware, dtype, (schedule, batching),
+                                            shape)  # fmt: skip
                     keep(name, rep, record)
 
     def notes(rows) -> list[str]:
@@ -276,9 +282,10 @@ def _resident_run(checkpoint: Path, setting, hardware) -> dict:
     return run_record(spec, result, policy=policy, schedule="serial", profile=hardware).to_dict()
 
 
-def _offloaded_run(checkpoint: Path, hardware, dtype: str, schedule: str, shape) -> dict:
+def _offloaded_run(checkpoint: Path, hardware, dtype: str, how: tuple[str, str], shape) -> dict:
     """One schedule at a forced-paging policy on the CPU standing in for the GPU, predicted with
-    the stand-in profile of `hardware`: the RunRecord as a dict."""
+    the stand-in profile of `hardware`: the RunRecord as a dict. how: (schedule, batching); a
+    continuous run's job is twice the batch, the requests' max_tokens mixed (_mixed_job)."""
     from executor.api import prepare_run
     from executor.run import execute
     from hrm.cli.records import run_record
@@ -291,7 +298,10 @@ def _offloaded_run(checkpoint: Path, hardware, dtype: str, schedule: str, shape)
     spec = prepare_run(
         checkpoint, gen_len=gen, prompt_len=length, batch=batch, dtype=dtype, device="cpu"
     )
+    schedule, batching = how
     spec = dataclasses.replace(spec, prompts=_prompts(spec, batch, length, True))
+    if batching == "continuous":
+        spec = _mixed_job(spec, batch, length, gen)
     policy = Policy(
         batch_size=batch,
         micro_batch_size=mu,
@@ -305,10 +315,22 @@ def _offloaded_run(checkpoint: Path, hardware, dtype: str, schedule: str, shape)
     stand_in = stand_in_profile(hardware, gpu_memory_bytes=hardware.cpu.memory_bytes / 2)
     workload = spec.workload()
     choose = cpu_gemm_chooser(spec.arch, dtype, mode="auto", hardware=hardware)
-    result = execute(spec, policy, schedule, cpu_gemm=choose, quiet=True)
+    result = execute(spec, policy, schedule, cpu_gemm=choose, quiet=True, batching=batching)
     plan = predict(spec.arch, stand_in, workload, policy, schedule, cpu_gemm=result.cpu_gemm)
     record = run_record(spec, result, policy=policy, schedule=schedule, profile=stand_in, plan=plan)
     return record.to_dict()
+
+
+def _mixed_job(spec, batch: int, length: int, gen: int):
+    """`spec` with 2 x batch ragged prompts whose max_tokens cycle through gen/4, gen/2 and gen:
+    continuous batching admits a request as another ends."""
+    from hrm.requests import Request
+
+    prompts = _prompts(spec, 2 * batch, length, True)
+    steps = (max(1, gen // 4), max(1, gen // 2), gen)
+    requests = tuple(Request(line=i + 1, prompt=list(p), max_tokens=steps[i % 3])
+                     for i, p in enumerate(prompts))  # fmt: skip
+    return dataclasses.replace(spec, prompts=prompts, requests=requests)
 
 
 def _profile_file(rep: int, every_pass: bool) -> str:

@@ -160,9 +160,15 @@ def test_validate_quick_runs_end_to_end_and_fails_past_its_mape(run_cli, checkpo
     assert status == 0, err
     runs = sorted((out_dir / "runs").glob("*.json"))
     # resident: 2 batches x 2 prompt shapes x 1 generation length; offloaded on the CPU standing
-    # in for the GPU: 4 schedules; all in bfloat16 (the full sweep adds float32 to both)
-    assert len(runs) == 4 + 4
+    # in for the GPU: 4 schedules and cgopipe's continuous batching of a mixed job; all in
+    # bfloat16 (the full sweep adds float32 to both)
+    assert len(runs) == 4 + 5
     records = [json.loads(r.read_text()) for r in runs]
+    (passes,) = [r for r in records if r["environment"].get("batching") == "continuous"]
+    assert passes["predicted"]["passes"] == passes["environment"]["continuous"]["passes"] > 1
+    # 2 x 16 requests of max_tokens 2, 4, 8 in turn (the quick shape's g 8), none stopped early
+    assert passes["measured"]["generated_tokens"] == sum((2, 4, 8)[i % 3] for i in range(32))
+    assert len(passes["predicted"]["pass_seconds"]) == passes["predicted"]["passes"]
     schedules = {r["plan"]["schedule"] for r in records if r["plan"]}
     assert schedules == {"cgopipe", "serial", "overlap", "gpu-attention"}
     assert {r["environment"]["dtype"] for r in records if r["plan"]} == {"bfloat16"}
