@@ -134,9 +134,7 @@ def _validate(args, checkpoint: Path, hardware) -> int:
     batches, prompts, gens = SWEEPS[sweep]
     settings = list(itertools.product(SWEEP_DTYPES[sweep], batches, prompts, gens))
     schedules = SCHEDULES if hardware is None or not hardware.has_gpu else ()
-    # every schedule's static batches, and cgopipe's continuous batching of a mixed job
-    offloaded = [(d, s, "static") for d, s in itertools.product(SWEEP_DTYPES[sweep], schedules)]
-    offloaded += [(d, "cgopipe", "continuous") for d in SWEEP_DTYPES[sweep] if schedules]
+    offloaded = _offloaded_cases(sweep, schedules)
     records: dict[str, dict] = {}
     spreads: dict[str, list[float]] = {}
     warm_up: dict[str, float] = {}  # setting -> the untimed first pass's throughput
@@ -252,6 +250,14 @@ def _write_results(args, hardware, records: dict, notes, profiles: dict) -> int:
         )
         return 1
     return 0
+
+
+def _offloaded_cases(sweep: str, schedules) -> list[tuple[str, str, str]]:
+    """(dtype, schedule, batching): every schedule's static batches, and cgopipe's continuous
+    batching of a mixed job."""
+    dtypes = SWEEP_DTYPES[sweep]
+    cases = [(d, s, "static") for d, s in itertools.product(dtypes, schedules)]
+    return cases + [(d, "cgopipe", "continuous") for d in dtypes if schedules]
 
 
 def _warmed(runs: list, rep: int | None, sweep: str) -> list:
