@@ -250,7 +250,9 @@ def _peak_gpu(device_name: str) -> float:
 
 def _run_batching(args, arch, hardware, plan, device_name, report, out) -> None:
     """Static against continuous batching under the cgopipe plan, one job of 4 N requests with
-    max_tokens of gen_len/4 to gen_len (seeded): a row each, measured in the same process."""
+    max_tokens of gen_len/4 to gen_len (seeded): a row each, measured in the same process; and
+    the continuous plan of that job over the cgopipe plan's pool (hrm plan --batching
+    continuous: more than N running), measured against its prediction."""
     import random
 
     from executor.api import RunSpec
@@ -270,14 +272,16 @@ def _run_batching(args, arch, hardware, plan, device_name, report, out) -> None:
     spec = RunSpec(checkpoint=None, arch=arch, prompts=prompts, gen_len=args.gen_len,
                    dtype=args.dtype, device=device_name, requests=requests)  # fmt: skip
     checkpoint = random_checkpoint(arch, hardware.compute_dtype(args.dtype))
-    for mode in ("static", "continuous"):
+    for mode in ("static", "continuous", "continuous planned"):
         row = {"schedule": f"cgopipe {mode}", "batching": mode, "batch_size":
                plan.policy.batch_size, "requests": len(prompts)}  # fmt: skip
         report["rows"].append(row)
         try:
+            planned = "planned" in mode
+            limits = _continuous_limits(arch, hardware, plan, spec, row) if planned else {}
             for _ in range(2):  # warm-up, then timed
                 result = execute(spec, plan.policy, "cgopipe", checkpoint=checkpoint, quiet=True,
-                                 batching=mode)  # fmt: skip
+                                 batching=mode.split()[0], **limits)  # fmt: skip
             m = result.measured
             row["measured"] = {"throughput_tok_s": m.throughput_tok_s,
                                "generated_tokens": m.generated_tokens}  # fmt: skip
@@ -286,6 +290,22 @@ def _run_batching(args, arch, hardware, plan, device_name, report, out) -> None:
             row["failed"] = f"{type(exc).__name__}: {exc}"
             row["traceback"] = traceback.format_exc()
         _save(report, out)
+
+
+def _continuous_limits(arch, hardware, plan, spec, row) -> dict:
+    """The continuous plan of `spec`'s job over `plan`'s pool (planner/continuous.py): its
+    limits for execute, its prediction and running count in `row`."""
+    from hrm.rules.admission import Request as Admitted
+    from planner.continuous import plan_continuous
+    from planner.setting import Setting
+
+    setting = Setting(arch=arch, hardware=hardware, workload=spec.workload(),
+                      weight_dtype=plan.policy.weight_dtype,
+                      kv_dtype=plan.policy.kv_dtype)  # fmt: skip
+    jobs = [Admitted(i, len(p), spec.max_new(i)) for i, p in enumerate(spec.prompts)]
+    c = plan_continuous(setting, [plan], jobs).continuous
+    row["predicted_tok_s"], row["max_running"] = c.predicted.throughput_tok_s, c.max_running
+    return {"max_running": c.max_running, "token_budget": c.token_budget}
 
 
 def _table(rows) -> str:
@@ -300,9 +320,11 @@ def _table(rows) -> str:
             continue
         tput = r["measured"]["throughput_tok_s"]
         if "batching" in r:
-            lines.append(f"{name:24} {r['batch_size']:>4} {'':>3} {'':>10} {tput:>10.1f} "
+            predicted = f"{r['predicted_tok_s']:>10.1f}" if "predicted_tok_s" in r else " " * 10
+            running = f", up to {r['max_running']} running" if "max_running" in r else ""
+            lines.append(f"{name:24} {r['batch_size']:>4} {'':>3} {predicted} {tput:>10.1f} "
                          f"({r['requests']} requests of mixed max_tokens, passes "
-                         f"{r['passes'] or '-'})")  # fmt: skip
+                         f"{r['passes'] or '-'}{running})")  # fmt: skip
             continue
         if "plan" not in r:  # the baseline
             lines.append(f"{name:24} {r['batch_size']:>4} {'':>3} {'':>10} {tput:>10.1f} "

@@ -5,7 +5,8 @@
 #   2. bench/gpu_check.py: `hrm profile --quick` of this machine, then every schedule planned
 #      with that measured profile at one GPU budget (warm-up run, then timed run), cgopipe again
 #      with int4 weights (streamed compact, dequantized on the GPU), static against continuous
-#      batching under the cgopipe plan (4 N requests of mixed max_tokens), and
+#      batching under the cgopipe plan (4 N requests of mixed max_tokens), the same job under
+#      its continuous plan (hrm plan --batching continuous's limits, against its prediction), and
 #      transformers with accelerate's offload at the same budget; one table, the JSON rewritten
 #      after each row (a failing row costs only itself).
 # Results go to $OUT (default reports/gpu-check): table.txt, gpu_check.json, the measured profile

@@ -25,7 +25,7 @@ def test_the_dry_run_measures_every_schedule_and_the_baseline(tmp_path):
     rows = json.loads((out / "gpu_check.json").read_text())["rows"]
     names = [r["schedule"] for r in rows]
     assert names == [*SCHEDULES, "cgopipe int4", "cgopipe static", "cgopipe continuous",
-                     "transformers+accelerate"]  # fmt: skip
+                     "cgopipe continuous planned", "transformers+accelerate"]  # fmt: skip
     assert all(r["measured"]["throughput_tok_s"] > 0 for r in rows), rows
     paged = [r for r in rows if "plan" in r and r["plan"]["policy"]["weights_gpu_fraction"] < 1]
     assert paged, "the dry run's budget pages no weights"
@@ -37,6 +37,9 @@ def test_the_dry_run_measures_every_schedule_and_the_baseline(tmp_path):
                           for m in ("static", "continuous"))  # fmt: skip
     assert static["measured"]["generated_tokens"] == continuous["measured"]["generated_tokens"]
     assert continuous["passes"] > 0
+    planned = next(r for r in rows if r.get("batching") == "continuous planned")
+    assert planned["measured"]["generated_tokens"] == static["measured"]["generated_tokens"]
+    assert planned["predicted_tok_s"] > 0 and planned["max_running"] >= 1
     table = (out / "table.txt").read_text()
     assert all(name in table for name in names) and "/ transformers+accelerate" in table
     assert "cgopipe continuous / static" in table
