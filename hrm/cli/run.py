@@ -121,7 +121,8 @@ def _add_run_arguments(p) -> None:
         "--max-tokens-per-pass",
         type=int,
         help="continuous batching: tokens a pass carries at most, decodes and prompt chunks "
-        "(default and largest: one micro-batch of the longest prompt, plus N decodes)",
+        "(default: the plan's, from hrm plan --batching continuous; else the largest: one "
+        "micro-batch of the longest prompt beside a decode of each request running)",
     )
     p.add_argument("--threads", type=int, help="CPU threads the run uses (default: torch's)")
     p.add_argument(
