@@ -13,15 +13,12 @@ from __future__ import annotations
 import time
 
 from hrm.arch import resolve_model
-from hrm.cli.plan_job import draw_lengths
+from hrm.cli.plan_continuous import continuous_plan
+from hrm.cli.plan_job import drawn_job
 from hrm.errors import HrmError
 from hrm.hardware import resolve_hardware
-from hrm.rules.admission import Request
-from hrm.workload import Workload
 from planner.bound import stage1_bound
-from planner.continuous import plan_continuous, price_static_job
 from planner.search import search
-from planner.setting import Setting
 
 # (model, machine, weight format or None for the machine's 16-bit float, GPUs)
 SETTINGS = (
@@ -57,26 +54,21 @@ def batching_rows() -> list[dict]:
 
 
 def _row(arch, hw, weights, kv, prompt, gen, count) -> dict:
-    lengths = draw_lengths(prompt, gen, count)
-    lens, answers = [p for p, _ in lengths], [g for _, g in lengths]
-    workload = Workload.from_prompt_lens(lens, max(answers), False, answers)
+    """As `hrm plan --batching continuous` plans it (hrm/cli/plan_continuous.py)."""
+    workload, job = drawn_job(prompt, gen, count)
     started = time.perf_counter()
     static = search(arch, hw, workload, weight_dtype=weights, kv_dtype=kv, top_k=5,
                     max_batch_size=count).top  # fmt: skip
-    setting = Setting(arch=arch, hardware=hw, workload=workload, weight_dtype=weights,
-                      kv_dtype=kv)  # fmt: skip
-    requests = [Request(i, p, g) for i, (p, g) in enumerate(lengths)]
-    plan = plan_continuous(setting, list(static), requests)
-    batches = price_static_job(setting, static[0], requests)
+    planned = continuous_plan(arch, hw, workload, job, list(static))
     seconds = time.perf_counter() - started
     bound = stage1_bound(arch, hw, workload, weights, kv)
-    c = plan.continuous
+    plan = planned["plan"]
     return {
         "static": static[0].to_dict(),
         "continuous": plan.to_dict(),
         "static_batch_tok_s": static[0].predicted.throughput_tok_s,
-        "static_tok_s": batches.throughput_tok_s,
-        "continuous_tok_s": c.predicted.throughput_tok_s,
+        "static_tok_s": planned["static_job"].throughput_tok_s,
+        "continuous_tok_s": plan.continuous.predicted.throughput_tok_s,
         "bound": bound.to_dict(),
         "bound_tok_s": bound.generated_per_s,
         "planned_in_s": seconds,

@@ -25,7 +25,7 @@ from hrm.plan import Continuous, Plan, Prediction
 from hrm.rules.admission import Request, blocks_for, kv_blocks, life_tokens
 from hrm.rules.batches import plan_batches
 from hrm.workload import Workload
-from planner.evaluate import predict
+from planner.evaluate import predict_batch
 from planner.memory import activation_tokens
 from planner.passes import JobPrice, price_job
 from planner.search import MAX_BATCH_SIZE
@@ -53,8 +53,7 @@ def plan_continuous(setting: Setting, static: Sequence[Plan], requests: Sequence
     tried = [priced(plan, most_running(setting, plan, requests), 1.0)
              for plan in _candidates(static)]  # fmt: skip
     best = max(tried, key=lambda t: t[0].throughput_tok_s)
-    plan = best[1]
-    most = most_running(setting, plan, requests)
+    _, plan, most, _ = best
     for running in sorted({min(plan.policy.batch_size, most), most}):
         for share in CHUNK_SHARES:
             if (running, share) != (most, 1.0):
@@ -118,10 +117,8 @@ def price_static_job(setting: Setting, plan: Plan, requests: Sequence[Request]) 
         answers = [r.max_new for r in members]
         workload = Workload.from_prompt_lens([r.prompt_len for r in members], max(answers),
                                              False, answers)  # fmt: skip
-        n = len(members)
-        at = dataclasses.replace(pol, batch_size=n, micro_batch_size=min(n, pol.micro_batch_size))
-        p = predict(setting.arch, setting.hardware, workload, at, plan.schedule,
-                    padded_kv_cache=True).predicted  # fmt: skip
+        p = predict_batch(setting.arch, setting.hardware, workload, pol, plan.schedule,
+                          len(members)).predicted  # fmt: skip
         prefill, decode = prefill + p.prefill_s, decode + p.decode_s
     generated = sum(r.max_new for r in requests)
     return Prediction(prefill_s=prefill, decode_s=decode, generated_tokens=generated)

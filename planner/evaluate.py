@@ -301,6 +301,25 @@ def predict(
     return build_plan(batch_model(setting, policy.batch_size, policy.micro_batch_size), policy)
 
 
+def predict_batch(
+    arch: ModelArch,
+    hardware: HardwareProfile,
+    workload: Workload,
+    policy: Policy,
+    schedule: str,
+    batch_size: int,
+    *,
+    cpu_gemm: CpuGemmChoice | None = None,
+) -> Plan:
+    """One static batch of `batch_size` requests of `workload` under `policy`, as the executor
+    runs a batch (hrm/rules/batches.py): N = the batch's size, mu at most that, over its
+    micro-batches' left-padded KV caches."""
+    at = dataclasses.replace(
+        policy, batch_size=batch_size, micro_batch_size=min(batch_size, policy.micro_batch_size)
+    )
+    return predict(arch, hardware, workload, at, schedule, cpu_gemm=cpu_gemm, padded_kv_cache=True)
+
+
 def predict_resident_run(
     arch: ModelArch,
     hardware: HardwareProfile,

@@ -125,8 +125,6 @@ def _drawn(args, arch):
     """A job of --requests requests (default DRAWN_REQUESTS) whose prompt and generation
     lengths are drawn uniformly from the ranges given (a number is every request's), with a
     fixed seed."""
-    from hrm.workload import Workload
-
     if args.gen_len is None:
         raise HrmError("--gen-len: give the tokens each sequence generates (or a range LO-HI)")
     if args.prompt_len is None:
@@ -136,25 +134,27 @@ def _drawn(args, arch):
     count = DRAWN_REQUESTS if args.requests is None else args.requests
     if count < 1:
         raise HrmError(f"--requests must be at least 1, got {count}")
-    lengths = draw_lengths(args.prompt_len, args.gen_len, count)
-    lens, answers = [p for p, _ in lengths], [g for _, g in lengths]
-    workload = Workload.from_prompt_lens(lens, max(answers), args.padding, answers)
+    workload, job = drawn_job(args.prompt_len, args.gen_len, count, args.padding)
     arch.check_positions(workload.prompt_len_max, workload.gen_len, "the longest prompt")
-    job = Job(prompts=count, tokens=float(sum(answers)), lengths=tuple(lengths))
     return workload, job
 
 
-def draw_lengths(prompt, gen, count: int) -> list[tuple[int, int]]:
-    """`count` (prompt, max new tokens) pairs, each drawn uniformly from its range (LO, HI),
-    or a number for all; seeded with DRAW_SEED."""
+def drawn_job(prompt, gen, count: int, padding: bool = False):
+    """The Workload and Job of `count` requests whose (prompt, max new tokens) are each drawn
+    uniformly from its range (LO, HI), or a number for all; seeded with DRAW_SEED."""
     import random
+
+    from hrm.workload import Workload
 
     rng = random.Random(DRAW_SEED)
 
     def draw(given):
         return rng.randint(*given) if isinstance(given, tuple) else math.ceil(given)
 
-    return [(draw(prompt), draw(gen)) for _ in range(count)]
+    lengths = [(draw(prompt), draw(gen)) for _ in range(count)]
+    lens, answers = [p for p, _ in lengths], [g for _, g in lengths]
+    workload = Workload.from_prompt_lens(lens, max(answers), padding, answers)
+    return workload, Job(prompts=count, tokens=float(sum(answers)), lengths=tuple(lengths))
 
 
 def _given_workload(args):

@@ -8,8 +8,6 @@ stand-in; hrm/cli/run_plan.py `prediction_profile`), with the GEMM path the run 
 
 from __future__ import annotations
 
-import dataclasses
-
 from hrm.units import format_percent
 
 
@@ -93,24 +91,13 @@ def _predict_passes(spec, result, policy, schedule, profile) -> dict:
 
 def _predict_group(spec, batches, cpu_gemm, policy, schedule, profile) -> dict:
     """The planner's prediction of `batches` run one after another."""
-    from planner import predict
+    from planner.evaluate import predict_batch
 
     totals = {"prefill_s": 0.0, "decode_s": 0.0, "generated_tokens": 0}
     busy: dict[str, float] = {}
     for indices in batches:
-        n = len(indices)
-        at_batch = dataclasses.replace(
-            policy, batch_size=n, micro_batch_size=min(n, policy.micro_batch_size)
-        )
-        batch_plan = predict(
-            spec.arch,
-            profile,
-            spec.workload(indices),
-            at_batch,
-            schedule,
-            cpu_gemm=cpu_gemm,
-            padded_kv_cache=True,
-        )
+        batch_plan = predict_batch(spec.arch, profile, spec.workload(indices), policy, schedule,
+                                   len(indices), cpu_gemm=cpu_gemm)  # fmt: skip
         for key in totals:
             totals[key] += getattr(batch_plan.predicted, key)
         for q, s in batch_plan.busy_s.items():
