@@ -26,9 +26,15 @@ from executor.checkpoint import Checkpoint, LayerWeights
 from executor.kv_cache import KVCache
 from executor.latent_attention import latent_queries_and_keys, latent_values
 from executor.layer_math import NORMS, apply_rotary, inverse_frequencies, rms_norm, rotary_tables
+from executor.packed_weights import packed_weights
 from hrm.errors import HrmError
 from hrm.rules.cpu_gemm import CpuGemmChoice
-from hrm.rules.gemm_paths import WIDEN_SLICE_ELEMENTS, native_linear, widened_linear
+from hrm.rules.gemm_paths import (
+    WIDEN_SLICE_ELEMENTS,
+    native_linear,
+    packed_linear,
+    widened_linear,
+)
 from hrm.rules.host_memory import keep_freed_host_memory
 
 
@@ -44,6 +50,7 @@ class MoEModel:
         kv_format: str | None = None,
         reduce=None,
         gather=None,
+        packs: bool = True,
     ):
         """kv_format: a compact format its KV caches store (hrm/formats.py; None: the model's
         dtype). device: where the layers run (default: where the checkpoint's weights are; a placed
@@ -51,7 +58,9 @@ class MoEModel:
         count when that is a CPU (hrm.rules.cpu_gemm); without one a CPU model probes this host for
         it (about a second). A GPU runs every GEMM native. reduce: the sum over a
         tensor-parallel group of a rank's partial outputs, gather: its ranks' logits side by side
-        (executor/tensor_parallel.py; None: one rank)."""
+        (executor/tensor_parallel.py; None: one rank). packs: where the CPU GEMM path is packed,
+        pack the weights held here once (executor/packed_weights.py); False where a store hands
+        the layers over, whose pages then run native."""
         keep_freed_host_memory()  # large temporaries reuse freed memory, not fresh pages
         self.arch = checkpoint.arch
         self.kv_format = kv_format
@@ -77,6 +86,9 @@ class MoEModel:
         elif cpu_gemm.dtype != dtype_name:
             raise HrmError(f"the CPU GEMM choice is for {cpu_gemm.dtype}, the run is {dtype_name}")
         self.cpu_gemm = cpu_gemm
+        if packs and cpu_gemm is not None and "packed" in cpu_gemm.paths:
+            router_linear = self.arch.routing not in ("sigmoid_groups", "softmax_groups")
+            self.weights = packed_weights(self.weights, router_linear=router_linear)
         self.reduce = reduce if reduce is not None else (lambda t: t)
         self.gather = gather if gather is not None else (lambda t: t)
         self.gemm_calls: Counter[str] = Counter()  # GEMMs run per path: what the record reports
@@ -91,10 +103,14 @@ class MoEModel:
             return native_linear(x, w)
         tokens = x.shape[0]
         path = self.cpu_gemm.path_at(tokens)
+        if path == "packed" and not w.is_mkldnn:
+            path = "native"  # a page a store handed over: not packed
         self.gemm_calls[path] += 1
         rows = int(self.cpu_gemm.rows_at(tokens, (w.shape[1], w.shape[0])))
         if path == "widened":
             return widened_linear(x, w, self._scratch, rows=rows)
+        if path == "packed":
+            return packed_linear(x, w, rows=rows)
         return native_linear(x, w, rows=rows)
 
     def time_stages(self, stages: dict[str, str], seconds: dict, key=None) -> None:

@@ -25,6 +25,10 @@ AMX = {
     "bfloat16": curve([10, 43, 130, 168, 382, 525, 640]),
     "bfloat16_widened": curve([6, 17, 48, 66, 116, 153, 159]),
 }
+# packed on the AMX Xeon VM (2 cores): 1.3-1.6x native at 1-64 rows, about native above
+AMX_PACKED = {**AMX, "bfloat16_packed": curve([16, 68, 195, 250, 560, 540, 640])}
+# an AVX-512 CPU without AVX512-BF16: widened wins, and packed (emulated bf16) loses to it
+AVX512_PACKED = {**AVX2, "bfloat16_packed": curve([4, 12, 20, 30, 50, 60, 60])}
 MIXED = {
     "bfloat16": curve([20, 60, 150, 200, 120, 100, 100]),
     "bfloat16_widened": curve([5, 17, 48, 66, 200, 300, 320]),

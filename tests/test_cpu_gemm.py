@@ -23,7 +23,7 @@ from hrm.rules.cpu_gemm import (
     has_choice_curves,
     pays_to_pad,
 )
-from tests.gemm_curves import AMX, AVX2, MIXED, rates, scaled
+from tests.gemm_curves import AMX, AMX_PACKED, AVX2, AVX512_PACKED, MIXED, rates, scaled
 
 
 def test_avx2_widens_at_every_token_count_and_pads_where_sgemm_dips():
@@ -40,6 +40,29 @@ def test_amx_runs_native_everywhere_and_does_not_pad_where_it_would_not_pay():
     # native: 12 rows at 130, 16 at 168 GFLOP/s: 16 rows take 0.095, 12 take 0.092 (no gain)
     assert choice.padded == ()
     assert choice.rows_at(12) == 12
+
+
+def test_packed_is_taken_at_every_token_count_where_it_saves_time_over_the_grid():
+    """Packed is all or nothing: on AMX it runs every count, 256 rows too, where it is 3% slower
+    than native (a packed weight serves no other path)."""
+    choice = choose_cpu_gemm(rates(AMX_PACKED), "bfloat16")
+    assert choice.paths == ("packed",) and choice.buckets == ((0.0, "packed"),)
+    assert all(choice.path_at(t) == "packed" for t in (1, 12, 256, 5000))
+    r = rates(AMX_PACKED)
+    assert gemm_flops_per_s(r, choice, 16) == 250e9  # priced on the packed curve
+    assert gemm_flops_per_s(r, choice, 256) == 540e9
+    assert gemm_peak_flops_per_s(r, choice) == 640e9
+
+
+def test_packed_is_not_taken_where_it_loses_or_saves_no_more_than_noise():
+    # AVX-512 without bf16 units: oneDNN emulates bf16, widened float32 is faster
+    assert choose_cpu_gemm(rates(AVX512_PACKED), "bfloat16").paths == ("widened",)
+    near = {**AMX, "bfloat16_packed": scaled(AMX["bfloat16"], 1.05)}
+    assert choose_cpu_gemm(rates(near), "bfloat16").paths == ("native",)
+    # packed may be forced, and is priced on native's curve where the rates have none of its own
+    forced = choose_cpu_gemm(rates(AMX), "bfloat16", "packed")
+    assert forced.paths == ("packed",) and forced.source == "--cpu-gemm packed"
+    assert gemm_flops_per_s(rates(AMX), forced, 16) == 168e9
 
 
 def test_the_winner_changes_with_the_token_count():
@@ -106,9 +129,14 @@ def test_old_profiles_lack_the_curves_the_choice_needs():
     assert not has_choice_curves(cpu, "bfloat16")
     assert has_choice_curves(rates(AVX2), "bfloat16")
     assert not has_choice_curves(rates({"bfloat16": AVX2["bfloat16"]}), "bfloat16")
+    # a host that packs needs the packed curve too: a profile taken before it is stale there
+    assert not has_choice_curves(rates(AMX), "bfloat16", ("native", "widened", "packed"))
+    assert has_choice_curves(rates(AMX_PACKED), "bfloat16", ("native", "widened", "packed"))
 
 
 def test_a_choice_round_trips_through_its_record_form():
+    packed = choose_cpu_gemm(rates(AMX_PACKED), "bfloat16", source="probe")
+    assert CpuGemmChoice.from_dict(packed.to_dict()) == packed
     choice = choose_cpu_gemm(rates(MIXED), "bfloat16", source="profile x")
     record = {**choice.to_dict(), "calls": {"native": 3}}
     assert CpuGemmChoice.from_dict(record) == choice

@@ -18,6 +18,7 @@ from hrm.profiling.cpu import CpuTimes, measured_others_share, others_cpu_share
 from hrm.profiling.matmul import GemmShape, fit_shape, sweep_matmul
 from hrm.profiling.timing import Timing, time_calls
 from hrm.roofline.ops import gemm_shapes
+from hrm.rules.gemm_paths import packing_missing
 
 TINY_PLAN = SweepPlan(
     name="tiny",
@@ -227,26 +228,39 @@ def test_a_tiny_run_times_every_other_gemm_shape_on_each_path(tiny_profile):
     w1 = gemm_shape_key(TINY_ARCH.hidden_size, TINY_ARCH.intermediate_size)
     assert set(curves) == {gemm_shape_key(*s) for s in gemm_shapes(TINY_ARCH)} - {w1}
     for key, by_rate in curves.items():
-        assert set(by_rate) == {"float32", "bfloat16", "bfloat16_widened"}, key
+        packed = {"bfloat16_packed"} if packing_missing("bfloat16") is None else set()
+        assert set(by_rate) == {"float32", "bfloat16", "bfloat16_widened"} | packed, key
         assert [x for x, _ in by_rate["float32"].points][0] == 1.0
     notes = tiny_profile.provenance["cpu_gemm_shapes"]
     assert notes["tokens"] == [1, 8]
     assert all(": " in line for line in notes["points_not_measured"])
 
 
-@pytest.mark.parametrize("widen", [False, True])
-def test_both_paths_rotate_weight_copies_and_compute_the_executors_gemm(monkeypatch, widen):
+@pytest.mark.parametrize(
+    "path",
+    [
+        "native",
+        "widened",
+        pytest.param(
+            "packed",
+            marks=pytest.mark.skipif(
+                packing_missing("bfloat16") is not None, reason="no oneDNN bf16 kernels here"
+            ),
+        ),
+    ],
+)
+def test_each_path_rotates_weight_copies_and_computes_the_executors_gemm(monkeypatch, path):
     import torch
 
     import hrm.profiling.matmul as matmul
-    from hrm.rules.gemm_paths import WIDEN_SLICE_ELEMENTS
+    from hrm.rules.gemm_paths import WIDEN_SLICE_ELEMENTS, pack_weight
 
     weights_seen = []
-    for name in ("native_linear", "widened_linear"):
+    for name in ("native_linear", "widened_linear", "packed_linear"):
         inner = getattr(matmul, name)
 
         def recorder(x, w, *args, _inner=inner, _name=name, **kwargs):
-            weights_seen.append((_name, w.data_ptr()))
+            weights_seen.append((_name, id(w)))
             return _inner(x, w, *args, **kwargs)
 
         monkeypatch.setattr(matmul, name, recorder)
@@ -267,21 +281,22 @@ def test_both_paths_rotate_weight_copies_and_compute_the_executors_gemm(monkeypa
         min_sample_s=0.0,
         budget_s=10.0,
         tick=lambda: None,
-        widen=widen,
+        path=path,
         streamed_bytes=3 * 64 * 128 * 2,  # three copies of the bf16 weight
     )
-    label = "bfloat16_widened" if widen else "bfloat16"
+    label = {"native": "bfloat16"}.get(path, f"bfloat16_{path}")
     assert sweep.dtype == label and [t for t, _ in sweep.points] == [1, 4]
     # every call is the executor's function for that path, each on the next of three copies
-    assert {name for name, _ in weights_seen} == {"widened_linear" if widen else "native_linear"}
+    assert {name for name, _ in weights_seen} == {f"{path}_linear"}
     assert len({ptr for _, ptr in weights_seen}) == 3
     assert weights_seen[0][1] != weights_seen[1][1]
     # rotation computes the real product, weight after weight
     weights = [torch.randn(128, 64).to(torch.bfloat16) for _ in range(2)]
     x = torch.randn(3, 64).to(torch.bfloat16)
-    scratch = torch.empty(WIDEN_SLICE_ELEMENTS) if widen else None
+    scratch = torch.empty(WIDEN_SLICE_ELEMENTS) if path == "widened" else None
     turn = [0]
-    first, second = (matmul._rotating_gemm(x, weights, scratch, turn) for _ in range(2))
+    run = [pack_weight(w) for w in weights] if path == "packed" else weights
+    first, second = (matmul._rotating_gemm(x, run, path, scratch, turn) for _ in range(2))
     for w, out in ((weights[0], first), (weights[1], second)):
         expected = (x.float() @ w.float().t()).to(torch.bfloat16)
         assert torch.allclose(out.float(), expected.float(), rtol=1e-2, atol=1e-2)

@@ -107,7 +107,8 @@ def _add_run_arguments(p) -> None:
         "--cpu-gemm",
         default="auto",
         help="CPU GEMM path for 16-bit weights: auto (the faster per token count, from the "
-        "--hardware profile of this host or a one-second probe), native or widened (auto)",
+        "--hardware profile of this host or a one-second probe), native, widened, or packed "
+        "(oneDNN over weights reordered once at load; needs AVX-512) (auto)",
     )
     p.add_argument(
         "--batching",

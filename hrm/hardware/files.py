@@ -10,9 +10,9 @@ from hrm import units
 from hrm.errors import HrmError
 from hrm.formats import WEIGHT_FORMATS
 from hrm.hardware.parts import (
+    CPU_PATH_KEYS,
     INTERCONNECTS,
     RATE_DTYPES,
-    WIDENED_KEYS,
     Curve,
     DeviceSpec,
     Interconnect,
@@ -79,8 +79,9 @@ def _device_from_dict(
     data = upgrade(data, where)
     data = check_keys(data, where=where, required=_DEVICE_KEYS, optional=_DEVICE_OPTIONAL)
     measured_as_cpu = is_cpu or stand_in
-    # only a CPU widens 16-bit weights (the executor's CPU path), so only a CPU has those rates
-    rate_keys = set(RATE_DTYPES) | (set(WIDENED_KEYS.values()) if measured_as_cpu else set())
+    # only a CPU widens or packs 16-bit weights (the executor's CPU paths): only a CPU has those
+    paths = {key for keys in CPU_PATH_KEYS.values() for key in keys.values()}
+    rate_keys = set(RATE_DTYPES) | (paths if measured_as_cpu else set())
     flops = check_keys(data["flops"], where=f"{where}: flops", required=set(), optional=rate_keys)
     if not flops:
         raise HrmError(f"{where}: flops must name at least one dtype ({', '.join(RATE_DTYPES)})")

@@ -69,6 +69,14 @@ class Curve:
 HALF_DTYPES = ("bfloat16", "float16")
 # hrm profile times that path on a CPU and stores its rates beside the dtypes under these keys.
 WIDENED_KEYS = {dtype: f"{dtype}_widened" for dtype in HALF_DTYPES}
+# ... and the path over weights prepacked once for oneDNN (hrm.rules.gemm_paths), under these.
+PACKED_KEYS = {dtype: f"{dtype}_packed" for dtype in HALF_DTYPES}
+CPU_PATH_KEYS = {"widened": WIDENED_KEYS, "packed": PACKED_KEYS}  # the paths beside native
+
+
+def path_key(dtype: str, path: str) -> str:
+    """The rate key a CPU path of `dtype` is measured under: the dtype itself when native."""
+    return dtype if path == "native" else CPU_PATH_KEYS[path][dtype]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -27,6 +27,7 @@ from hrm.profiling.matmul import SWEPT_DTYPES, GemmShape, MatmulSweep, fit_shape
 from hrm.profiling.timing import Timing, perf_counter_clock
 from hrm.progress import progress_bar
 from hrm.roofline.ops import gemm_shapes
+from hrm.rules.gemm_paths import host_paths
 from hrm.rules.host_memory import keep_freed_host_memory
 
 STORED_CPU_BANDWIDTH = "read"  # decode streams weights and KV cache: a read, not a copy
@@ -103,8 +104,13 @@ PRESETS = {
     ),
 }
 # the rate keys timed at the other GEMM shapes: the dtypes runs use on a CPU, each of the
-# executor's paths; float16 keeps the w1 curve at every shape
-SHAPE_SWEPT = (("float32", False), ("bfloat16", False), ("bfloat16", True))
+# executor's paths (packed where this CPU packs); float16 keeps the w1 curve at every shape
+SHAPE_SWEPT = (
+    ("float32", "native"),
+    ("bfloat16", "native"),
+    ("bfloat16", "widened"),
+    ("bfloat16", "packed"),
+)
 
 
 def measure_profile(
@@ -127,7 +133,7 @@ def measure_profile(
     load_before = os.getloadavg()[0]
     threads_before = torch.get_num_threads()
     torch.set_num_threads(facts.cores)
-    cpu_sweeps = len(_cpu_sweeps(plan))  # native, then the executor's widened path
+    cpu_sweeps = len(_cpu_sweeps(plan))  # native, then the executor's other paths
     ticks = len(plan.tokens_grid) * cpu_sweeps + len(cpu.BANDWIDTH_KINDS)
     ticks += len(plan.shape_tokens_grid) * len(_shape_sweeps(plan)) * len(_other_shapes(arch))
     if device == "cuda":
@@ -227,11 +233,11 @@ def _measure_cpu(
         tick=tick,
     )
     cache = facts.last_level_cache_bytes or 0.0
-    # both of the executor's paths (native, then widened for 16-bit weights), each streaming
-    # weights from memory: twice the last-level cache, within the sweep's memory share
+    # each of the executor's paths (native, then widened and packed for 16-bit weights), each
+    # streaming weights from memory: twice the last-level cache, within the sweep's memory share
     streamed = min(2 * cache, _MATMUL_MEMORY_FRACTION * available)
     sweep = partial(sweep, streamed_bytes=streamed)
-    sweeps = [sweep(dtype=dtype, widen=widen) for dtype, widen in _cpu_sweeps(plan)]
+    sweeps = [sweep(dtype=dtype, path=path) for dtype, path in _cpu_sweeps(plan)]
     shape_curves, shape_notes = _measure_gemm_shapes(
         plan,
         arch,
@@ -413,27 +419,28 @@ def _measure_gemm_shapes(
         done = [
             sweep(
                 dtype=dtype,
-                widen=widen,
+                path=path,
                 shape=shape,
                 tokens_grid=plan.shape_tokens_grid,
                 budget_s=plan.shape_budget_s,
             )
-            for dtype, widen in _shape_sweeps(plan)
+            for dtype, path in _shape_sweeps(plan)
         ]
         curves[key] = {s.dtype: s.curve() for s in done if s.points}
         notes["points_not_measured"] += [f"{key}: {s.stopped}" for s in done if s.stopped]
     return curves, notes
 
 
-def _cpu_sweeps(plan: SweepPlan) -> list[tuple[str, bool]]:
-    """(dtype, widened) of the CPU's GEMM sweeps: each dtype native, then the 16-bit ones along
-    the executor's widened path."""
-    native = [(d, False) for d in plan.cpu_dtypes]
-    return native + [(d, True) for d in HALF_DTYPES if d in plan.cpu_dtypes]
+def _cpu_sweeps(plan: SweepPlan) -> list[tuple[str, str]]:
+    """(dtype, path) of the CPU's GEMM sweeps: each dtype native, then the 16-bit ones along
+    the executor's widened path, and its packed one where this CPU packs that dtype."""
+    native = [(d, "native") for d in plan.cpu_dtypes]
+    half = [d for d in HALF_DTYPES if d in plan.cpu_dtypes]
+    return native + [(d, p) for p in ("widened", "packed") for d in half if p in host_paths(d)]
 
 
-def _shape_sweeps(plan: SweepPlan) -> list[tuple[str, bool]]:
-    return [(d, widen) for d, widen in SHAPE_SWEPT if d in plan.cpu_dtypes]
+def _shape_sweeps(plan: SweepPlan) -> list[tuple[str, str]]:
+    return [(d, path) for d, path in SHAPE_SWEPT if d in plan.cpu_dtypes and path in host_paths(d)]
 
 
 def _flops_fields(sweeps: list[MatmulSweep], device: str, warnings: list[str]) -> dict[str, Any]:

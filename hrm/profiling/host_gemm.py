@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from hrm.arch import ModelArch
+from hrm.errors import HrmError
 from hrm.hardware import HardwareProfile
 from hrm.hardware.parts import HALF_DTYPES, Curve
 from hrm.io import atomic_write_json
@@ -27,6 +28,7 @@ from hrm.profiling import cpu
 from hrm.profiling.matmul import GemmShape, sweep_matmul
 from hrm.profiling.timing import perf_counter_clock
 from hrm.rules.cpu_gemm import CpuGemmChoice, MeasuredRates, choose_cpu_gemm, has_choice_curves
+from hrm.rules.gemm_paths import host_paths, packing_missing
 from hrm.units import format_bytes
 
 PROBE_TOKENS = (1, 12, 16, 64, 256)
@@ -139,14 +141,15 @@ def _read_probe(path: Path) -> dict | None:
 
 
 def _probe(shape: GemmShape, dtype: str, weights: Sequence, budget_s: float) -> dict:
-    """Both paths of `dtype` timed over the model's experts: the curves and what was timed."""
+    """Each path this host runs `dtype` along, timed over the model's experts: the curves and
+    what was timed (packed: over packed copies of them, made before the clock starts)."""
     facts = cpu.host_facts()
     per_weight = shape.hidden * shape.intermediate * dtype_bytes(dtype)
     wanted = math.ceil(2 * (facts.last_level_cache_bytes or 0.0) / per_weight)
     rotated = list(weights[: max(1, wanted)])
     for w in rotated:  # page the weights in first: a page fault is not a GEMM's cost
         w.flatten()[:: max(1, 4096 // w.element_size())].sum()
-    widen = (False, True) if dtype in HALF_DTYPES else (False,)
+    paths = host_paths(dtype)
     started = time.perf_counter()
     sweeps = [
         sweep_matmul(
@@ -157,12 +160,12 @@ def _probe(shape: GemmShape, dtype: str, weights: Sequence, budget_s: float) -> 
             clock=perf_counter_clock,
             repeats=3,
             min_sample_s=0.005,
-            budget_s=budget_s / len(widen),
+            budget_s=budget_s / len(paths),
             tick=lambda: None,
-            widen=w,
+            path=path,
             weights=rotated,
         )
-        for w in widen
+        for path in paths
     ]
     elapsed = time.perf_counter() - started
     return {
@@ -203,9 +206,16 @@ def cpu_gemm_for_run(
     """The choice a CPU run takes: from `hardware` when it measured this host with the curves the
     choice needs, else from a probe over `weights` (the model's expert w1s); `warn` says once why
     the probe stood in."""
+    paths = host_paths(dtype)
+    if mode != "auto" and mode not in paths and dtype in HALF_DTYPES:
+        missing = packing_missing(dtype)
+        raise HrmError(f"--cpu-gemm {mode}: this CPU lacks {missing}; use auto, native or widened")
     reason = host_differs(hardware) if hardware is not None else "no --hardware profile"
-    if reason is None and not has_choice_curves(hardware.cpu, dtype):
-        reason = f"{hardware.name} lacks the {dtype} curves of both GEMM paths at 12 and 16 tokens"
+    if reason is None and not has_choice_curves(hardware.cpu, dtype, paths):
+        reason = (
+            f"{hardware.name} lacks the {dtype} curves at 12 and 16 tokens of the GEMM paths "
+            f"this host runs ({', '.join(paths)})"
+        )
     if reason is None:
         return choose_cpu_gemm(hardware.cpu, dtype, mode, source=f"profile {hardware.name}")
     choice = probe_cpu_gemm(arch, dtype, weights, mode=mode)

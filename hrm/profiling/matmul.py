@@ -5,10 +5,11 @@ executor runs it; T = tokens, H = hidden size, I = expert width). The weight kee
 size unless memory forbids: a scaled-down weight fits in the last-level cache and overstates the
 small-token (decode) rates, which are bound by reading the weight from memory.
 
-Both of the executor's CPU paths are timed (hrm.rules.gemm_paths): native, and for 16-bit dtypes the
-weight widened to float32 slice by slice (`widen=True`). Enough weight copies are rotated, on
-both paths alike, that they stream from memory as a model's many experts do, even when one
-matrix would fit in the cache.
+Each of the executor's CPU paths is timed (hrm.rules.gemm_paths): native, and for 16-bit dtypes
+the weight widened to float32 slice by slice (`path="widened"`) or packed once for oneDNN
+(`path="packed"`; the packing is done before the clock starts, as a run packs at load). Enough
+weight copies are rotated, on every path alike, that they stream from memory as a model's many
+experts do, even when one matrix would fit in the cache.
 """
 
 from __future__ import annotations
@@ -20,10 +21,16 @@ from dataclasses import dataclass
 from functools import partial
 
 from hrm.arch import ModelArch
-from hrm.hardware.parts import WIDENED_KEYS, Curve
+from hrm.hardware.parts import Curve, path_key
 from hrm.policy import FLOAT_DTYPES
 from hrm.profiling.timing import Clock, Timing, estimated_duration_s, time_calls
-from hrm.rules.gemm_paths import WIDEN_SLICE_ELEMENTS, native_linear, widened_linear
+from hrm.rules.gemm_paths import (
+    WIDEN_SLICE_ELEMENTS,
+    native_linear,
+    pack_weight,
+    packed_linear,
+    widened_linear,
+)
 
 SWEPT_DTYPES = FLOAT_DTYPES  # the GEMM sweep times every dtype weights are computed in
 _ALIGN = 64  # scaled sizes stay multiples of 64, as real layer sizes are
@@ -98,7 +105,7 @@ def sweep_matmul(
     min_sample_s: float,
     budget_s: float,
     tick: Callable[[], None],
-    widen: bool = False,
+    path: str = "native",
     streamed_bytes: float = 0.0,
     weights: list | None = None,
 ) -> MatmulSweep:
@@ -112,13 +119,14 @@ def sweep_matmul(
 
     The next point's call time is extrapolated linearly in tokens from the last one, which
     overestimates it (efficiency grows with tokens), and the later rounds' samples of the points
-    already taken are counted in, so the budget holds. `tick` is called once
-    per grid point, measured or not, to drive the progress bar. Both paths run the executor's
-    own functions (hrm.rules.gemm_paths), unpadded: native (reported as `dtype`) or, with widen, the
-    widened path of a 16-bit dtype (reported as `<dtype>_widened`). Each call takes the next of
-    enough weight copies to stream at least `streamed_bytes` (twice the last-level cache, say)
-    from memory, as a model's many experts do; or rotates the given `weights` (each [I, H] in
-    `dtype`: a model's own experts).
+    already taken are counted in, so the budget holds. `tick` is called once per grid point,
+    measured or not, to drive the progress bar. Every path runs the executor's own functions
+    (hrm.rules.gemm_paths), unpadded: native (reported as `dtype`), or a 16-bit dtype's widened
+    or packed path (reported as `<dtype>_widened`, `<dtype>_packed`; packed reorders the weights
+    before the first sample, as a run does at load). Each call takes the next of enough weight
+    copies to stream at least `streamed_bytes` (twice the last-level cache, say) from memory, as
+    a model's many experts do; or rotates the given `weights` (each [I, H] in `dtype`: a model's
+    own experts).
     """
     import torch
 
@@ -127,8 +135,9 @@ def sweep_matmul(
     if weights is None:
         weights = rotating_weights(shape, on, streamed_bytes)  # each [I, H]
     inputs = torch.randn(max(tokens_grid), shape.hidden, **on)  # [T, H]
-    scratch = torch.empty(WIDEN_SLICE_ELEMENTS, dtype=torch.float32) if widen else None
-    label = WIDENED_KEYS[dtype] if widen else dtype
+    scratch = torch.empty(WIDEN_SLICE_ELEMENTS, dtype=torch.float32) if path == "widened" else None
+    label = path_key(dtype, path)
+    weights = [pack_weight(w) for w in weights] if path == "packed" else weights
     taken: dict[int, tuple[Callable[[], object], Timing]] = {}  # tokens -> (GEMM, first sample)
     owed_s = 0.0  # what the later rounds will spend on the points taken so far
     stopped = None
@@ -147,7 +156,7 @@ def sweep_matmul(
                     f"about {predicted_s:.0f} s more, past the {budget_s:.0f} s budget"
                 )
         if stopped is None:
-            gemm = partial(_rotating_gemm, inputs[:tokens], weights, scratch, [0])
+            gemm = partial(_rotating_gemm, inputs[:tokens], weights, path, scratch, [0])
             try:
                 first = time_calls(gemm, clock=clock, repeats=1, min_sample_s=min_sample_s)
                 taken[tokens] = (gemm, first)
@@ -180,9 +189,11 @@ def rotating_weights(shape: GemmShape, on: dict, streamed_bytes: float) -> list:
     return [weight] + [weight.clone() for _ in range(copies - 1)]
 
 
-def _rotating_gemm(x, weights: list, scratch, turn: list[int]):
-    """The executor's GEMM (hrm.rules.gemm_paths) on the next of `weights`: widened when given a
-    scratch buffer, else native."""
+def _rotating_gemm(x, weights: list, path: str, scratch, turn: list[int]):
+    """The executor's GEMM (hrm.rules.gemm_paths) along `path` on the next of `weights`
+    (widened: into the scratch buffer; packed: weights already packed)."""
     w = weights[turn[0] % len(weights)]
     turn[0] += 1
-    return native_linear(x, w) if scratch is None else widened_linear(x, w, scratch)
+    if path == "widened":
+        return widened_linear(x, w, scratch)
+    return packed_linear(x, w) if path == "packed" else native_linear(x, w)

@@ -1,10 +1,14 @@
 """Which GEMM path the CPU takes, per dtype and token count: chosen once, used by both sides.
 
-A 16-bit GEMM on a CPU runs `native` (torch in bf16/fp16) or `widened` (float32 after converting
-the weight slice by slice; hrm.rules.gemm_paths). On an AVX2 EPYC widened was 4-8x faster; on a
-Sapphire Rapids with AMX-BF16 native was 2-10x faster. Which wins also moves with the token
-count, so the choice is made per token bucket from measured curves: the profile's `<dtype>` and
-`<dtype>_widened` matmul curves, or the executor's short probe at the model's shapes. The
+A 16-bit GEMM on a CPU runs `native` (torch in bf16/fp16), `widened` (float32 after converting
+the weight slice by slice) or `packed` (oneDNN over weights reordered once, at load;
+hrm.rules.gemm_paths). On an AVX2 EPYC widened was 4-8x faster than native; on a Sapphire Rapids
+with AMX-BF16 native was 2-10x faster than widened, and packed 1.3-1.6x faster than native at
+decode's rows. Which of native and widened wins also moves with the token count, so that choice
+is made per token bucket from measured curves: the profile's `<dtype>`, `<dtype>_widened` and
+`<dtype>_packed` matmul curves, or the executor's short probe at the model's shapes. Packed is
+all or nothing (a packed weight serves no other path): it is taken at every token count when,
+over the curves' grid, it saves NOISE_FLOOR of the time of the best mix of the other two. The
 executor runs `path_at(tokens)`; the planner prices exactly that path with `gemm_flops_per_s`.
 A path pads its rows (hrm.rules.gemm_paths.padded_tokens) where its measured time at 16 rows is
 clearly below its time at 12: the dip of sgemm at 9-15 rows on AVX2. Below SMALL_PAD_LIMIT rows
@@ -24,11 +28,11 @@ from typing import Any, Protocol
 import numpy as np
 
 from hrm.errors import HrmError
-from hrm.hardware.parts import HALF_DTYPES, WIDENED_KEYS, Curve, gemm_shape_key
+from hrm.hardware.parts import HALF_DTYPES, Curve, gemm_shape_key, path_key
 from hrm.rules.gemm_paths import TOKEN_PAD, padded_tokens
 from hrm.schema import check_keys
 
-PATHS = ("native", "widened")
+PATHS = ("native", "widened", "packed")
 MODES = ("auto", *PATHS)
 PAD_CHECK_TOKENS = (12, 16)  # padding pays when 16 rows take less time than 12
 SMALL_PAD_LIMIT = 8  # up to this many rows, a GEMM may pad to a larger measured row count
@@ -60,11 +64,14 @@ class MeasuredRates:
 
 def rate_key(rates: GemmRates, dtype: str, path: str) -> str:
     """The profile key of a path's rates: the dtype itself when native; `<dtype>_widened` when
-    widened, or float32 where the profile has no widened rate (the widened GEMM is an fp32 one)."""
+    widened, or float32 where the profile has no widened rate (the widened GEMM is an fp32 one);
+    `<dtype>_packed` when packed, or the native rate where the profile has no packed one."""
     if path == "native":
         return dtype
-    key = WIDENED_KEYS[dtype]
-    return key if key in rates.peak_flops_per_s else "float32"
+    key = path_key(dtype, path)
+    if key in rates.peak_flops_per_s:
+        return key
+    return "float32" if path == "widened" else dtype
 
 
 def rate_at(
@@ -98,9 +105,11 @@ def pays_to_pad(curve: Curve | None) -> bool:
     return padded / rates[padded] < (1 - NOISE_FLOOR) * small / rates[small]
 
 
-def has_choice_curves(rates: GemmRates, dtype: str) -> bool:
-    """Whether the curves hold what the choice needs: each path's curve with the padding points."""
-    keys = [dtype] + ([WIDENED_KEYS[dtype]] if dtype in HALF_DTYPES else [])
+def has_choice_curves(rates: GemmRates, dtype: str, paths: tuple[str, ...] = ()) -> bool:
+    """Whether the curves hold what the choice needs: each path's curve with the padding points
+    (native and widened for a 16-bit dtype, and `paths` besides: what the host also runs)."""
+    half = ("widened", *paths) if dtype in HALF_DTYPES else ()
+    keys = [dtype] + [path_key(dtype, path) for path in dict.fromkeys(half) if path != "native"]
     return all(
         key in rates.matmul_curves
         and set(PAD_CHECK_TOKENS) <= {x for x, _ in rates.matmul_curves[key].points}
@@ -123,8 +132,7 @@ class CpuGemmChoice:
     _memo: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def path_at(self, tokens: float) -> str:
-        starts = [start for start, _ in self.buckets]
-        return self.buckets[bisect.bisect_right(starts, tokens) - 1][1]
+        return _path_of(self.buckets, tokens)
 
     def pads(self, path: str) -> bool:
         return path in self.padded
@@ -193,8 +201,9 @@ def choose_cpu_gemm(
     rates: GemmRates, dtype: str, mode: str = "auto", *, source: str = "profile"
 ) -> CpuGemmChoice:
     """The fastest path at each token count of the curves' grid, from `rates` (native unless
-    another saves NOISE_FLOOR of its time); mode native or widened forces one path (padding still
-    as measured). Float32 has one path, native."""
+    another saves NOISE_FLOOR of its time; packed at every count or none, and only where the
+    rates hold its curve); mode native, widened or packed forces one path (padding still as
+    measured). Float32 has one path, native."""
     if mode not in MODES:
         raise HrmError(f"--cpu-gemm: unknown path {mode!r}; use one of {', '.join(MODES)}")
     paths = PATHS if dtype in HALF_DTYPES else ("native",)
@@ -220,6 +229,21 @@ def choose_cpu_gemm(
 
     curves = [rates.matmul_curves[k] for k in keys.values() if k in rates.matmul_curves]
     grid = sorted({x for curve in curves for x, _ in curve.points}) or [1.0]
+    buckets = _mixed_buckets(grid, [p for p in paths if p != "packed"], seconds_per_row)
+    if "packed" in paths and path_key(dtype, "packed") in rates.matmul_curves:
+        mixed = sum(seconds_per_row(_path_of(buckets, t), t) for t in grid)
+        if sum(seconds_per_row("packed", t) for t in grid) < (1 - NOISE_FLOOR) * mixed:
+            buckets = [(0.0, "packed")]
+    taken = {path for _, path in buckets}
+    small = {path: pads for path, pads in small.items() if path in taken}
+    return CpuGemmChoice(
+        dtype=dtype, buckets=tuple(buckets), padded=padded, small_pads=small, source=source
+    )
+
+
+def _mixed_buckets(grid, paths, seconds_per_row) -> list[tuple[float, str]]:
+    """The fastest of `paths` at each grid point (native unless another saves NOISE_FLOOR of its
+    time), as buckets that each start half way (in log tokens) from the previous point."""
     buckets: list[tuple[float, str]] = []
     for i, tokens in enumerate(grid):
         native = seconds_per_row("native", tokens)
@@ -227,14 +251,14 @@ def choose_cpu_gemm(
         if seconds_per_row(best, tokens) > (1 - NOISE_FLOOR) * native:
             best = "native"  # within noise of native: the plain path
         if not buckets or buckets[-1][1] != best:
-            # a bucket starts half way (in log tokens) from the previous grid point
             start = 0.0 if i == 0 else math.sqrt(grid[i - 1] * tokens)
             buckets.append((start, best))
-    taken = {path for _, path in buckets}
-    small = {path: pads for path, pads in small.items() if path in taken}
-    return CpuGemmChoice(
-        dtype=dtype, buckets=tuple(buckets), padded=padded, small_pads=small, source=source
-    )
+    return buckets
+
+
+def _path_of(buckets, tokens: float) -> str:
+    """The path of the bucket `tokens` falls in."""
+    return buckets[bisect.bisect_right([start for start, _ in buckets], tokens) - 1][1]
 
 
 def small_row_pads(curve: Curve | None) -> dict[int, int]:

@@ -1,8 +1,11 @@
-"""The CPU's two GEMM paths for a weight: native, and widened to float32 slice by slice.
+"""The CPU's three GEMM paths for a weight: native, widened to float32 slice by slice, and packed.
 
 `native` is torch's own GEMM in the weight's dtype: fast on CPUs with 16-bit matrix units (AMX,
 AVX-512 BF16/FP16), 4-8x slower than float32 on CPUs without them (AVX2). `widened` converts a
 16-bit weight to float32 one cache-sized slice at a time and multiplies each slice at once.
+`packed` is oneDNN's GEMM over a weight reordered once, at load, into the blocked layout its AMX
+and AVX-512 kernels read (torch's own mkldnn ops, as inductor's freezing uses them): native
+reorders the weight on every call, which at decode's few rows costs as much as the GEMM.
 Which one a run takes is chosen in hrm.rules.cpu_gemm from measured curves; the executor runs these
 functions and `hrm profile` times these very functions, so the profile's rates are the
 executor's. Either may run at more rows than it has, zero-padded (`rows`), where hrm.rules.cpu_gemm
@@ -23,6 +26,51 @@ TOKEN_PAD = 16
 def padded_tokens(tokens: float) -> float:
     """The rows a padded GEMM runs at: tokens up to 8, else the next multiple of TOKEN_PAD."""
     return tokens if tokens <= 8 else -(-tokens // TOKEN_PAD) * TOKEN_PAD
+
+
+# The row count oneDNN is told to expect when a weight is packed: its layout then suits decode's
+# micro-batches (measured on an AMX Xeon: a hint of 16 ran 1-256 rows as fast as each row count's
+# own hint; docs/decisions.md, 2026-12-06).
+PACK_ROWS_HINT = 16
+
+
+def packing_missing(dtype: str) -> str | None:
+    """What this CPU lacks for the packed path in `dtype` (None: it has it): oneDNN's kernels
+    of that dtype."""
+    import torch
+
+    if dtype == "bfloat16" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return "oneDNN's bfloat16 kernels, which need AVX-512 (AVX512-BF16 or AMX-BF16 for speed)"
+    if dtype == "float16" and not torch.ops.mkldnn._is_mkldnn_fp16_supported():
+        return "oneDNN's float16 kernels, which need AVX512-FP16 or AMX-FP16"
+    if dtype not in ("bfloat16", "float16"):
+        return f"a packed path for {dtype} (16-bit weights only)"
+    return None
+
+
+def host_paths(dtype: str) -> tuple[str, ...]:
+    """The paths this CPU runs `dtype` along: native; widened and, where oneDNN has the
+    dtype's kernels here, packed for 16-bit dtypes."""
+    if dtype not in ("bfloat16", "float16"):
+        return ("native",)
+    return ("native", "widened") + (("packed",) if packing_missing(dtype) is None else ())
+
+
+def pack_weight(w):
+    """w [out, in] reordered for oneDNN (an opaque mkldnn tensor of the same shape and dtype)."""
+    import torch
+
+    return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_ROWS_HINT)
+
+
+def packed_linear(x, w, *, rows: int | None = None):
+    """x [T, in] @ w.T for a packed w (pack_weight), run at `rows` rows; the result in x's
+    dtype."""
+    import torch
+
+    tokens = x.shape[0]
+    out = torch.ops.mkldnn._linear_pointwise(_rows(x, w.dtype, rows), w, None, "none", [], "")
+    return out[:tokens].to(x.dtype)
 
 
 def _rows(x, dtype, rows: int | None):

@@ -16,12 +16,13 @@ from executor.model import MoEModel
 from hrm.hardware import HardwareProfile, resolve_hardware
 from hrm.profiling import cpu
 from hrm.rules.cpu_gemm import CpuGemmChoice, choose_cpu_gemm
+from hrm.rules.gemm_paths import packing_missing
 from hrm.workload import Workload
 from planner.layer_seconds import micro_batch_seconds
 from planner.setting import Setting
 from tests.conftest import assert_one_line_error, record_flags
 from tests.executor.conftest import ragged_prompts
-from tests.gemm_curves import AMX, AVX2, MIXED, scaled
+from tests.gemm_curves import AMX, AMX_PACKED, AVX2, MIXED, scaled
 
 ARGS = ["--prompt-len", "5", "--batch", "3", "--gen-len", "3", "--ignore-eos", "--quiet"]
 
@@ -68,7 +69,7 @@ def test_a_cpu_of_the_same_name_and_flags_with_another_cache_is_another_host(mon
 def record_paths(monkeypatch) -> list[tuple[str, int]]:
     """(path, tokens) of every GEMM the executor runs from now on."""
     calls: list[tuple[str, int]] = []
-    for path in ("native", "widened"):
+    for path in ("native", "widened", "packed"):
         inner = getattr(executor.model, f"{path}_linear")
 
         def recorder(x, *args, _inner=inner, _path=path, **kwargs):
@@ -79,7 +80,16 @@ def record_paths(monkeypatch) -> list[tuple[str, int]]:
     return calls
 
 
-@pytest.mark.parametrize("curves", [AVX2, AMX, MIXED], ids=["avx2", "amx", "mixed"])
+CAN_PACK = pytest.mark.skipif(
+    packing_missing("bfloat16") is not None, reason="this CPU has no oneDNN bf16 kernels"
+)
+
+
+@pytest.mark.parametrize(
+    "curves",
+    [AVX2, AMX, MIXED, pytest.param(AMX_PACKED, marks=CAN_PACK)],
+    ids=["avx2", "amx", "mixed", "amx-packed"],
+)
 def test_the_executor_runs_the_path_the_planner_prices(checkpoints, monkeypatch, curves):
     profile = profile_with(curves)
     path = checkpoints["mixtral-single"]
@@ -134,7 +144,7 @@ def run_record(run_cli, checkpoint, *extra) -> tuple[dict, str]:
     return json.loads(stdout), stderr
 
 
-@pytest.mark.parametrize("path", ["native", "widened"])
+@pytest.mark.parametrize("path", ["native", "widened", pytest.param("packed", marks=CAN_PACK)])
 def test_a_forced_path_is_the_one_that_ran_and_is_recorded(run_cli, checkpoints, path):
     record, _ = run_record(
         run_cli, checkpoints["mixtral-fused"], "--dtype", "bfloat16", "--cpu-gemm", path
@@ -144,12 +154,57 @@ def test_a_forced_path_is_the_one_that_ran_and_is_recorded(run_cli, checkpoints,
     assert set(ran["calls"]) == {path} and ran["calls"][path] > 0
 
 
+@CAN_PACK
+def test_packed_weights_are_packed_once_and_a_store_s_pages_run_native(checkpoints):
+    """The model packs what it holds at load; a weight it is handed unpacked (a store's page)
+    runs native, and the record counts it there."""
+    import torch
+
+    choice = CpuGemmChoice(dtype="bfloat16", buckets=((0.0, "packed"),), source="test")
+    checkpoint = open_checkpoint(checkpoints["mixtral-single"], "bfloat16")
+    model = MoEModel(checkpoint, choice)
+    layer = model.weights.layers[0]
+    assert layer.wq.is_mkldnn and layer.experts[0].w2.is_mkldnn and layer.router.is_mkldnn
+    assert not checkpoint.weights.layers[0].wq.is_mkldnn  # the checkpoint's own stay
+    x = torch.randn(3, checkpoint.arch.hidden_size, dtype=torch.bfloat16)
+    assert torch.equal(model.linear(x, layer.wq), model.linear(x, checkpoint.weights.layers[0].wq))
+    assert dict(model.gemm_calls) == {"packed": 1, "native": 1}
+    held = MoEModel(checkpoint, choice, packs=False)
+    assert not held.weights.layers[0].wq.is_mkldnn
+
+
+def test_a_packed_path_this_cpu_cannot_run_is_refused_naming_what_it_lacks(
+    run_cli, checkpoints, monkeypatch, tmp_path
+):
+    from hrm.profiling import host_gemm
+    from hrm.rules import gemm_paths
+
+    lacks = "oneDNN's bfloat16 kernels, which need AVX-512 (AVX512-BF16 or AMX-BF16 for speed)"
+    for module in (gemm_paths, host_gemm):
+        monkeypatch.setattr(module, "packing_missing", lambda dtype: lacks)
+    answers = tmp_path / "a.jsonl"
+    status, out, err = run_cli(
+        "run", "--checkpoint", checkpoints["mixtral-fused"], *ARGS, "--dtype", "bfloat16",
+        "--cpu-gemm", "packed", "--output", answers,
+    )  # fmt: skip
+    assert_one_line_error(status, err, "--cpu-gemm packed: this CPU lacks oneDNN's bfloat16")
+    assert out == "" and not answers.exists() and list(tmp_path.iterdir()) == []
+
+
 def test_a_profile_of_this_host_decides_and_none_other_does(run_cli, checkpoints, tmp_path):
     checkpoint = checkpoints["mixtral-fused"]
-    mine = profile_with(MIXED).save(tmp_path / "mine.yaml")
+    packs = packing_missing("bfloat16") is None
+    # a host that packs needs the packed curve in its profile (here slower: the choice is mixed)
+    curves = {**MIXED, "bfloat16_packed": scaled(MIXED["bfloat16"], 0.5)} if packs else MIXED
+    mine = profile_with(curves).save(tmp_path / "mine.yaml")
     record, stderr = run_record(run_cli, checkpoint, "--dtype", "bfloat16", "--hardware", mine)
     assert record["environment"]["cpu_gemm"]["source"] == "profile synthetic"
     assert "probe" not in stderr
+    if packs:  # one taken before the packed path was measured yields to the probe
+        stale = profile_with(MIXED).save(tmp_path / "stale.yaml")
+        record, stderr = run_record(run_cli, checkpoint, "--dtype", "bfloat16", "--hardware", stale)
+        assert record["environment"]["cpu_gemm"]["source"].startswith("probe")
+        assert "of the GEMM paths this host runs (native, widened, packed)" in stderr
     theirs = profile_with(MIXED, this_host=False).save(tmp_path / "theirs.yaml")
     record, stderr = run_record(run_cli, checkpoint, "--dtype", "bfloat16", "--hardware", theirs)
     # the probe times the model's own experts (2 layers x 4), no weights of its own

@@ -14,6 +14,7 @@ from executor.checkpoint import open_checkpoint
 from executor.generate import generate
 from executor.model import MoEModel
 from hrm.rules.cpu_gemm import CpuGemmChoice
+from hrm.rules.gemm_paths import packing_missing
 from tests.executor.conftest import ragged_prompts, reference_model
 
 LENGTHS = (5, 12, 1, 9, 12, 3)
@@ -78,6 +79,12 @@ def run_executor(path, prompts, dtype="float32", steps=STEPS, cpu_gemm=None):
     return generate(model, prompts, steps, keep_logits=True)
 
 
+def can_pack(dtype: str, path: str):
+    """The packed path skips where this CPU has no oneDNN kernels of `dtype`."""
+    missing = packing_missing(dtype) if path == "packed" else None
+    return pytest.mark.skipif(missing is not None, reason=f"this CPU lacks {missing}")
+
+
 def forced(dtype: str, path: str, padded: bool) -> CpuGemmChoice:
     """Every CPU GEMM along one path, padded or not."""
     return CpuGemmChoice(
@@ -132,7 +139,19 @@ def test_layouts_load_the_same_weights(checkpoints, names):
             for gemm, padded in (("native", False), ("widened", True))
         ),
         *(
-            (name, "bfloat16", "native", False)
+            pytest.param(name, dtype, "packed", False, marks=can_pack(dtype, "packed"))
+            for name in ("mixtral-single", "dbrx")
+            for dtype in ("bfloat16", "float16")
+        ),
+        *(
+            pytest.param(
+                name,
+                "bfloat16",
+                gemm,
+                False,
+                marks=can_pack("bfloat16") if gemm == "packed" else (),
+            )
+            for gemm in ("native", "packed")
             for name in (
                 "qwen2_moe",
                 "qwen3_moe",
