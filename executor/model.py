@@ -51,6 +51,7 @@ class MoEModel:
         reduce=None,
         gather=None,
         packs: bool = True,
+        take_over: bool = False,
     ):
         """kv_format: a compact format its KV caches store (hrm/formats.py; None: the model's
         dtype). device: where the layers run (default: where the checkpoint's weights are; a placed
@@ -60,7 +61,9 @@ class MoEModel:
         tensor-parallel group of a rank's partial outputs, gather: its ranks' logits side by side
         (executor/tensor_parallel.py; None: one rank). packs: where the CPU GEMM path is packed,
         pack the weights held here once (executor/packed_weights.py); False where a store hands
-        the layers over, whose pages then run native."""
+        the layers over, whose pages then run native. take_over: the checkpoint's weights are
+        released as they are packed (loaded for this model only; the caller must not read them
+        again)."""
         keep_freed_host_memory()  # large temporaries reuse freed memory, not fresh pages
         self.arch = checkpoint.arch
         self.kv_format = kv_format
@@ -88,7 +91,9 @@ class MoEModel:
         self.cpu_gemm = cpu_gemm
         if packs and cpu_gemm is not None and "packed" in cpu_gemm.paths:
             router_linear = self.arch.routing not in ("sigmoid_groups", "softmax_groups")
-            self.weights = packed_weights(self.weights, router_linear=router_linear)
+            self.weights = packed_weights(
+                self.weights, router_linear=router_linear, take_over=take_over
+            )
         self.reduce = reduce if reduce is not None else (lambda t: t)
         self.gather = gather if gather is not None else (lambda t: t)
         self.gemm_calls: Counter[str] = Counter()  # GEMMs run per path: what the record reports

@@ -5,38 +5,82 @@ layout, so that no GEMM reorders its weight again: native bf16 reorders on every
 decode's few rows costs as much as the GEMM itself. What is read another way stays as it is: the
 embedding (rows looked up), a tied LM head (the embedding itself), the router where it runs in
 float32 (grouped routing), DeepSeek's latent up-projection (split per head), norms and biases.
-The packed copies replace the model's references; the checkpoint's own stay with the caller.
+The packed copies replace the model's references. The checkpoint's own stay with the caller, or,
+taken over (a checkpoint loaded for this run only), each storage is released as soon as the last
+matrix in it is packed, so that the host never holds the model twice.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 
-from executor.checkpoint import ExpertWeights, LayerWeights, ModelWeights
+from executor.checkpoint import LayerWeights, ModelWeights
+from executor.pinning import release_host_tensor
 from hrm.rules.gemm_paths import pack_weight
 
 # the LayerWeights matrices that go through MoEModel.linear (the router too, unless grouped)
 _LINEAR = ("wq", "wk", "wv", "wo", "shared_w1", "shared_w3", "shared_w2", "shared_gate",
            "wq_a", "wkv_a")  # fmt: skip
+_EXPERT = ("w1", "w3", "w2")
 
 
-def packed_weights(weights: ModelWeights, *, router_linear: bool) -> ModelWeights:
+def packed_weights(
+    weights: ModelWeights, *, router_linear: bool, take_over: bool = False
+) -> ModelWeights:
     """`weights` with each matrix MoEModel.linear multiplies by packed (router_linear: the
-    router is one of them; grouped routers run in float32 on their own)."""
-    tied = weights.lm_head is weights.embed
-    return dataclasses.replace(
-        weights,
-        layers=tuple(_packed_layer(w, router_linear) for w in weights.layers),
-        lm_head=weights.lm_head if tied else pack_weight(weights.lm_head),
-    )
-
-
-def _packed_layer(w: LayerWeights, router_linear: bool) -> LayerWeights:
+    router is one of them; grouped routers run in float32 on their own); take_over: each
+    original storage released once the last matrix in it is packed (the caller must not read
+    them again; one that a tensor left as it is shares is kept)."""
     names = _LINEAR + (("router",) if router_linear else ())
-    packed = {name: pack_weight(getattr(w, name)) for name in names if getattr(w, name) is not None}
-    experts = tuple(_packed_expert(e) for e in w.experts)
-    return dataclasses.replace(w, experts=experts, **packed)
+    tied = weights.lm_head is weights.embed
+    originals = [t for w in weights.layers for t in _matrices(w, names)]
+    originals += [] if tied else [weights.lm_head]
+    packer = _Packer(originals, kept=_left(weights, names), take_over=take_over)
+    layers = []
+    for w in weights.layers:
+        packed = {n: packer.pack(getattr(w, n)) for n in names if getattr(w, n) is not None}
+        experts = tuple(
+            dataclasses.replace(e, **{n: packer.pack(getattr(e, n)) for n in _EXPERT})
+            for e in w.experts
+        )
+        layers.append(dataclasses.replace(w, experts=experts, **packed))
+    lm_head = weights.lm_head if tied else packer.pack(weights.lm_head)
+    return dataclasses.replace(weights, layers=tuple(layers), lm_head=lm_head)
 
 
-def _packed_expert(e: ExpertWeights) -> ExpertWeights:
-    return dataclasses.replace(e, w1=pack_weight(e.w1), w3=pack_weight(e.w3), w2=pack_weight(e.w2))
+class _Packer:
+    """Packs matrices one by one, releasing a storage when its last matrix is packed."""
+
+    def __init__(self, originals: list, kept: list, take_over: bool):
+        self.pending = Counter(_storage(t) for t in originals) if take_over else Counter()
+        self.kept = {_storage(t) for t in kept}
+
+    def pack(self, t):
+        packed = pack_weight(t)
+        key = _storage(t)
+        if key in self.pending:
+            self.pending[key] -= 1
+            if self.pending[key] == 0 and key not in self.kept:
+                release_host_tensor(t)
+        return packed
+
+
+def _storage(t) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _matrices(w: LayerWeights, names: tuple[str, ...]) -> list:
+    dense = [getattr(w, n) for n in names if getattr(w, n) is not None]
+    return dense + [getattr(e, n) for e in w.experts for n in _EXPERT]
+
+
+def _left(weights: ModelWeights, names: tuple[str, ...]) -> list:
+    """The tensors read as they are (embedding, norms, biases, a grouped router...)."""
+    left = [weights.embed, weights.final_norm]
+    for w in weights.layers:
+        packed = {id(t) for t in _matrices(w, names)}
+        tensors = [getattr(w, f.name) for f in dataclasses.fields(w) if f.name != "experts"]
+        tensors += [getattr(e, f.name) for e in w.experts for f in dataclasses.fields(e)]
+        left += [t for t in tensors if t is not None and id(t) not in packed]
+    return left

@@ -358,7 +358,7 @@ def placed_runtime(
     kv_format = policy.kv_dtype if is_compact(policy.kv_dtype) else None
     model = MoEModel(
         checkpoint, cpu_gemm, device=device if policy.ffn_on_gpu else None, kv_format=kv_format,
-        reduce=collectives[0], gather=collectives[1], packs=not streams,
+        reduce=collectives[0], gather=collectives[1], packs=not streams, take_over=take_over,
     )  # fmt: skip
     store = None
     if streams:

@@ -173,6 +173,29 @@ def test_packed_weights_are_packed_once_and_a_store_s_pages_run_native(checkpoin
     assert not held.weights.layers[0].wq.is_mkldnn
 
 
+@CAN_PACK
+def test_a_taken_over_checkpoint_is_released_as_it_is_packed_but_what_is_read_stays():
+    """Each original storage goes once its last matrix is packed; the embedding stays, even
+    where the LM head is a view of it (a tensor-parallel rank's share of a tied head)."""
+    import torch
+
+    from executor.checkpoint import random_checkpoint
+    from executor.packed_weights import packed_weights
+    from hrm.arch import resolve_model
+
+    arch = dataclasses.replace(resolve_model("mixtral-8x7b"), hidden_size=64,
+                               intermediate_size=96, num_layers=2, vocab_size=128)  # fmt: skip
+    weights = random_checkpoint(arch, "bfloat16").weights
+    weights = dataclasses.replace(weights, lm_head=weights.embed[:64])  # a view, not the tensor
+    embed = weights.embed.clone()
+    norm = weights.layers[0].attn_norm
+    packed = packed_weights(weights, router_linear=True, take_over=True)
+    assert weights.layers[1].experts[3].w2.untyped_storage().nbytes() == 0  # released
+    assert weights.layers[0].wq.untyped_storage().nbytes() == 0
+    assert torch.equal(weights.embed, embed) and packed.layers[0].attn_norm is norm
+    assert packed.lm_head.is_mkldnn and packed.layers[1].experts[3].w2.is_mkldnn
+
+
 def test_a_packed_path_this_cpu_cannot_run_is_refused_naming_what_it_lacks(
     run_cli, checkpoints, monkeypatch, tmp_path
 ):
