@@ -144,13 +144,7 @@ def test_layouts_load_the_same_weights(checkpoints, names):
             for dtype in ("bfloat16", "float16")
         ),
         *(
-            pytest.param(
-                name,
-                "bfloat16",
-                gemm,
-                False,
-                marks=can_pack("bfloat16") if gemm == "packed" else (),
-            )
+            pytest.param(name, "bfloat16", gemm, False, marks=can_pack("bfloat16", gemm))
             for gemm in ("native", "packed")
             for name in (
                 "qwen2_moe",
