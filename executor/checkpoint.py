@@ -35,7 +35,9 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"
 @dataclass(frozen=True, kw_only=True)
 class ExpertWeights:
     w1: torch.Tensor  # [I, H] gate projection
-    w3: torch.Tensor  # [I, H] up projection
+    # [I, H] up projection; None where w1 holds gate and up stacked, [2I, H]: a packed model's
+    # (executor/packed_weights.py), one GEMM for both
+    w3: torch.Tensor | None
     w2: torch.Tensor  # [H, I] down projection
     b1: torch.Tensor | None = None  # [I] biases of the three (gpt-oss)
     b3: torch.Tensor | None = None  # [I]

@@ -333,7 +333,10 @@ class MoEModel:
 
     def expert(self, ex, x: torch.Tensor) -> torch.Tensor:
         """One expert's MLP on its rows: SwiGLU, or gpt-oss's clamped GLU with biases."""
-        gate, up = self.linear(x, ex.w1), self.linear(x, ex.w3)
+        if ex.w3 is None:  # gate and up stacked in one packed weight
+            gate, up = self.linear(x, ex.w1).chunk(2, dim=-1)
+        else:
+            gate, up = self.linear(x, ex.w1), self.linear(x, ex.w3)
         if ex.b1 is not None:
             gate, up = gate + ex.b1, up + ex.b3
         limit = self.arch.swiglu_limit

@@ -2,18 +2,22 @@
 
 Every matrix that MoEModel.linear multiplies by is reordered at load into oneDNN's blocked
 layout, so that no GEMM reorders its weight again: native bf16 reorders on every call, which at
-decode's few rows costs as much as the GEMM itself. What is read another way stays as it is: the
-embedding (rows looked up), a tied LM head (the embedding itself), the router where it runs in
-float32 (grouped routing), DeepSeek's latent up-projection (split per head), norms and biases.
-The packed copies replace the model's references. The checkpoint's own stay with the caller, or,
-taken over (a checkpoint loaded for this run only), each storage is released as soon as the last
-matrix in it is packed, so that the host never holds the model twice.
+decode's few rows costs as much as the GEMM itself. An expert's gate and up projections are
+stacked into one matrix, [2I, H], so that one GEMM computes both (ExpertWeights.w3 is None).
+What is read another way stays as it is: the embedding (rows looked up), a tied LM head (the
+embedding itself), the router where it runs in float32 (grouped routing), DeepSeek's latent
+up-projection (split per head), norms and biases. The packed copies replace the model's
+references. The checkpoint's own stay with the caller, or, taken over (a checkpoint loaded for
+this run only), each storage is released as soon as the last matrix in it is packed, so that
+the host never holds the model twice.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections import Counter
+
+import torch
 
 from executor.checkpoint import LayerWeights, ModelWeights
 from executor.pinning import release_host_tensor
@@ -41,7 +45,7 @@ def packed_weights(
     for w in weights.layers:
         packed = {n: packer.pack(getattr(w, n)) for n in names if getattr(w, n) is not None}
         experts = tuple(
-            dataclasses.replace(e, **{n: packer.pack(getattr(e, n)) for n in _EXPERT})
+            dataclasses.replace(e, w1=packer.pack(e.w1, e.w3), w3=None, w2=packer.pack(e.w2))
             for e in w.experts
         )
         layers.append(dataclasses.replace(w, experts=experts, **packed))
@@ -56,13 +60,15 @@ class _Packer:
         self.pending = Counter(_storage(t) for t in originals) if take_over else Counter()
         self.kept = {_storage(t) for t in kept}
 
-    def pack(self, t):
-        packed = pack_weight(t)
-        key = _storage(t)
-        if key in self.pending:
-            self.pending[key] -= 1
-            if self.pending[key] == 0 and key not in self.kept:
-                release_host_tensor(t)
+    def pack(self, *tensors):
+        """The tensors stacked (by rows) and packed as one matrix."""
+        packed = pack_weight(tensors[0] if len(tensors) == 1 else torch.cat(tensors))
+        for t in tensors:
+            key = _storage(t)
+            if key in self.pending:
+                self.pending[key] -= 1
+                if self.pending[key] == 0 and key not in self.kept:
+                    release_host_tensor(t)
         return packed
 
 

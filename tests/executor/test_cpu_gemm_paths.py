@@ -165,6 +165,9 @@ def test_packed_weights_are_packed_once_and_a_store_s_pages_run_native(checkpoin
     model = MoEModel(checkpoint, choice)
     layer = model.weights.layers[0]
     assert layer.wq.is_mkldnn and layer.experts[0].w2.is_mkldnn and layer.router.is_mkldnn
+    # gate and up stacked: one GEMM for both
+    expert, original = layer.experts[0], checkpoint.weights.layers[0].experts[0]
+    assert expert.w3 is None and expert.w1.shape == (2 * original.w1.shape[0], original.w1.shape[1])
     assert not checkpoint.weights.layers[0].wq.is_mkldnn  # the checkpoint's own stay
     x = torch.randn(3, checkpoint.arch.hidden_size, dtype=torch.bfloat16)
     assert torch.equal(model.linear(x, layer.wq), model.linear(x, checkpoint.weights.layers[0].wq))
