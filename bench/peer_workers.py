@@ -7,12 +7,13 @@ transformers (generate, greedy) or vllm (vLLM's CPU backend, run by the Python o
 holds it: this file imports nothing of hrm for that engine). Each line on stdin is a JSON job,
 {"prompts": [[ids...], ...], "gen_len": G}; each answer is one JSON line on stdout, {"seconds":
 prefill + decode wall time, "generated": tokens, "first": the first sequence's first tokens}.
-The engine is warmed up before the first job; what it prints of its own goes to stderr.
+The engine is warmed up before the first job; whatever it prints goes to stderr.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -77,19 +78,21 @@ ENGINES = {"hrm": hrm_engine, "transformers": transformers_engine, "vllm": vllm_
 
 def main() -> None:
     engine, checkpoint, threads = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    answers = os.fdopen(os.dup(1), "w")  # the answers' own line: an engine's logs go to stderr
+    os.dup2(2, 1)
     import torch
 
     torch.set_num_threads(threads)
     run = ENGINES[engine](checkpoint)
     run([[1, 2, 3, 4]] * 2, 2)  # warm-up
-    print(json.dumps({"ready": engine}), flush=True)
+    print(json.dumps({"ready": engine}), file=answers, flush=True)
     for line in sys.stdin:
         job = json.loads(line)
         started = time.perf_counter()
         tokens = run(job["prompts"], job["gen_len"])
         seconds = time.perf_counter() - started
         answer = {"seconds": seconds, "generated": sum(map(len, tokens)), "first": tokens[0][:8]}
-        print(json.dumps(answer), flush=True)
+        print(json.dumps(answer), file=answers, flush=True)
 
 
 if __name__ == "__main__":
