@@ -21,7 +21,7 @@ from pathlib import Path
 from hrm.arch import ModelArch
 from hrm.errors import HrmError
 from hrm.hardware import HardwareProfile
-from hrm.hardware.parts import HALF_DTYPES, Curve
+from hrm.hardware.parts import HALF_DTYPES, Curve, path_key
 from hrm.io import atomic_write_json
 from hrm.policy import dtype_bytes
 from hrm.profiling import cpu
@@ -105,7 +105,9 @@ def probe_cpu_gemm(
     with open(path.with_name(path.name + ".lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
         cached = _read_probe(path)
-        if cached is None:
+        wanted = {path_key(dtype, p) for p in host_paths(dtype)}
+        # none kept, or kept before a path this host runs existed (packed): taken again
+        if cached is None or not wanted <= set(cached["curves"]):
             cached = _probe(shape, dtype, weights, budget_s)
             atomic_write_json(path, cached)
     rates = MeasuredRates(

@@ -110,3 +110,25 @@ def test_greedy_bf16_answers_are_identical_run_to_run(run_cli, checkpoints, tmp_
         cpu_gemm = json.loads(record)["environment"]["cpu_gemm"]
         paths.append(CpuGemmChoice.from_dict(cpu_gemm).buckets)
     assert answers[0] == answers[1] and paths[0] == paths[1]
+
+
+def test_a_probe_kept_before_a_path_this_host_runs_is_taken_again(tmp_path, monkeypatch):
+    """A kept probe without the packed curve, on a host that packs, predates the path: it is
+    taken again, not read (else the run keeps native where packed is faster)."""
+    from hrm.rules.gemm_paths import packing_missing
+
+    monkeypatch.setenv("HRM_CACHE_DIR", str(tmp_path))
+    arch = _small_arch()
+    weights = [torch.randn(512, 256, dtype=torch.bfloat16) for _ in range(2)]
+    first = host_gemm.probe_cpu_gemm(arch, "bfloat16", weights)
+    (kept,) = [p for p in tmp_path.iterdir() if p.suffix == ".json"]
+    data = json.loads(kept.read_text())
+    if packing_missing("bfloat16") is None:
+        assert "bfloat16_packed" in data["curves"]
+    old = {**data, "curves": {k: v for k, v in data["curves"].items() if "packed" not in k}}
+    kept.write_text(json.dumps(old))
+    again = host_gemm.probe_cpu_gemm(arch, "bfloat16", weights)
+    now = json.loads(kept.read_text())
+    packs = packing_missing("bfloat16") is None
+    assert ("bfloat16_packed" in now["curves"]) == packs  # taken again only where it packs
+    assert (now == old) != packs and again.dtype == first.dtype == "bfloat16"
