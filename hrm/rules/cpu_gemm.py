@@ -8,7 +8,8 @@ decode's rows. Which of native and widened wins also moves with the token count,
 is made per token bucket from measured curves: the profile's `<dtype>`, `<dtype>_widened` and
 `<dtype>_packed` matmul curves, or the executor's short probe at the model's shapes. Packed is
 all or nothing (a packed weight serves no other path): it is taken at every token count when,
-over the curves' grid, it saves NOISE_FLOOR of the time of the best mix of the other two. The
+over the curves' grid, it saves NOISE_FLOOR of the time of the best mix of the other two (the
+geometric mean of its time over the mix's, each grid point weighing the same). The
 executor runs `path_at(tokens)`; the planner prices exactly that path with `gemm_flops_per_s`.
 A path pads its rows (hrm.rules.gemm_paths.padded_tokens) where its measured time at 16 rows is
 clearly below its time at 12: the dip of sgemm at 9-15 rows on AVX2. Below SMALL_PAD_LIMIT rows
@@ -231,8 +232,10 @@ def choose_cpu_gemm(
     grid = sorted({x for curve in curves for x, _ in curve.points}) or [1.0]
     buckets = _mixed_buckets(grid, [p for p in paths if p != "packed"], seconds_per_row)
     if "packed" in paths and path_key(dtype, "packed") in rates.matmul_curves:
-        mixed = sum(seconds_per_row(_path_of(buckets, t), t) for t in grid)
-        if sum(seconds_per_row("packed", t) for t in grid) < (1 - NOISE_FLOOR) * mixed:
+        # each grid point weighs the same: the geometric mean of packed's time over the mix's
+        ratios = [seconds_per_row("packed", t) / seconds_per_row(_path_of(buckets, t), t)
+                  for t in grid]  # fmt: skip
+        if math.exp(sum(map(math.log, ratios)) / len(ratios)) < 1 - NOISE_FLOOR:
             buckets = [(0.0, "packed")]
     taken = {path for _, path in buckets}
     small = {path: pads for path, pads in small.items() if path in taken}
