@@ -27,6 +27,7 @@ from executor.kv_cache import KVCache
 from executor.latent_attention import latent_queries_and_keys, latent_values
 from executor.layer_math import NORMS, apply_rotary, inverse_frequencies, rms_norm, rotary_tables
 from executor.packed_weights import packed_weights
+from hrm.arch import GROUP_ROUTINGS
 from hrm.errors import HrmError
 from hrm.rules.cpu_gemm import CpuGemmChoice
 from hrm.rules.gemm_paths import (
@@ -90,7 +91,7 @@ class MoEModel:
             raise HrmError(f"the CPU GEMM choice is for {cpu_gemm.dtype}, the run is {dtype_name}")
         self.cpu_gemm = cpu_gemm
         if packs and cpu_gemm is not None and "packed" in cpu_gemm.paths:
-            router_linear = self.arch.routing not in ("sigmoid_groups", "softmax_groups")
+            router_linear = self.arch.routing not in GROUP_ROUTINGS
             self.weights = packed_weights(
                 self.weights, router_linear=router_linear, take_over=take_over
             )
@@ -255,7 +256,7 @@ class MoEModel:
         if w.router is None:  # a dense layer: every token to its MLP, the one expert, weight 1
             ones = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)
             return ones, torch.zeros(x.shape[0], 1, dtype=torch.long, device=x.device)
-        if a.routing in ("sigmoid_groups", "softmax_groups"):
+        if a.routing in GROUP_ROUTINGS:
             return self._route_in_groups(w, x)
         logits = self.linear(x, w.router)  # [T, E]
         if w.router_bias is not None:

@@ -40,7 +40,7 @@ def packed_weights(
     tied = weights.lm_head is weights.embed
     originals = [t for w in weights.layers for t in _matrices(w, names)]
     originals += [] if tied else [weights.lm_head]
-    packer = _Packer(originals, kept=_left(weights, names), take_over=take_over)
+    packer = _Packer(originals, weights) if take_over else _Packer([], None)
     layers = []
     for w in weights.layers:
         packed = {n: packer.pack(getattr(w, n)) for n in names if getattr(w, n) is not None}
@@ -54,11 +54,13 @@ def packed_weights(
 
 
 class _Packer:
-    """Packs matrices one by one, releasing a storage when its last matrix is packed."""
+    """Packs matrices one by one, releasing a storage when its last matrix in `originals` is
+    packed, unless a tensor of `weights` left as it is shares it (no originals: none released)."""
 
-    def __init__(self, originals: list, kept: list, take_over: bool):
-        self.pending = Counter(_storage(t) for t in originals) if take_over else Counter()
-        self.kept = {_storage(t) for t in kept}
+    def __init__(self, originals: list, weights: ModelWeights | None):
+        self.pending = Counter(_storage(t) for t in originals)
+        packed = {id(t) for t in originals}
+        self.kept = set() if weights is None else {_storage(t) for t in _left(weights, packed)}
 
     def pack(self, *tensors):
         """The tensors stacked (by rows) and packed as one matrix."""
@@ -81,11 +83,11 @@ def _matrices(w: LayerWeights, names: tuple[str, ...]) -> list:
     return dense + [getattr(e, n) for e in w.experts for n in _EXPERT]
 
 
-def _left(weights: ModelWeights, names: tuple[str, ...]) -> list:
-    """The tensors read as they are (embedding, norms, biases, a grouped router...)."""
+def _left(weights: ModelWeights, packed: set[int]) -> list:
+    """The tensors read as they are (embedding, norms, biases, a grouped router...): those
+    whose id is not in `packed`."""
     left = [weights.embed, weights.final_norm]
     for w in weights.layers:
-        packed = {id(t) for t in _matrices(w, names)}
         tensors = [getattr(w, f.name) for f in dataclasses.fields(w) if f.name != "experts"]
         tensors += [getattr(e, f.name) for e in w.experts for f in dataclasses.fields(e)]
         left += [t for t in tensors if t is not None and id(t) not in packed]
