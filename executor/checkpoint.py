@@ -23,6 +23,7 @@ from executor.checkpoint_files import Tensors, open_shards
 from executor.stored_formats import check_stored_format
 from hrm.arch import ModelArch
 from hrm.errors import HrmError
+from hrm.gguf_file import is_gguf, read_gguf
 from hrm.hf_config import eos_token_ids
 from hrm.io import load_json
 from hrm.policy import FLOAT_DTYPES
@@ -277,7 +278,12 @@ class Checkpoint:
 
 
 def load_tokenizer(directory: Path):
-    """The checkpoint's own tokenizer, or None when it ships none (then prompts are token ids)."""
+    """The checkpoint's own tokenizer, or None when it ships none (then prompts are token ids);
+    a GGUF file's from its metadata (executor/gguf_tokenizer.py)."""
+    if is_gguf(directory):
+        from executor.gguf_tokenizer import gguf_tokenizer
+
+        return gguf_tokenizer(directory)
     if not any((directory / n).is_file() for n in _TOKENIZER_FILES):
         return None
     from transformers import AutoTokenizer
@@ -296,8 +302,12 @@ def read_arch(directory: str | os.PathLike) -> ModelArch:
 
 
 def _read_config(directory: Path):
-    """(ModelArch, stored format: check_stored_format's) of a checkpoint's config.json, read once
-    and refused in one line where the executor cannot run it."""
+    """(ModelArch, stored format: check_stored_format's) of a checkpoint's config.json (a GGUF
+    file's header), read once and refused in one line where the executor cannot run it."""
+    if is_gguf(directory):
+        model = read_gguf(directory)
+        name = model.path.name.removesuffix(".gguf")
+        return ModelArch.from_hf_config(model.config, name=name, where=str(model.path)), None
     if not directory.is_dir():
         raise HrmError(f"{directory}: no such checkpoint directory; check the path")
     config_path = directory / "config.json"
@@ -321,7 +331,11 @@ def _read_config(directory: Path):
 
 
 def stored_dtype(directory: Path, arch: ModelArch) -> str:
-    """The dtype the embedding is stored in: a run's dtype when none is asked for."""
+    """The dtype the embedding is stored in: a run's dtype when none is asked for (bfloat16
+    where a GGUF file stores it quantized)."""
+    if is_gguf(directory):
+        kind = read_gguf(directory).tensors["token_embd.weight"].kind
+        return {"F32": "float32", "F16": "float16"}.get(kind, "bfloat16")
     embed_name = _GLOBAL_NAMES[arch.model_type][0]
     for f in open_shards(directory):
         if embed_name in f.keys():
@@ -339,7 +353,13 @@ def open_checkpoint(
     if dtype not in TORCH_DTYPES:
         raise HrmError(f"unknown dtype {dtype!r}: use one of {', '.join(TORCH_DTYPES)}")
     embed_name, norm_name = _GLOBAL_NAMES[arch.model_type]
-    t = Tensors(directory, TORCH_DTYPES[dtype], device, fp8_block=stored and stored[1])
+    shards = None
+    if is_gguf(directory):
+        from executor.gguf_tensors import GgufShard
+
+        shards = [GgufShard(read_gguf(directory), arch, TORCH_DTYPES[dtype])]
+    t = Tensors(directory, TORCH_DTYPES[dtype], device, fp8_block=stored and stored[1],
+                shards=shards)  # fmt: skip
     H, V = arch.hidden_size, arch.vocab_size
     embed = t.get(embed_name, (V, H))
     weights = ModelWeights(

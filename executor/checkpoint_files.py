@@ -17,10 +17,15 @@ from hrm.io import load_json
 class Tensors:
     """Name -> tensor across the shards, checked against the shapes config.json implies."""
 
-    def __init__(self, directory: Path, dtype: torch.dtype, device: str, fp8_block=None):
-        """fp8_block: the checkpoint's FP8 block (bo, bi), when it stores weights so."""
+    def __init__(
+        self, directory: Path, dtype: torch.dtype, device: str, fp8_block=None, shards=None
+    ):
+        """fp8_block: the checkpoint's FP8 block (bo, bi), when it stores weights so; shards: its
+        files, each a SafetensorsFile or its duck type (a GGUF file's: executor/gguf_tensors.py),
+        else the directory's safetensors."""
         self.directory = directory
-        self.where = {name: f for f in open_shards(directory) for name in f.keys()}
+        shards = open_shards(directory) if shards is None else shards
+        self.where = {name: f for f in shards for name in f.keys()}
         self.dtype = dtype
         self.device = torch.device(device)
         self.fp8_block = fp8_block

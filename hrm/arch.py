@@ -477,8 +477,15 @@ def bundled_model_names() -> list[str]:
 
 
 def resolve_model(name_or_path: str | os.PathLike) -> ModelArch:
-    """`--model NAME` (bundled), a config.json, or a checkpoint directory holding one."""
+    """`--model NAME` (bundled), a config.json, a checkpoint directory holding one, or a GGUF
+    file (its header alone: hrm/gguf_file.py)."""
     text = str(name_or_path)
+    if text.endswith(".gguf"):
+        from hrm.gguf_file import read_gguf
+
+        model = read_gguf(text)
+        name = model.path.name.removesuffix(".gguf")
+        return ModelArch.from_hf_config(model.config, name=name, where=str(model.path))
     bundled = BUNDLED_DIR / f"{text}.json"
     if os.sep not in text and bundled.is_file():
         return ModelArch.from_hf_config(load_json(bundled), name=text, where=str(bundled))
