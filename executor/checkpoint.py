@@ -305,9 +305,7 @@ def _read_config(directory: Path):
     """(ModelArch, stored format: check_stored_format's) of a checkpoint's config.json (a GGUF
     file's header), read once and refused in one line where the executor cannot run it."""
     if is_gguf(directory):
-        model = read_gguf(directory)
-        name = model.path.name.removesuffix(".gguf")
-        return ModelArch.from_hf_config(model.config, name=name, where=str(model.path)), None
+        return ModelArch.from_hf_config(*read_gguf(directory).described()), None
     if not directory.is_dir():
         raise HrmError(f"{directory}: no such checkpoint directory; check the path")
     config_path = directory / "config.json"

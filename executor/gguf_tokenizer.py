@@ -25,7 +25,7 @@ def gguf_tokenizer(path: Path):
         return PreTrainedTokenizerFast.from_pretrained(
             str(path.parent), gguf_file=path.name, local_files_only=True
         )
-    except (OSError, ValueError, KeyError) as exc:  # the run goes on where prompts are ids
+    except (OSError, ValueError, KeyError, IndexError) as exc:  # the run goes on with ids
         print(
             f"hrm: {path}: no tokenizer can be built from its metadata ({exc!r}); prompts must "
             "be token ids",

@@ -477,15 +477,12 @@ def bundled_model_names() -> list[str]:
 
 
 def resolve_model(name_or_path: str | os.PathLike) -> ModelArch:
-    """`--model NAME` (bundled), a config.json, a checkpoint directory holding one, or a GGUF
-    file (its header alone: hrm/gguf_file.py)."""
+    """`--model NAME` (bundled), a config.json, a checkpoint directory or a GGUF file."""
     text = str(name_or_path)
-    if text.endswith(".gguf"):
+    if text.endswith(".gguf"):  # its header alone
         from hrm.gguf_file import read_gguf
 
-        model = read_gguf(text)
-        name = model.path.name.removesuffix(".gguf")
-        return ModelArch.from_hf_config(model.config, name=name, where=str(model.path))
+        return ModelArch.from_hf_config(*read_gguf(text).described())
     bundled = BUNDLED_DIR / f"{text}.json"
     if os.sep not in text and bundled.is_file():
         return ModelArch.from_hf_config(load_json(bundled), name=text, where=str(bundled))
@@ -497,7 +494,7 @@ def resolve_model(name_or_path: str | os.PathLike) -> ModelArch:
     elif not path.exists():
         known = ", ".join(bundled_model_names())
         raise HrmError(
-            f"unknown model {text!r}: use one of {known}, a config.json or a checkpoint directory"
+            f"unknown model {text!r}: use one of {known}, a config.json, a checkpoint or a .gguf"
         )
     name = path.parent.name if path.name == "config.json" else path.stem
     return ModelArch.from_hf_config(load_json(path), name=name, where=str(path))

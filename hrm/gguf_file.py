@@ -42,6 +42,10 @@ class GgufModel:
     tensors: dict[str, GgufTensor]
     config: dict[str, Any]  # config.json's fields, as far as the file states them
 
+    def described(self) -> tuple[dict[str, Any], str, str]:
+        """ModelArch.from_hf_config's arguments: the config, the model's name, where it is."""
+        return self.config, self.path.name.removesuffix(".gguf"), str(self.path)
+
 
 def is_gguf(path: str | os.PathLike) -> bool:
     return str(path).endswith(".gguf")

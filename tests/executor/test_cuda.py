@@ -44,3 +44,14 @@ def test_hrm_run_on_cuda_carries_a_gpu_resident_prediction(run_cli, checkpoints)
     assert record["environment"]["device"].startswith("cuda")
     assert record["predicted"]["generated_tokens"] == 16
     assert record["prediction_error"] is not None
+
+
+def test_cuda_runs_a_quantized_gguf_as_the_cpu_does(checkpoints, tmp_path):
+    """A Q8_0 GGUF (dequantized on the host at load, then moved) gives the CPU's tokens."""
+    from tests.gguf_files import write_gguf
+
+    path = write_gguf(checkpoints["qwen3_moe"], tmp_path / "q8.gguf", kind="Q8_0")
+    prompts = ragged_prompts((5, 9), seed=4)
+    runs = [generate(MoEModel(open_checkpoint(path, "float32", device=d)), prompts, 8)
+            for d in ("cpu", "cuda")]  # fmt: skip
+    assert runs[0].output_token_ids == runs[1].output_token_ids
