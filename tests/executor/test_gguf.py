@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -174,8 +175,6 @@ def _header_only(path, arch, keys, tensors):
 
 
 def test_dense_and_unknown_architectures_are_refused(run_cli, tmp_path):
-    import numpy as np
-
     keys = {"block_count": 1, "embedding_length": 8, "head_count": 2, "feed_forward_length": 16}
     embed = {"token_embd.weight": (np.zeros((32, 8), np.float32), None)}
     dense = _header_only(tmp_path / "dense.gguf", "llama", keys, embed)
@@ -189,7 +188,6 @@ def test_dense_and_unknown_architectures_are_refused(run_cli, tmp_path):
 def test_unsupported_tensor_type_is_named(run_cli, checkpoints, tmp_path):
     """A file with an IQ4_NL tensor plans (its header is enough) and is refused for a run."""
     import gguf
-    import numpy as np
 
     src = write_gguf(checkpoints["qwen3_moe"], tmp_path / "q.gguf")
     reader = gguf.GGUFReader(str(src))
@@ -215,3 +213,49 @@ def test_unsupported_tensor_type_is_named(run_cli, checkpoints, tmp_path):
                                "--gen-len", "2")  # fmt: skip
     assert_one_line_error(status, err, "blk.0.ffn_up_exps.weight", "IQ4_NL", "Q4_K")
     assert out == ""
+
+
+def _k_blocks(kind: str, rows: int, cols: int, rng) -> np.ndarray:
+    """Random K-quant blocks of 256 values with small finite scales: the f16 d and dmin at the
+    head of Q4_K and Q5_K blocks (144 and 176 bytes), d at the tail of Q6_K's (210)."""
+    size = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}[kind]
+    blocks = rng.integers(0, 256, (rows, cols // 256, size), dtype=np.uint8)
+    scale = np.frombuffer(np.float16(0.002).tobytes(), np.uint8)
+    if kind == "Q6_K":
+        blocks[..., -2:] = scale
+    else:
+        blocks[..., 0:2] = scale
+        blocks[..., 2:4] = np.frombuffer(np.float16(0.001).tobytes(), np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("kind", ("Q4_K", "Q5_K", "Q6_K"))
+def test_k_quant_file_runs_as_its_dequantized_values(tmp_path, kind):
+    """llama.cpp's common types (Q4_K_M files hold Q4_K and Q6_K), on a model wide enough for
+    their 256-value blocks: every expert matrix random blocks, runs like its dequantized copy."""
+    import gguf
+
+    config = _mixtral_config(hidden_size=256, intermediate_size=256, num_hidden_layers=2)
+    source = write_gguf(save_model(config, tmp_path / "wide", seed=9), tmp_path / "wide.gguf")
+    reader, rng = gguf.GGUFReader(str(source)), np.random.default_rng(0)
+    writer = gguf.GGUFWriter(str(tmp_path / "k.gguf"), "llama")
+    for name, field in reader.fields.items():
+        if not name.startswith("GGUF.") and name != "general.architecture":
+            writer.add_key_value(name, field.contents(), field.types[0])
+    qtype = gguf.GGMLQuantizationType[kind]
+    for t in reader.tensors:
+        shape = tuple(int(n) for n in reversed(t.shape.tolist()))
+        if "_exps" in t.name:
+            blocks = _k_blocks(kind, int(np.prod(shape[:-1])), shape[-1], rng)
+            writer.add_tensor(t.name, blocks.reshape(*shape[:-1], -1), raw_dtype=qtype)
+        else:
+            writer.add_tensor(t.name, np.array(t.data))
+    for step in (writer.write_header_to_file, writer.write_kv_data_to_file,
+                 writer.write_tensors_to_file, writer.close):  # fmt: skip
+        step()
+    quantized = tmp_path / "k.gguf"
+    plain = dequantized_copy(quantized, tmp_path / "plain.gguf")
+    prompts = ragged_prompts((4, 7))
+    ours, theirs = (run_executor(p, prompts, steps=6) for p in (quantized, plain))
+    assert ours.output_token_ids == theirs.output_token_ids
+    assert all(torch.equal(a, b) for a, b in zip(ours.step_logits, theirs.step_logits, strict=True))
