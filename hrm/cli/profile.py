@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -47,6 +48,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--compare", metavar="NAME", help="also print the measurement beside this profile (e.g. t4)"
     )
+    parser.add_argument(
+        "--disk",
+        metavar="DIR",
+        help="also time sequential reads (O_DIRECT, 4 KiB to 64 MiB) of the storage under DIR, "
+        "for a disk tier: a probe file is written there and removed",
+    )
+    parser.add_argument(
+        "--disk-buffered",
+        action="store_true",
+        help="with --disk, where the filesystem refuses O_DIRECT: time buffered reads instead",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.set_defaults(run=run)
 
@@ -63,6 +75,10 @@ def run(args: argparse.Namespace) -> int:
         raise HrmError(f"{output}: the profile is YAML; name the output FILE.yaml")
     arch = resolve_model(args.model)
     reference = resolve_hardware(args.compare) if args.compare else None
+    if args.disk_buffered and not args.disk:
+        raise HrmError("--disk-buffered needs --disk DIR")
+    if args.disk and not Path(args.disk).is_dir():
+        raise HrmError(f"--disk {args.disk}: no such directory; give one on the device to time")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     profile = measure_profile(
         plan=PRESETS["quick" if args.quick else "full"],
@@ -74,6 +90,12 @@ def run(args: argparse.Namespace) -> int:
         warn=lambda message: print(f"hrm profile: warning: {message}", file=sys.stderr),
     )
     profile = with_launch_overhead(profile, arch, quick=args.quick)
+    if args.disk:
+        from hrm.profiling.disk import measure_disk
+
+        disk = measure_disk(args.disk, direct=not args.disk_buffered,
+                            file_bytes=(64 if args.quick else 256) * 2**20)  # fmt: skip
+        profile = dataclasses.replace(profile, disk=disk)
     profile.save(output)
     print(format_summary(profile, output))
     if reference is not None:
@@ -169,6 +191,8 @@ def _command_line(args: argparse.Namespace) -> str:
         words += ["--device", args.device]
     if args.model != DEFAULT_MODEL:
         words += ["--model", args.model]
+    if args.disk:
+        words += ["--disk", args.disk] + (["--disk-buffered"] if args.disk_buffered else [])
     return " ".join(words + ["-o", args.output])
 
 
@@ -210,6 +234,11 @@ def format_summary(profile: HardwareProfile, path: Path) -> str:
             f"d2h {units.format_bandwidth(profile.link.d2h_bytes_per_s)}"
             + (f", both at once {units.format_bandwidth(both)}" if both else "")
         )
+    if profile.disk is not None and profile.disk.read_curve is not None:
+        reads = ", ".join(f"{units.format_bytes(x)} {units.format_bandwidth(y)}"
+                          for x, y in profile.disk.read_curve.points)  # fmt: skip
+        how = "O_DIRECT" if profile.disk.direct else "buffered, cache dropped"
+        lines.append(f"  disk {profile.disk.path} ({how}): reads of {reads}")
     return "\n".join(lines)
 
 

@@ -22,11 +22,13 @@ from hrm.formats import is_compact
 from hrm.hardware.files import (
     _device_from_dict,
     _device_to_dict,
+    _disk_from_dict,
+    _disk_to_dict,
     _interconnect_from_dict,
     _link_from_dict,
     _link_to_dict,
 )
-from hrm.hardware.parts import RATE_DTYPES, DeviceSpec, Interconnect, LinkSpec
+from hrm.hardware.parts import RATE_DTYPES, DeviceSpec, DiskSpec, Interconnect, LinkSpec
 from hrm.io import atomic_write_yaml, load_yaml
 from hrm.policy import RUN_DTYPES
 from hrm.schema import check_keys
@@ -50,6 +52,7 @@ class HardwareProfile:
     # The "GPU" is this host's CPU (hrm/hardware/stand_in.py): its queues share one set of cores
     # and one memory bus, so they do not overlap in the cost model.
     stand_in: bool = False
+    disk: DiskSpec | None = None  # storage a disk tier reads weights from; None: not known
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
@@ -190,6 +193,7 @@ class HardwareProfile:
                 "interconnect",
                 "price_per_hour",
                 "stand_in",
+                "disk",
             },
         )
         name = str(data["name"])
@@ -239,6 +243,7 @@ class HardwareProfile:
             interconnect=interconnect,
             price_per_hour=float(price) if price is not None else None,
             stand_in=stand_in,
+            disk=_disk_from_dict(data["disk"], f"{where}: disk") if data.get("disk") else None,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -261,6 +266,8 @@ class HardwareProfile:
             out["price_per_hour"] = self.price_per_hour
         if self.stand_in:
             out["stand_in"] = True
+        if self.disk is not None:
+            out["disk"] = _disk_to_dict(self.disk)
         return out
 
     @classmethod

@@ -15,6 +15,7 @@ from hrm.hardware.parts import (
     RATE_DTYPES,
     Curve,
     DeviceSpec,
+    DiskSpec,
     Interconnect,
     LaunchOverhead,
     LinkSpec,
@@ -330,3 +331,31 @@ def _curve_from_list(points: Any, where: str, parse_rate) -> Curve:
 
 def _curve_to_list(curve: Curve) -> list[list[float]]:
     return [[float(x), float(y)] for x, y in curve.points]
+
+
+def _disk_from_dict(data: Any, where: str) -> DiskSpec:
+    data = check_keys(data, where=where, required={"read"},
+                      optional={"read_curve", "path", "direct"})  # fmt: skip
+    direct = data.get("direct", True)
+    if not isinstance(direct, bool):
+        raise HrmError(f"{where}: direct must be true or false, got {direct!r}")
+    curve = data.get("read_curve")
+    return DiskSpec(
+        read_bytes_per_s=units.parse_bandwidth(data["read"], f"{where}: read"),
+        read_curve=_curve_from_list(curve, f"{where}: read_curve", units.parse_bandwidth)
+        if curve
+        else None,
+        path=None if data.get("path") is None else str(data["path"]),
+        direct=direct,
+    )
+
+
+def _disk_to_dict(disk: DiskSpec) -> dict[str, Any]:
+    out: dict[str, Any] = {"read": units.format_bandwidth(disk.read_bytes_per_s, None)}
+    if disk.read_curve:
+        out["read_curve"] = _curve_to_list(disk.read_curve)
+    if disk.path is not None:
+        out["path"] = disk.path
+    if not disk.direct:
+        out["direct"] = False
+    return out

@@ -207,6 +207,23 @@ class LinkSpec:
     pinnable_bytes: float | None = None
 
 
+@dataclass(frozen=True, kw_only=True)
+class DiskSpec:
+    """The storage a disk tier reads weights from: sequential read rate against the size of
+    each read. A speed quoted without its read size means little (an NVMe may read 4 GB/s in
+    8 MiB reads and 30 MB/s in 4 KiB ones), so the planner charges the curve at the size the
+    executor reads; `direct`: measured with O_DIRECT, past the page cache."""
+
+    read_bytes_per_s: float  # at the largest read size (a datasheet's sequential read)
+    read_curve: Curve | None = None  # bytes per second against bytes per read
+    path: str | None = None  # the directory measured (hrm profile --disk); None: a datasheet's
+    direct: bool = True
+
+    def read_seconds(self, nbytes: float, read_size: float) -> float:
+        rate = self.read_curve.at(read_size) if self.read_curve else self.read_bytes_per_s
+        return nbytes / rate
+
+
 def gemm_shape_key(d_in: int, d_out: int) -> str:
     """The profile's name of a GEMM shape x[T, d_in] @ w[d_out, d_in]^T."""
     return f"{d_in}x{d_out}"
