@@ -79,6 +79,12 @@ class MemoryFootprint:
     cpu: Mapping[str, float]
     gpu_capacity_bytes: float
     cpu_capacity_bytes: float
+    # the disk tier's bytes: the weights kept on disk, each read once a pass (empty: no tier)
+    disk: Mapping[str, float] = field(default_factory=dict)
+
+    @property
+    def disk_bytes(self) -> float:
+        return float(sum(self.disk.values()))
 
     @property
     def gpu_bytes(self) -> float:
@@ -96,7 +102,7 @@ class MemoryFootprint:
             "cpu_capacity_bytes": self.cpu_capacity_bytes,
             "gpu": dict(self.gpu),
             "cpu": dict(self.cpu),
-        }
+        } | ({"disk": dict(self.disk)} if self.disk_bytes else {})
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "memory") -> MemoryFootprint:
@@ -104,11 +110,12 @@ class MemoryFootprint:
             data,
             where=where,
             required={"gpu", "cpu", "gpu_capacity_bytes", "cpu_capacity_bytes"},
-            optional={"gpu_bytes", "cpu_bytes"},
+            optional={"gpu_bytes", "cpu_bytes", "disk"},
         )
         return cls(
             gpu={k: float(v) for k, v in data["gpu"].items()},
             cpu={k: float(v) for k, v in data["cpu"].items()},
+            disk={k: float(v) for k, v in (data.get("disk") or {}).items()},
             gpu_capacity_bytes=float(data["gpu_capacity_bytes"]),
             cpu_capacity_bytes=float(data["cpu_capacity_bytes"]),
         )

@@ -52,6 +52,9 @@ class Policy:
     kv_gpu_fraction: float  # r_c: fraction of the KV cache on the GPU
     weight_dtype: str = "bfloat16"
     kv_dtype: str = "bfloat16"
+    # r_d: fraction of the weights kept on disk (the disk tier), read from the checkpoint's files
+    # each pass into pinned host memory; the host holds 1 - r_w - r_d of them
+    weights_disk_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         positive_int(self.batch_size, where="policy: batch_size")
@@ -63,6 +66,12 @@ class Policy:
             )
         fraction(self.weights_gpu_fraction, where="policy: weights_gpu_fraction")
         fraction(self.kv_gpu_fraction, where="policy: kv_gpu_fraction")
+        fraction(self.weights_disk_fraction, where="policy: weights_disk_fraction")
+        if self.weights_gpu_fraction + self.weights_disk_fraction > 1.0 + 1e-9:
+            raise HrmError(
+                f"policy: weights_gpu_fraction {self.weights_gpu_fraction:g} and "
+                f"weights_disk_fraction {self.weights_disk_fraction:g} add up to more than 1"
+            )
         dtype_bytes(self.weight_dtype)
         dtype_bytes(self.kv_dtype)
 
@@ -107,7 +116,8 @@ class Policy:
             "kv_gpu_fraction": self.kv_gpu_fraction,
             "weight_dtype": self.weight_dtype,
             "kv_dtype": self.kv_dtype,
-        }
+        } | ({"weights_disk_fraction": self.weights_disk_fraction}
+             if self.weights_disk_fraction else {})  # fmt: skip
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "policy") -> Policy:

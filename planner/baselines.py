@@ -26,9 +26,9 @@ from hrm.plan import Plan
 from hrm.policy import Policy
 from hrm.roofline.ops import layer_ops
 from hrm.rules.placement import place_model
+from planner.closed_form import fill_gpu
 from planner.evaluate import batch_model, build_plan, policy_vector
 from planner.memory import usable_bytes
-from planner.search import fill_gpu
 from planner.setting import Setting
 from planner.transfers import link_seconds
 

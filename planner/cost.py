@@ -35,7 +35,9 @@ from hrm.formats import DEQUANTIZE_TRAFFIC, is_compact
 from hrm.hardware import HardwareProfile
 from hrm.plan import QUEUES
 from hrm.policy import compute_bytes
+from hrm.rules.placement import DISK_READ_BYTES
 from planner.layer_seconds import MicroBatchSeconds
+from planner.memory import BASIS
 from planner.memory import placement_vector as vec
 from planner.setting import Setting
 from planner.transfers import link_seconds
@@ -59,11 +61,11 @@ class Expr:
         return Expr(self.scaled * factor, self.unscaled * factor, self.weights * factor)
 
     def coefficients(self, m: float, weight_stream_s: float) -> np.ndarray:
-        """[steps, 5] coefficients at one (N, mu): what the MILP constrains."""
+        """[steps, 6] coefficients at one (N, mu): what the MILP constrains."""
         return m * self.scaled + self.unscaled + weight_stream_s * self.weights[None, :]
 
     def evaluate(self, m: np.ndarray, weight_stream_s: np.ndarray, v: np.ndarray) -> np.ndarray:
-        """[M, steps] values at M points, each with its m, stream time and placement v [M, 5]."""
+        """[M, steps] values at M points, each with its m, stream time and placement v [M, 6]."""
         return (
             m[:, None] * (v @ self.scaled.T)
             + v @ self.unscaled.T
@@ -72,16 +74,16 @@ class Expr:
 
 
 def _zero(steps: int) -> np.ndarray:
-    return np.zeros((steps, 5))
+    return np.zeros((steps, BASIS))
 
 
 def _per_mb(coef_by_step: np.ndarray, seconds: np.ndarray) -> Expr:
-    """A per-micro-batch cost: coefficients [steps, 5] times seconds [steps], summed over m."""
-    return Expr(coef_by_step * seconds[:, None], _zero(len(seconds)), np.zeros(5))
+    """A per-micro-batch cost: coefficients [steps, 6] times seconds [steps], summed over m."""
+    return Expr(coef_by_step * seconds[:, None], _zero(len(seconds)), np.zeros(BASIS))
 
 
 def _coef(steps: int, prefill: np.ndarray, decode: np.ndarray) -> np.ndarray:
-    """[steps, 5]: `prefill` coefficients at step 0, `decode` at the others."""
+    """[steps, 6]: `prefill` coefficients at step 0, `decode` at the others."""
     out = np.tile(decode, (steps, 1))
     out[0] = prefill
     return out
@@ -103,13 +105,14 @@ class QueueTerms:
 
 def _empty(like: Expr) -> Expr:
     steps = like.scaled.shape[0]
-    return Expr(_zero(steps), _zero(steps), np.zeros(5))
+    return Expr(_zero(steps), _zero(steps), np.zeros(BASIS))
 
 
 def queue_terms(setting: Setting, mb: MicroBatchSeconds) -> QueueTerms:
     """Attach placement coefficients to one micro-batch's seconds (see the module docstring)."""
     steps = setting.steps
-    one, att, ffn, rw, rc = (vec(one=1), vec(att=1), vec(ffn=1), vec(rw=1), vec(rc=1))
+    one, att, ffn, rw, rc, rd = (vec(one=1), vec(att=1), vec(ffn=1), vec(rw=1), vec(rc=1),
+                                 vec(rd=1))  # fmt: skip
     on_gpu, on_cpu = _coef(steps, ffn, ffn), _coef(steps, one - ffn, one - ffn)
     # prefill attention runs with the layers (F_g); decode attention where A_g says
     att_gpu, att_cpu = _coef(steps, ffn, att), _coef(steps, one - ffn, one - att)
@@ -134,7 +137,7 @@ def queue_terms(setting: Setting, mb: MicroBatchSeconds) -> QueueTerms:
             "dequantize": Expr(
                 _zero(steps),
                 _coef(steps, ffn - rw, ffn - rw) * dequantize_seconds(setting),
-                np.zeros(5),
+                np.zeros(BASIS),
             ),
         },
         "cpu": {
@@ -153,17 +156,21 @@ def queue_terms(setting: Setting, mb: MicroBatchSeconds) -> QueueTerms:
             "activations": _per_mb(crossing, mb.activations_to_cpu),
             "kv cache": _per_mb(kv_crossing, mb.kv_to_cpu),
         },
+        # r_d * W_l read from disk once per layer and pass (FlexGen's dtoc), beside the others
+        "disk": {
+            "weights": Expr(_zero(steps), _coef(steps, rd, rd) * disk_seconds(setting), rd * 0)
+        },
     }
     # chain = one micro-batch through all its stages, i.e. the per-micro-batch sum of every queue
     per_mb = sum((c.scaled for q in components.values() for c in q.values()), _zero(steps))
-    chain = Expr(_zero(steps), per_mb, np.zeros(5))
-    chain_sum = Expr(per_mb, _zero(steps), np.zeros(5))
+    chain = Expr(_zero(steps), per_mb, np.zeros(BASIS))
+    chain_sum = Expr(per_mb, _zero(steps), np.zeros(BASIS))
     # fill/drain = chain - home: the first micro-batch's stages before its work on the device
     # that runs the layers (GPU if F_g, else CPU), and the last one's after it
     home = sum(c.scaled for c in components["gpu"].values()) + (
         _per_mb(on_cpu, mb.cpu_dense + mb.cpu_ffn + mb.cpu_attention + mb.cpu_launch).scaled
     )
-    fill = Expr(_zero(steps), per_mb - home, np.zeros(5))
+    fill = Expr(_zero(steps), per_mb - home, np.zeros(BASIS))
     head = {
         "gpu": _per_mb(on_gpu, mb.head_gpu),
         "cpu": _per_mb(on_cpu, mb.head_cpu),
@@ -215,9 +222,11 @@ def schedule_terms(
     host = {"shared host": gpu + cpu + h2d + d2h} if shared else {}
     if schedule == "serial":
         # S3: T_layer = max(W_l stream, sum of chains): micro-batches one after another, no fill
-        layer = {"h2d": q.components["h2d"]["weights"], "latency": q.chain_sum, **host}
+        layer = {"h2d": q.components["h2d"]["weights"], "latency": q.chain_sum, **host,
+                 "disk": q.queue("disk")}  # fmt: skip
         return ScheduleTerms(layer=layer, fill=empty, head=head)
-    layer = {"gpu": gpu, "cpu": cpu, "h2d": h2d, "d2h": d2h, "latency": q.chain, **host}
+    disk = {"disk": q.queue("disk")}  # the reads overlap everything else (a queue of its own)
+    layer = {"gpu": gpu, "cpu": cpu, "h2d": h2d, "d2h": d2h, "latency": q.chain, **host, **disk}
     if link is not None and link.bidirectional_bytes_per_s:
         # H2D and D2H overlap here, and together move at most the measured both-ways rate B_bi
         # (hrm profile times both at once): bytes_h2d + bytes_d2h <= B_bi * T_layer, with each
@@ -230,7 +239,7 @@ def schedule_terms(
     if schedule == "overlap":
         # S2: no paging: the whole-layer copy holds the h2d queue, so at least one micro-batch's
         # D2 and GPU work come after it:  T_layer >= Q_h2d + T_gpu(one micro-batch)
-        layer["h2d"] = h2d + Expr(empty.scaled, gpu.scaled, np.zeros(5))
+        layer["h2d"] = h2d + Expr(empty.scaled, gpu.scaled, np.zeros(BASIS))
     return ScheduleTerms(layer=layer, fill=q.fill, head=head)
 
 
@@ -247,6 +256,17 @@ def dequantize_seconds(setting: Setting) -> float:
     if rate is None:
         rate = gpu.memory_bandwidth_bytes_per_s / DEQUANTIZE_TRAFFIC[fmt]
     return weights / rate
+
+
+def disk_seconds(setting: Setting) -> float:
+    """Seconds to read one layer's weights as stored from the disk tier, in reads of
+    hrm.rules.placement.DISK_READ_BYTES (or the layer, if smaller) at the profile's rate for that
+    size; 0 without a disk in the profile (then r_d stays 0: planner/milp.py)."""
+    disk = setting.hardware.disk
+    if disk is None:
+        return 0.0
+    w = setting.weights.stored
+    return disk.read_seconds(w, min(DISK_READ_BYTES, w))
 
 
 def weight_stream_seconds(setting: Setting, m: np.ndarray) -> np.ndarray:

@@ -30,13 +30,14 @@ from planner.cost import (
     with_last_micro_batch,
 )
 from planner.layer_seconds import micro_batch_seconds
-from planner.memory import RC, MemoryTerms, memory_terms, placement_vector, usable_bytes
+from planner.memory import RC, RD, MemoryTerms, memory_terms, placement_vector, usable_bytes
 from planner.setting import Setting
 
 
 @dataclass(frozen=True, kw_only=True)
 class BatchModel:
-    """Time and memory terms of one (N, mu), affine in the placement v = (1, A_g, F_g, r_w, r_c)."""
+    """Time and memory terms of one (N, mu), affine in the placement v = (1, A_g, F_g, r_w, r_c,
+    r_d)."""
 
     setting: Setting
     batch_size: int
@@ -62,12 +63,12 @@ class BatchModel:
         return 1.0 if self.num_micro_batches >= 2 else 0.0
 
     def layer_coefficients(self) -> dict[str, np.ndarray]:
-        """Each lower bound on T_layer as [steps, 5] coefficients (the MILP's rows)."""
+        """Each lower bound on T_layer as [steps, 6] coefficients (the MILP's rows)."""
         m, ws = self.full_micro_batches, self.weight_stream_s
         return {name: e.coefficients(m, ws) for name, e in self.terms.layer.items()}
 
     def extra_coefficients(self) -> np.ndarray:
-        """Fill/drain and LM head of each step as [steps, 5] coefficients."""
+        """Fill/drain and LM head of each step as [steps, 6] coefficients."""
         m, ws = self.full_micro_batches, self.weight_stream_s
         return self.fill_factor * self.terms.fill.coefficients(
             m, ws
@@ -94,7 +95,7 @@ def batch_model(setting: Setting, batch_size: int, micro_batch_size: int) -> Bat
 def run_seconds(
     setting: Setting, terms: ScheduleTerms, m: np.ndarray, v: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(prefill_s, decode_s) for M points with m equal micro-batches each and placements v [M, 5].
+    """(prefill_s, decode_s) for M points with m equal micro-batches each and placements v [M, 6].
 
     T_step = L * max_x(term_x) + fill + head; prefill is step 0, decode the sum of the rest.
     """
@@ -112,6 +113,7 @@ def policy_vector(policy: Policy) -> np.ndarray:
         ffn=float(policy.ffn_on_gpu),
         rw=policy.weights_gpu_fraction,
         rc=policy.kv_gpu_fraction,
+        rd=policy.weights_disk_fraction,
     )
 
 
@@ -136,6 +138,8 @@ def build_plan(model: BatchModel, policy: Policy, *, whole_tensors: bool = True)
     }
     for name, e in model.queues.head.items():
         busy[name] += float((e.coefficients(m, ws) @ v).sum())
+    if policy.weights_disk_fraction:
+        busy["disk"] = float(layers * (model.queues.queue("disk").coefficients(m, ws) @ v).sum())
     memory = footprint(model.memory, setting.hardware, v)
     return Plan(
         model=setting.arch.name,
@@ -169,11 +173,31 @@ def placed_policy(model: BatchModel, policy: Policy) -> Policy:
     if down.next_fraction is not None:
         candidates.append(min(1.0, down.next_fraction))
     hardware = model.setting.hardware
+
+    def at(rw: float) -> Policy:  # the policy's disk share, or the least that fits beside r_w
+        placed = dataclasses.replace(policy, weights_gpu_fraction=rw, weights_disk_fraction=0.0)
+        if not policy.weights_disk_fraction:
+            return placed
+        rd = max(least_disk_share(model.memory, hardware, policy_vector(placed)),
+                 policy.weights_disk_fraction)  # fmt: skip
+        return dataclasses.replace(placed, weights_disk_fraction=min(rd, 1.0 - rw))
+
     for rw in candidates:
-        placed = dataclasses.replace(policy, weights_gpu_fraction=rw)
+        placed = at(rw)
         if fits(footprint(model.memory, hardware, policy_vector(placed))):
             return placed
-    return dataclasses.replace(policy, weights_gpu_fraction=down.fraction)
+    return at(down.fraction)
+
+
+def least_disk_share(memory: MemoryTerms, hardware: HardwareProfile, v: np.ndarray) -> float:
+    """The least r_d at which the host's buffers fit its usable memory, the rest of placement v
+    given (r_d only costs time); rounded up to 1e-9, so never short."""
+    cpu = memory.cpu_total()
+    over = float(cpu @ v) - float(cpu[RD]) * v[RD] - usable_bytes(hardware.cpu.memory_bytes)
+    relief = -float(cpu[RD])
+    if over <= 0 or relief <= 0:
+        return 0.0
+    return math.ceil(over / relief * 1e9) / 1e9
 
 
 def fits(memory: MemoryFootprint) -> bool:
@@ -227,9 +251,11 @@ def footprint(memory: MemoryTerms, hardware: HardwareProfile, v: np.ndarray) -> 
     """Bytes per buffer at placement v, with the usable memory of each device."""
     gpu_total = hardware.gpu.total_memory_bytes if hardware.gpu else 0.0
     gpu, cpu = buffer_bytes(memory, v)
+    disk = {name: float(c @ v) for name, c in memory.disk.items()}
     return MemoryFootprint(
         gpu=gpu,
         cpu=cpu,
+        disk={name: b for name, b in disk.items() if b > 0},
         gpu_capacity_bytes=usable_bytes(gpu_total),
         cpu_capacity_bytes=usable_bytes(hardware.cpu.memory_bytes),
     )

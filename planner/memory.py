@@ -1,8 +1,9 @@
 """Memory per device: every buffer the executor allocates, as affine functions of the placement.
 
-Each buffer is a coefficient vector over the placement basis v = (1, A_g, F_g, r_w, r_c) (see
-planner/cost.py), so the same numbers feed the MILP's memory constraints, the closed-form search
-and the footprint a Plan reports. N (batch) may be a numpy array: the search evaluates a whole row
+Each buffer is a coefficient vector over the placement basis v = (1, A_g, F_g, r_w, r_c, r_d)
+(see planner/cost.py; r_d: the share of the weights a disk tier keeps on disk), so the same
+numbers feed the MILP's memory constraints, the closed-form search and the footprint a Plan
+reports. N (batch) may be a numpy array: the search evaluates a whole row
 of batch sizes at once.
 
 Letters: L = layers, W_l = one layer's weight bytes (attention, router, norms and all experts;
@@ -29,12 +30,13 @@ from hrm.workload import Workload
 USABLE_MEMORY_FRACTION = 0.9
 
 
-ONE, ATT, FFN, RW, RC = range(5)
+ONE, ATT, FFN, RW, RC, RD = range(6)
+BASIS = 6
 
 
-def placement_vector(*, one=0.0, att=0.0, ffn=0.0, rw=0.0, rc=0.0) -> np.ndarray:
-    """Coefficients over the basis (1, A_g, F_g, r_w, r_c)."""
-    return np.array([one, att, ffn, rw, rc], dtype=float)
+def placement_vector(*, one=0.0, att=0.0, ffn=0.0, rw=0.0, rc=0.0, rd=0.0) -> np.ndarray:
+    """Coefficients over the basis (1, A_g, F_g, r_w, r_c, r_d); r_d: the weights on disk."""
+    return np.array([one, att, ffn, rw, rc, rd], dtype=float)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,10 +71,11 @@ class WeightBytes:
 
 @dataclass(frozen=True, kw_only=True)
 class MemoryTerms:
-    """Buffers on each device: name -> coefficients over the placement basis (shape [..., 5])."""
+    """Buffers on each device: name -> coefficients over the placement basis (shape [..., 6])."""
 
     gpu: dict[str, np.ndarray]
     cpu: dict[str, np.ndarray]
+    disk: dict[str, np.ndarray]  # the weights a disk tier keeps there (not a capacity: a read)
 
     def gpu_total(self) -> np.ndarray:
         return sum(self.gpu.values())
@@ -211,8 +214,11 @@ def memory_terms(
             n
         )
     cpu = {
-        # (1 - r_w) * L * W_l as stored, pinned so that pages go straight to the GPU
-        "layer weights": v(one=stored, rw=-stored) * np.ones_like(n),
+        # (1 - r_w - r_d) * L * W_l as stored, pinned so that pages go straight to the GPU
+        "layer weights": v(one=stored, rw=-stored, rd=-stored) * np.ones_like(n),
+        # the disk tier's pinned reads: two layers' disk parts, 2 * r_d * W_l (one being sent on
+        # while the next is read)
+        "disk staging": v(rd=2 * w.stored) * np.ones_like(n),
         # embedding always; the LM head too when the CPU runs the layers
         "embedding and head": v(one=w.embedding + w.head, ffn=-w.head) * np.ones_like(n),
         # (1 - r_c) * KV
@@ -225,7 +231,7 @@ def memory_terms(
         + v(one=cpu_attention_scores + kv_copy, att=-cpu_attention_scores - kv_copy)
         * np.ones_like(n),
     }
-    return MemoryTerms(gpu=gpu, cpu=cpu)
+    return MemoryTerms(gpu=gpu, cpu=cpu, disk={"weights": v(rd=stored) * np.ones_like(n)})
 
 
 def usable_bytes(total_bytes: float) -> float:

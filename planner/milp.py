@@ -17,7 +17,7 @@ import numpy as np
 import pulp
 
 from planner.evaluate import BatchModel
-from planner.memory import ATT, FFN, ONE, RC, RW, usable_bytes
+from planner.memory import ATT, FFN, ONE, RC, RD, RW, usable_bytes
 
 # Memory rows are written in GB so that they and the time rows (seconds) have similar magnitudes,
 # with a kilobyte of slack that covers the solver's feasibility tolerance.
@@ -33,6 +33,7 @@ class MilpResult:
     ffn_on_gpu: bool = False
     weights_gpu_fraction: float = 0.0
     kv_gpu_fraction: float = 0.0
+    weights_disk_fraction: float = 0.0
 
     @property
     def optimal(self) -> bool:
@@ -45,14 +46,16 @@ class _Vars:
     ffn: pulp.LpVariable
     rw: pulp.LpVariable
     rc: pulp.LpVariable
+    rd: pulp.LpVariable
 
     def affine(self, coef: np.ndarray) -> pulp.LpAffineExpression:
-        """c_0 + c_A*A_g + c_F*F_g + c_w*r_w + c_c*r_c."""
+        """c_0 + c_A*A_g + c_F*F_g + c_w*r_w + c_c*r_c + c_d*r_d."""
         terms = [
             (self.att, coef[ATT]),
             (self.ffn, coef[FFN]),
             (self.rw, coef[RW]),
             (self.rc, coef[RC]),
+            (self.rd, coef[RD]),
         ]
         return pulp.LpAffineExpression(
             [(v, float(c)) for v, c in terms if c != 0.0], constant=float(coef[ONE])
@@ -67,6 +70,8 @@ def add_placement_constraints(prob, x: _Vars, allowed: dict[str, bool | None]) -
     prob += x.rw <= x.ffn, "weights_need_gpu_layers"
     # r_c <= A_g: a GPU-resident cache only for GPU attention
     prob += x.rc <= x.att, "cache_needs_gpu_attention"
+    # r_w + r_d <= 1: the disk tier keeps weights the GPU does not
+    prob += x.rw + x.rd <= 1, "disk_takes_weights_off_the_gpu"
     for name, var in (("attention_on_gpu", x.att), ("ffn_on_gpu", x.ffn)):
         if allowed.get(name) is not None:
             prob += var == int(allowed[name]), f"fixed_{name}"
@@ -107,6 +112,8 @@ def solve_placement(model: BatchModel, allowed: dict[str, bool | None]) -> MilpR
         ffn=_variable(prob, "F_g", 0, 1, "Binary"),
         rw=_variable(prob, "r_w", 0, 1),
         rc=_variable(prob, "r_c", 0, 1),
+        # r_d only where the profile has a disk: without one, nothing is kept there
+        rd=_variable(prob, "r_d", 0, 1 if model.setting.hardware.disk is not None else 0),
     )
     add_placement_constraints(prob, x, allowed)
     add_memory_constraints(prob, x, model)
@@ -127,6 +134,7 @@ def solve_placement(model: BatchModel, allowed: dict[str, bool | None]) -> MilpR
         ffn_on_gpu=round(x.ffn.value()) == 1,
         weights_gpu_fraction=_fraction(x.rw.value()),
         kv_gpu_fraction=_fraction(x.rc.value()),
+        weights_disk_fraction=_disk_fraction(x.rd.value()),
     )
 
 
@@ -141,3 +149,9 @@ def _fraction(value: float | None) -> float:
     """A solver's fraction, clipped to [0, 1] and rounded down to 1e-9 (never past the memory)."""
     value = min(max(value or 0.0, 0.0), 1.0)
     return math.floor(value * 1e9) / 1e9
+
+
+def _disk_fraction(value: float | None) -> float:
+    """r_d rounded up to 1e-9 (never short of the host memory), within [0, 1]."""
+    value = min(max(value or 0.0, 0.0), 1.0)
+    return min(1.0, math.ceil(value * 1e9) / 1e9)

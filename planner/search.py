@@ -17,6 +17,7 @@ Exactness without a MILP at every grid point (branch and bound over the grid):
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 from dataclasses import dataclass, field
@@ -30,15 +31,11 @@ from hrm.plan import Plan, check_schedule
 from hrm.policy import Policy
 from hrm.units import format_bytes
 from hrm.workload import Workload
+from planner.closed_form import REL_TOL, bracket_row, fill_gpu
 from planner.cost import queue_terms, schedule_terms
-from planner.evaluate import batch_model, build_plan, fits, run_seconds
+from planner.evaluate import batch_model, build_plan, fits
 from planner.layer_seconds import micro_batch_seconds
 from planner.memory import (
-    ATT,
-    FFN,
-    ONE,
-    RC,
-    RW,
     USABLE_MEMORY_FRACTION,
     kv_cache_bytes,
     usable_bytes,
@@ -71,8 +68,7 @@ MU_GRID = (
     8192,
 )
 MAX_BATCH_SIZE = 131072
-# Two throughputs closer than this (relative) are equal: the solver's tolerance.
-REL_TOL = 1e-7
+DISK_TIERS = ("auto", "on", "off")
 
 
 class NoPolicyFits(HrmError):
@@ -124,155 +120,6 @@ def _fixed(values: list[int]) -> bool | None:
     return bool(values[0]) if len(set(values)) == 1 else None
 
 
-@dataclass(frozen=True, kw_only=True)
-class Fill:
-    """Closed-form placements of one kind (F_g, A_g) at many N, packed into the GPU memory left.
-
-    GPU row: gpu_w * r_w + gpu_c * r_c <= budget
-    CPU row: cpu_0 + cpu_w * r_w + cpu_c * r_c <= cpu_cap
-    """
-
-    ffn: int
-    budget: np.ndarray
-    gpu_w: np.ndarray
-    gpu_c: np.ndarray
-    cpu_0: np.ndarray
-    cpu_w: np.ndarray
-    cpu_c: np.ndarray
-    cpu_cap: float
-
-    def weights_for_kv(self, rc: np.ndarray, idx=slice(None)) -> np.ndarray:
-        """r_w = the most resident weights the GPU holds beside a cache fraction rc."""
-        gw = self.gpu_w[idx]
-        room = self.budget[idx] - self.gpu_c[idx] * rc
-        return np.where(gw > 0, np.clip(room / np.where(gw > 0, gw, 1.0), 0, 1), 1.0) * self.ffn
-
-    @property
-    def weights(self) -> np.ndarray:
-        """r_w with no cache on the GPU: as much as fits."""
-        return self.weights_for_kv(np.zeros_like(self.budget))
-
-    @property
-    def kv_after_weights(self) -> np.ndarray:
-        """r_c in what the weights leave: with `weights`, a feasible placement."""
-        return self._kv_share(self.budget - self.gpu_w * self.weights)
-
-    @property
-    def kv_alone(self) -> np.ndarray:
-        """r_c given all of the GPU memory left: with `weights`, a relaxation."""
-        return self._kv_share(self.budget)
-
-    def _kv_share(self, room: np.ndarray) -> np.ndarray:
-        c = self.gpu_c
-        return np.where(c > 0, np.clip(room / np.where(c > 0, c, 1.0), 0, 1), 0.0)
-
-    @property
-    def kv_cpu_limit(self) -> np.ndarray:
-        """Largest r_c on the frontier (r_w = (budget - gpu_c*r_c)/gpu_w) the CPU memory allows:
-        moving GPU memory from weights to cache puts more bytes back on the CPU than it takes."""
-        gw = np.where(self.gpu_w > 0, self.gpu_w, 1.0)
-        slope = self.cpu_c - self.cpu_w * self.gpu_c / gw
-        room = self.cpu_cap - self.cpu_0 - self.cpu_w * self.budget / gw
-        limit = np.where(slope > 0, room / np.where(slope > 0, slope, 1.0), 1.0)
-        return np.where(self.gpu_w > 0, np.clip(limit, 0, 1), 1.0)
-
-    def cpu_use(self, rw: np.ndarray, rc: np.ndarray) -> np.ndarray:
-        return self.cpu_0 + self.cpu_w * rw + self.cpu_c * rc
-
-    @property
-    def fits(self) -> np.ndarray:
-        return (self.budget >= 0) & (
-            self.cpu_use(self.weights, self.kv_after_weights) <= self.cpu_cap
-        )
-
-
-def fill_gpu(setting: Setting, batch_size, mu: int, combo: tuple[int, int]) -> Fill:
-    """Per GPU byte, resident weights save L/(L-2) bytes of CPU memory and the KV cache 1, so
-    filling weights first, then KV, frees the most CPU memory: if that placement does not fit,
-    none of this kind does."""
-    ffn, att = combo
-    hw = setting.hardware
-    mem = setting.memory(batch_size, mu)
-    g, c = np.atleast_2d(mem.gpu_total()), np.atleast_2d(mem.cpu_total())
-    gpu_cap = usable_bytes(hw.gpu.total_memory_bytes) if hw.gpu else 0.0
-    return Fill(
-        ffn=ffn,
-        budget=gpu_cap - (g[:, ONE] + att * g[:, ATT] + ffn * g[:, FFN]),
-        gpu_w=g[:, RW],
-        gpu_c=g[:, RC] * att,
-        cpu_0=c[:, ONE] + att * c[:, ATT] + ffn * c[:, FFN],
-        cpu_w=c[:, RW],
-        cpu_c=c[:, RC] * att,
-        cpu_cap=usable_bytes(hw.cpu.memory_bytes),
-    )
-
-
-@dataclass(frozen=True, kw_only=True)
-class Bracket:
-    """Closed-form throughputs of a row of points for one (F_g, A_g): feasible <= MILP <= bound."""
-
-    feasible: np.ndarray  # -inf where nothing fits
-    bound: np.ndarray
-
-
-def bracket_row(
-    setting: Setting, mu: int, m: np.ndarray, combo: tuple[int, int], terms, threshold: float
-) -> Bracket:
-    """Throughput of the feasible and of the relaxed placement at every N = m * mu; with GPU
-    attention, points whose bound passes `threshold` are solved along the memory frontier."""
-    ffn, att = combo
-    fill = fill_gpu(setting, m * mu, mu, combo)
-    tokens = m * mu * setting.workload.gen_len_mean
-
-    def throughput(rw: np.ndarray, rc: np.ndarray, keep: np.ndarray) -> np.ndarray:
-        v = np.stack(
-            [np.ones_like(rw), np.full_like(rw, att), np.full_like(rw, ffn), rw, rc], axis=1
-        )
-        prefill, decode = run_seconds(setting, terms, m[keep], v)
-        return np.where(fill.fits[keep], tokens[keep] / (prefill + decode), -np.inf)
-
-    everywhere = np.ones(len(m), dtype=bool)
-    feasible = throughput(fill.weights, fill.kv_after_weights, everywhere)
-    if not att:  # r_c = 0: the weights-first placement is the optimum
-        return Bracket(feasible=feasible, bound=feasible)
-    bound = throughput(fill.weights, fill.kv_alone, everywhere)
-    open_ = np.flatnonzero((bound > threshold * (1 - REL_TOL)) & (bound > feasible * (1 + REL_TOL)))
-    if len(open_):
-        best = _frontier_optimum(setting, fill, open_, lambda rw, rc: throughput(rw, rc, open_))
-        feasible[open_] = best
-        bound[open_] = best * (1 + REL_TOL)
-    return Bracket(feasible=feasible, bound=bound)
-
-
-# Golden-section steps along the frontier: the bracket shrinks to 0.618**60 ~ 3e-13 of r_c.
-_GOLDEN_STEPS = 60
-
-
-def _frontier_optimum(setting: Setting, fill: Fill, idx: np.ndarray, throughput) -> np.ndarray:
-    """Best throughput over r_c in [weights-first r_c, min(KV-alone r_c, CPU limit)], with r_w
-    taking the GPU memory r_c leaves. Time is convex along this segment (a max of affine terms of
-    a concave r_w(r_c)), so a golden-section search finds the optimum."""
-    lo, hi = fill.kv_after_weights[idx], np.minimum(fill.kv_alone[idx], fill.kv_cpu_limit[idx])
-    hi = np.maximum(hi, lo)
-
-    def rw_at(rc: np.ndarray) -> np.ndarray:
-        return fill.weights_for_kv(rc, idx)
-
-    ratio = (math.sqrt(5) - 1) / 2
-    a, b = lo.copy(), hi.copy()
-    x1, x2 = b - ratio * (b - a), a + ratio * (b - a)
-    f1, f2 = throughput(rw_at(x1), x1), throughput(rw_at(x2), x2)
-    for _ in range(_GOLDEN_STEPS):
-        left = f1 >= f2  # throughput is concave: the optimum lies in [a, x2] or in [x1, b]
-        a, b = np.where(left, a, x1), np.where(left, x2, b)
-        new = np.where(left, b - ratio * (b - a), a + ratio * (b - a))
-        f_new = throughput(rw_at(new), new)
-        x1, x2 = np.where(left, new, x2), np.where(left, x1, new)
-        f1, f2 = np.where(left, f_new, f2), np.where(left, f1, f_new)
-    ends = [throughput(rw_at(lo), lo), throughput(rw_at(hi), hi)]
-    return np.max([f1, f2, *ends], axis=0)
-
-
 def row_bound(setting: Setting, mb, combos: list[tuple[int, int]], mu: int) -> float:
     """Throughput no N = m*mu can beat: every decode step costs at least L * m * (one micro-batch's
     dense and expert work on the device that runs the layers), so tok/s <= mu * (mean answer
@@ -297,7 +144,9 @@ def largest_batch(setting: Setting) -> int:
         usable_bytes(hw.gpu.total_memory_bytes) if hw.gpu else 0.0
     )
     w = setting.weights
-    free = total - arch.num_layers * w.stored - w.embedding
+    # a disk tier can take every layer's weights off the host (two layers' staging stay)
+    held = 2 * w.stored if hw.disk is not None else arch.num_layers * w.stored
+    free = total - held - w.embedding
     per_sequence = kv_cache_bytes(arch, wl, 1, setting.kv_dtype)
     return int(min(MAX_BATCH_SIZE, max(free // per_sequence, 0)))
 
@@ -312,9 +161,28 @@ def search(
     kv_dtype: str = "bfloat16",
     top_k: int = 5,
     max_batch_size: int | None = None,
+    disk_tier: str = "auto",
 ) -> SearchResult:
     """The top_k (N, mu) points with their optimal placements, best first; N at most
-    max_batch_size (a small dataset, or outputs sooner)."""
+    max_batch_size (a small dataset, or outputs sooner).
+
+    disk_tier (with a disk in the profile): "auto" keeps weights on disk only where nothing
+    fits the host without it; "on" lets the search trade disk reads for host memory wherever
+    that pays (FlexGen's larger batches); "off" never."""
+    if disk_tier not in DISK_TIERS:
+        raise HrmError(f"--disk-tier must be one of {', '.join(DISK_TIERS)}, got {disk_tier!r}")
+    if hardware.disk is not None and disk_tier != "on":
+        try:
+            return _search(arch, dataclasses.replace(hardware, disk=None), workload,
+                           schedule, weight_dtype, kv_dtype, top_k, max_batch_size)  # fmt: skip
+        except NoPolicyFits:
+            if disk_tier == "off":
+                raise
+    return _search(arch, hardware, workload, schedule, weight_dtype, kv_dtype, top_k,
+                   max_batch_size)  # fmt: skip
+
+
+def _search(arch, hardware, workload, schedule, weight_dtype, kv_dtype, top_k, max_batch_size):
     if top_k < 1:
         raise HrmError(f"--top must be at least 1, got {top_k}")
     if max_batch_size is not None and max_batch_size < 1:
@@ -455,6 +323,7 @@ def solve_point(
         kv_gpu_fraction=result.kv_gpu_fraction if result.attention_on_gpu else 0.0,
         weight_dtype=setting.weight_dtype,
         kv_dtype=setting.kv_dtype,
+        weights_disk_fraction=result.weights_disk_fraction,
     )
     plan = build_plan(model, policy, whole_tensors=whole_tensors)
     return plan if fits(plan.memory) else None
@@ -469,7 +338,9 @@ def infeasibility_message(setting: Setting, combos) -> str:
     for combo in combos:
         fill = fill_gpu(setting, 1, 1, combo)
         gpu_short = -float(fill.budget[0])
-        cpu_short = float(fill.cpu_use(fill.weights, fill.kv_after_weights)[0]) - cpu_cap
+        # with a disk tier, after it takes every weight the GPU does not hold
+        use = fill.cpu_use(fill.weights, fill.kv_after_weights) + fill.cpu_d * (1 - fill.weights)
+        cpu_short = float(use[0]) - cpu_cap
         if gpu_short > 0:
             shortfalls.append(
                 (gpu_short, "GPU", gpu_cap + gpu_short, gpu_cap, "--gpu-mem or a larger GPU")

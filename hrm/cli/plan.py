@@ -47,6 +47,13 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument("--kv-dtype", choices=sorted(DTYPE_BYTES), help="KV cache (default: --dtype)")
     p.add_argument("--schedule", default="cgopipe", choices=SCHEDULES, help="(cgopipe)")
+    p.add_argument(
+        "--disk-tier",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="weights on the profile's disk: auto where nothing fits the host without (default), "
+        "on wherever a larger batch pays for the reads, off never",
+    )
     p.add_argument("--top", type=int, default=5, help="how many plans to list (5)")
     p.add_argument(
         "--max-batch-size",
@@ -120,11 +127,10 @@ def _add_job_arguments(p) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hrm.cli.plan_compare import gpu_counts
     from hrm.cli.plan_job import hardware_of, max_batch, model, what_if, workload_and_job
 
     names = _check_flags(args)
-    from hrm.cli.plan_compare import gpu_counts
-
     counts = gpu_counts(args.gpus)
     comparing = len(names) > 1 or len(counts or ()) > 1 or args.price is not None
     if comparing and (args.output or args.sweep):
@@ -161,7 +167,8 @@ def run(args: argparse.Namespace) -> int:
     from planner.setting import Setting
 
     named, requested_weights = _named(args, arch, hardware, workload, options)
-    result = search(arch, hardware, workload, top_k=args.top, max_batch_size=cap, **options)
+    result = search(arch, hardware, workload, top_k=args.top, max_batch_size=cap,
+                    disk_tier=args.disk_tier, **options)  # fmt: skip
     base = baselines(Setting(arch=arch, hardware=hardware, workload=workload, **options), cap)
     static = named if named is not None and args.output else result.best
     bound, planned = _beside(args, arch, static, result, hardware, workload, job)
@@ -307,6 +314,13 @@ def _breakdown(plan) -> list[str]:
     if mem.gpu_capacity_bytes > 0:
         lines.append(_memory_line("GPU", mem.gpu_bytes, mem.gpu_capacity_bytes, mem.gpu))
     lines.append(_memory_line("CPU", mem.cpu_bytes, mem.cpu_capacity_bytes, mem.cpu))
+    if mem.disk_bytes:  # every pass (a step through all layers) reads them once
+        per_token = mem.disk_bytes / plan.policy.batch_size
+        busy = plan.busy_s.get("disk", 0.0) / pred.total_s if pred.total_s else 0.0
+        lines.append(
+            f"  disk        {format_bytes(mem.disk_bytes, 3)} of weights read each pass, "
+            f"{format_bytes(per_token, 3)} per generated token; busy {format_percent(busy)}"
+        )
     full = "none full" if plan.binding_memory == "none" else f"{plan.binding_memory} full"
     lines.append(f"  binds       {plan.bottleneck}; memory: {full}")
     return lines
@@ -332,6 +346,11 @@ def _placement(policy) -> str:
         f"FFN {'GPU' if policy.ffn_on_gpu else 'CPU'} "
         f"weights-on-GPU {format_percent(policy.weights_gpu_fraction)} "
         f"KV-on-GPU {format_percent(policy.kv_gpu_fraction)}"
+        + (
+            f" weights-on-disk {format_percent(policy.weights_disk_fraction)}"
+            if policy.weights_disk_fraction
+            else ""
+        )  # fmt: skip
     )
 
 

@@ -74,6 +74,12 @@ def _planned_job(args, hardware, random_arch, warn) -> Job:
             f"{args.plan}: a what-if plan: the executor runs no {plan.policy.weight_dtype} "
             f"weights (it runs {', '.join(RUN_DTYPES)}); plan again with one of those"
         )
+    if plan is not None and plan.policy.weights_disk_fraction > 0:
+        raise HrmError(
+            f"{args.plan}: the plan keeps {plan.policy.weights_disk_fraction:.0%} of the weights "
+            "on disk, and the executor has no disk tier yet; plan with more --cpu-mem, int4 "
+            "weights, or for a machine whose host holds them"
+        )
     dtype = args.dtype or (plan.policy.weight_dtype if plan is not None else None)
     if plan is not None and args.dtype and args.dtype != plan.policy.weight_dtype:
         raise HrmError(

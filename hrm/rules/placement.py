@@ -31,6 +31,9 @@ from hrm.policy import compute_bytes
 # (planner/memory.py counts it; executor/runtime.py chunks by it).
 PREFILL_CHUNK_TOKENS = 8192
 
+# the disk tier reads the weights it keeps on disk in reads of this size (O_DIRECT, aligned),
+# and the planner prices them at the profile's disk rate for it (hrm.hardware.parts.DiskSpec)
+DISK_READ_BYTES = 8 * 2**20
 EXPERT_TENSORS = ("w1", "w3", "w2")  # an expert's projections; expert_shapes adds its biases
 # requested fractions within this of a placement boundary reach it (float noise from the MILP)
 _TOLERANCE = 1e-9

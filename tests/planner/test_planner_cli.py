@@ -124,7 +124,9 @@ def test_sweep_writes_table_and_png(run_cli, tmp_path):
         (["--schedule", "zigzag"], ["invalid choice", "zigzag"]),
         (["--top", "0"], ["--top"]),
         (["--max-batch-size", "0"], ["--max-batch-size"]),
-        (["--cpu-mem", "40 GB"], ["CPU memory", "short"]),
+        (["--cpu-mem", "40 GB", "--disk-tier", "off"], ["CPU memory", "short"]),
+        (["--cpu-mem", "1 GB"], ["CPU memory", "short"]),  # even with every weight on disk
+        (["--disk-tier", "sometimes"], ["invalid choice", "sometimes"]),
     ],
 )
 def test_bad_input_is_one_line_and_leaves_no_file(run_cli, tmp_path, args, fragments):

@@ -340,7 +340,7 @@ def test_bidirectional_link_caps_overlapping_copies(arch, make_gpu_profile, work
         hw, link=dataclasses.replace(hw.link, bidirectional_bytes_per_s=1e8)
     )
     p = policy(batch_size=4, micro_batch_size=2, ffn_on_gpu=True)
-    v = np.array([1.0, 0.0, 1.0, 0.0, 0.0])
+    v = np.array([1.0, 0.0, 1.0, 0.0, 0.0, 0.0])
     for profile, expect in ((hw, False), (capped, True)):
         setting = Setting(arch=arch, hardware=profile, workload=workload)
         model = batch_model(setting, p.batch_size, p.micro_batch_size)
@@ -592,5 +592,13 @@ def test_each_buffer_of_the_memory_model_by_hand(arch):
     held = few.cpu["activations and workspace"]
     assert held[..., ONE] == pytest.approx(12288 + 21280 + 352)
     assert held[..., ATT] == pytest.approx(-352)  # GPU attention scores on the GPU
-    assert few.gpu_total().shape[-1] == few.cpu_total().shape[-1] == 5
+    assert few.gpu_total().shape[-1] == few.cpu_total().shape[-1] == 6
+    # the disk tier: r_d of the weights leave the host's layer weights (2 layers x W_l as stored),
+    # two layers' disk parts are staged pinned, and the disk holds r_d of them
+    from planner.memory import RD, RW
+
+    layer_weights = few.cpu["layer weights"]
+    assert layer_weights[..., RD] == layer_weights[..., RW] == pytest.approx(-2 * W_LAYER)
+    assert few.cpu["disk staging"][..., RD] == pytest.approx(2 * W_LAYER)
+    assert few.disk["weights"][..., RD] == pytest.approx(2 * W_LAYER)
     assert few.gpu_total()[..., FFN] == pytest.approx(sum(t[..., FFN] for t in few.gpu.values()))
