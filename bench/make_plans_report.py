@@ -1,7 +1,7 @@
 """Write reports/plans.md and reports/plans.json: the best plan and prediction for each setting of
 plan_settings.py, with the FlexGen-like and DeepSpeed-like baselines beside it.
 
-    PYTHONPATH=. python bench/make_plans_report.py [--batching-only]
+    PYTHONPATH=. python bench/make_plans_report.py [--batching-only | --disk-only]
 """
 
 from __future__ import annotations
@@ -244,23 +244,27 @@ def cost_markdown(rows: list[dict]) -> str:
 
 
 def main() -> None:
-    """Every table; with --batching-only the batching table alone is made again and the others
-    are written from reports/plans.json as they are."""
+    """Every table; with --batching-only the batching table alone is made again, with
+    --disk-only the 8-GPU and disk-tier tables, the others written from reports/plans.json."""
     import json
     import sys
 
     from batching_rows import batching_markdown, batching_rows
+    from disk_rows import disk_markdown, disk_rows
 
-    if "--batching-only" in sys.argv[1:]:
+    if "--batching-only" in sys.argv[1:] or "--disk-only" in sys.argv[1:]:
         data = json.loads((REPORTS / "plans.json").read_text())
     else:
-        data = {"plans": run_all(), "scaling": scaling_rows(), "cost": cost_rows(),
-                "eight_gpus": eight_gpu_rows()}  # fmt: skip
-    data["batching"] = batching_rows()
+        data = {"plans": run_all(), "scaling": scaling_rows(), "cost": cost_rows()}
+    if "--batching-only" not in sys.argv[1:]:
+        data["eight_gpus"], data["disk"] = eight_gpu_rows(), disk_rows()
+    if "--disk-only" not in sys.argv[1:]:
+        data["batching"] = batching_rows()
     atomic_write_json(REPORTS / "plans.json", data)
     text = markdown(data["plans"]) + scaling_markdown(data["scaling"])
     text += eight_gpu_markdown(data["eight_gpus"]) + cost_markdown(data["cost"])
-    atomic_write_text(REPORTS / "plans.md", text + batching_markdown(data["batching"]))
+    text += batching_markdown(data["batching"]) + disk_markdown(data["disk"])
+    atomic_write_text(REPORTS / "plans.md", text)
     print(f"wrote {REPORTS / 'plans.md'} and plans.json")
 
 

@@ -82,3 +82,16 @@ def workloads() -> list[NamedWorkload]:
         )
     )
     return out
+
+
+# The disk tier (issue 50): models whose weights the host cannot hold, by (model, machine, GPUs,
+# weights, host memory: None for the profile's). DeepSeek-V3 is 1.34 TB in 16 bits (0.38 TB in
+# int4), Qwen3-235B-A22B 470 GB (0.13 TB): the 8 x A100 host has 512 GB, the L4's 192 GB.
+DISK_PLANS = (
+    ("deepseek-v3", "a100-80g", 8, "bfloat16", None),
+    ("deepseek-v3", "a100-80g", 8, "int4", None),
+    ("deepseek-v3", "h100-sxm", 1, "bfloat16", 256e9),
+    ("deepseek-v3", "h100-sxm", 1, "int4", 256e9),
+    ("qwen3-235b-a22b", "l4", 1, "bfloat16", None),
+    ("qwen3-235b-a22b", "l4", 1, "int4", None),
+)
