@@ -14,6 +14,7 @@ N = sequences, mu = micro-batch, S = prompt tokens per sequence (maximum), C = m
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,6 +55,7 @@ class WeightBytes:
     num_layers: int
 
     @classmethod
+    @functools.lru_cache(maxsize=256)  # per (arch, dtype): the search and pricing ask it often
     def of(cls, arch: ModelArch, weight_dtype: str) -> WeightBytes:
         wdt = compute_bytes(weight_dtype)
         layer = arch.layers_params * wdt / arch.num_layers

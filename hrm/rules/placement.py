@@ -19,6 +19,7 @@ policy allows; the planner reports the placed fraction, not the requested one.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -204,11 +205,13 @@ def _items(kinds) -> list[tuple[int, str, float]]:
     return items
 
 
+@functools.lru_cache(maxsize=4096)
 def place_model(arch: ModelArch, weights_gpu_fraction: float, weight_dtype: str) -> ModelPlacement:
     """Whole items of `_items` in order while they fit in r_w of all layers' bytes: the first
     that does not fit ends it, so placing the placed fraction again places the same tensors. In
     a model of one kind this is, per layer, its dense tensors then whole experts in index
-    order."""
+    order. Cached: a plan's search and its pass pricing ask the same questions thousands of
+    times (ModelArch is frozen, the placement a frozen result)."""
     wdt = compute_bytes(weight_dtype)
     kinds = []
     for kind, n in arch.layer_kinds():
