@@ -70,6 +70,9 @@ def main() -> int:
     # cgopipe with int4 weights streamed compact and dequantized on the GPU (issue 34)
     compact = plan_all(arch, hardware, workload, [budget], args.max_batch, "int4", args.policy)
     _run_schedules(args, arch, hardware, compact, budget, device, report, out, "int4", ["cgopipe"])
+    # cgopipe with half of the streamed weights read from disk each pass (issue 50)
+    _run_schedules(args, arch, hardware, _on_disk(plans, budget), budget, device, report, out,
+                   args.dtype, ["cgopipe"], suffix="disk")  # fmt: skip
     _run_batching(args, arch, hardware, plans[(budget, "cgopipe")], device, report, out)
     _run_baseline(args, arch, budget, device, rows, report, out)
     table = _table(report["rows"])
@@ -118,11 +121,23 @@ def _prompts(arch, n: int, length: int):
     return tuple(tuple(x) for x in ids)
 
 
+def _on_disk(plans, budget):
+    """The cgopipe plan with half of what it streams kept on disk (the disk tier's file in the
+    temp directory, read each pass); a plan that does not fit stays its reason."""
+    plan = plans[(budget, "cgopipe")]
+    if isinstance(plan, str) or not plan.policy.ffn_on_gpu:
+        return {(budget, "cgopipe"): plan if isinstance(plan, str) else "the layers run on the CPU"}
+    share = 0.5 * (1 - plan.policy.weights_gpu_fraction)
+    policy = dataclasses.replace(plan.policy, weights_disk_fraction=share)
+    return {(budget, "cgopipe"): dataclasses.replace(plan, policy=policy)}
+
+
 def _run_schedules(
-    args, arch, hardware, plans, budget, device_name, report, out, dtype, schedules=SCHEDULES
-):
+    args, arch, hardware, plans, budget, device_name, report, out, dtype, schedules=SCHEDULES,
+    suffix="",
+):  # fmt: skip
     """Each schedule: warm-up run, timed run; a failure is the row's, not the script's. Rows in
-    a dtype other than --dtype are named with it."""
+    a dtype other than --dtype are named with it, and with `suffix`."""
     import torch
 
     from executor.checkpoint import random_checkpoint
@@ -133,6 +148,7 @@ def _run_schedules(
     for schedule in schedules:
         plan = plans[(budget, schedule)]
         name = schedule if dtype == args.dtype else f"{schedule} {dtype}"
+        name = f"{name} {suffix}" if suffix else name
         row = {"schedule": name, "gpu_mem_bytes": budget, "dtype": dtype}
         report["rows"].append(row)
         if isinstance(plan, str):

@@ -4,7 +4,9 @@
 #   1. the GPU tests (pytest -m gpu: the CUDA paths against transformers and the resident run);
 #   2. bench/gpu_check.py: `hrm profile --quick` of this machine, then every schedule planned
 #      with that measured profile at one GPU budget (warm-up run, then timed run), cgopipe again
-#      with int4 weights (streamed compact, dequantized on the GPU), static against continuous
+#      with int4 weights (streamed compact, dequantized on the GPU), cgopipe with half of its
+#      streamed weights read from disk each pass (the disk tier, its file in $TMPDIR), static
+#      against continuous
 #      batching under the cgopipe plan (4 N requests of mixed max_tokens), the same job under
 #      its continuous plan (hrm plan --batching continuous's limits, against its prediction), and
 #      transformers with accelerate's offload at the same budget; one table, the JSON rewritten

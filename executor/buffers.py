@@ -76,3 +76,8 @@ def dequantized() -> Buffer:
 def weight_page(slot: int, page: int) -> Buffer:
     """One page of a device weight slot."""
     return Buffer("weight_page", (slot % TURNS, page))
+
+
+def disk_stage(turn: int) -> Buffer:
+    """Pinned host staging of one layer's disk part, read from the disk tier's file (READ)."""
+    return Buffer("disk_stage", (turn % TURNS,))

@@ -8,7 +8,8 @@ after write) and, before writing, for the last writer and every reader since (wr
 read). The schedule decides only the order on each queue; the data decides what waits for what,
 so a schedule cannot compute on a half-copied page or overwrite a staging buffer still read.
 
-Queues: "gpu" (compute), "cpu" (attention), "h2d" and "d2h" (the link's two directions). Modes
+Queues: "gpu" (compute), "cpu" (attention), "h2d" and "d2h" (the link's two directions), and
+"disk" (the disk tier's reads, run by the host like "cpu"). Modes
 (`HRM_ENGINE`, see `engine_mode`):
 - `threads` (CUDA's default): a thread per queue; on CUDA each device queue issues on a stream of
   its own and waits for another queue's task through that task's event, a CPU task waits for
@@ -50,11 +51,15 @@ from hrm.errors import HrmError
 from hrm.plan import QUEUES
 
 DEVICE_QUEUES = ("gpu", "h2d", "d2h")
+# the host's queues: CPU attention, and the disk tier's reads (executor/disk_tier.py)
+HOST_QUEUES = ("cpu", "disk")
+ENGINE_QUEUES = (*QUEUES, "disk")
 MODES = ("inline", "threads", "deferred")
 JITTER_MAX_S = 0.002  # the longest delay HRM_ENGINE_JITTER puts before a task
 
 
 class Op(enum.Enum):
+    READ = "read"  # a layer's disk part from the disk tier's file into pinned staging
     LOAD = "load"  # a page (or a whole layer) of weights into a device slot
     DEQUANTIZE = "dequantize"  # a compact format's layer from its slot into the 16-bit one
     EMBED = "embed"
@@ -225,7 +230,7 @@ class _Deferred:
         self.rng = random.Random(seed) if seed is not None else None
 
     def submit(self, action: Action, task: Task, deps: list[_Done], done: _Done) -> None:
-        if action.queue == "cpu":  # the host runs now, after the device work it reads
+        if action.queue in HOST_QUEUES:  # the host runs now, after the device work it reads
             self.finish_all(deps)
             self.execute(action, task, deps, done)
         else:
@@ -279,7 +284,7 @@ class Engine:
             raise HrmError(f"engine mode {requested!r}: use one of {', '.join(MODES)}")
         self.mode = "inline" if serial and requested == "threads" else requested
         self.jitter = jitter_seed() if self.mode in ("threads", "deferred") else None
-        self.stats = {q: QueueStats() for q in QUEUES}
+        self.stats = {q: QueueStats() for q in ENGINE_QUEUES}
         on_cuda = device.type == "cuda" or cuda_api is not None
         self.cuda = (
             _Streams(device, cuda_api or torch.cuda, own_streams=self.mode == "threads")
@@ -288,7 +293,7 @@ class Engine:
         )
         self._workers: dict[str, ThreadPoolExecutor] = {}
         if self.mode == "threads":
-            for q in QUEUES:
+            for q in ENGINE_QUEUES:
                 self._workers[q] = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"hrm-{q}")
         self._deferred = (
             _Deferred(self._execute, one_stream=serial, seed=self.jitter)
@@ -340,7 +345,7 @@ class Engine:
         if self.jitter is not None and self.mode == "threads":
             time.sleep(random.Random(f"{self.jitter}:{action}").uniform(0, JITTER_MAX_S))
         stats = self.stats[action.queue]
-        if self.cuda is not None and action.queue != "cpu":
+        if self.cuda is not None and action.queue not in HOST_QUEUES:
             done.event = self.cuda.launch(action.queue, deps, lambda: _call(task))
         else:
             if self.cuda is not None:
@@ -363,8 +368,9 @@ class Engine:
                 self.stats[queue].busy_s += seconds
 
     def busy_seconds(self) -> dict[str, float]:
-        """Busy seconds per queue so far (CUDA queues up to the last synchronize)."""
-        return {q: s.busy_s for q, s in self.stats.items()}
+        """Busy seconds per queue so far (CUDA queues up to the last synchronize); the disk's
+        where the run read from it."""
+        return {q: s.busy_s for q, s in self.stats.items() if q in QUEUES or s.tasks}
 
 
 def _call(task: Task) -> None:

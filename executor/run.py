@@ -10,6 +10,7 @@ cannot run these prompts before any weight is loaded.
 from __future__ import annotations
 
 import platform
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -144,6 +145,7 @@ def execute(
     token_budget: int | None = None,
     kv_context: int | None = None,
     max_running: int | None = None,
+    disk: tuple[str, bool] | None = None,
 ) -> RunResult:
     """Run every pending batch of `spec`'s prompts under `policy` and `schedule` on its device.
 
@@ -157,11 +159,14 @@ def execute(
     process's batches and share of each layer in a run torchrun started (executor/world.py).
     batching: "static" (batches of N, each to its longest answer) or "continuous"
     (executor/passes.py, at most token_budget tokens a pass and max_running requests at once
-    (default N), KV for N sequences of kv_context)."""
+    (default N), KV for N sequences of kv_context). disk: (directory, O_DIRECT) of the disk
+    tier's file where the policy keeps weights on disk (default: the temp directory, O_DIRECT)."""
     share = share or Share()
     continuous = batching == "continuous"
     runtime = _placed(spec, policy, schedule, checkpoint, cpu_gemm, staged, quiet, share,
-                      continuous)  # fmt: skip
+                      continuous, disk)  # fmt: skip
+    if runtime.store is not None and runtime.store.disk is not None and not quiet:
+        print(f"hrm: {runtime.store.disk.describe()}", file=sys.stderr)
     job = _Job(spec=spec, policy=policy, schedule=schedule, runtime=runtime, partial=partial,
                sampling=sampling or Sampling(), stop_token_ids=stop_token_ids, quiet=quiet,
                on_batch=on_batch, share=share, weights=_weights_held(runtime.store))  # fmt: skip
@@ -316,7 +321,7 @@ def _generate_batch(spec: RunSpec, runtime, batch, sampling, stop_token_ids, on_
 
 
 def _placed(spec: RunSpec, policy: Policy, schedule: str, checkpoint, cpu_gemm, staged, quiet,
-            share: Share, continuous: bool = False):  # fmt: skip
+            share: Share, continuous: bool = False, disk=None):  # fmt: skip
     """The run's runtime: its weights loaded for it unless given (onto a GPU that holds
     everything, else into host memory, the store taking them over as it places them), this
     rank's share of them where it runs tensor-parallel, the CPU GEMM path chosen once they have
@@ -334,6 +339,7 @@ def _placed(spec: RunSpec, policy: Policy, schedule: str, checkpoint, cpu_gemm, 
     return placed_runtime(
         checkpoint, policy, schedule, device, cpu_gemm, staged=staged, take_over=take_over,
         quiet=quiet, collectives=(share.reduce, share.gather), continuous=continuous,
+        disk=disk,
     )  # fmt: skip
 
 
@@ -406,7 +412,8 @@ def _measurement(runtime, device, busy, totals, peak_buffers) -> Measurement:
         **totals,
         busy_fraction={q: (s / total if total else 0.0) for q, s in busy.items()},
         peak_memory_bytes=peak_memory_bytes(device),
-        link_bytes={"h2d": float(stats["h2d"].nbytes), "d2h": float(stats["d2h"].nbytes)},
+        link_bytes={"h2d": float(stats["h2d"].nbytes), "d2h": float(stats["d2h"].nbytes)}
+        | ({"disk": float(stats["disk"].nbytes)} if stats["disk"].tasks else {}),
         buffer_bytes=peak_buffers,
     )
 

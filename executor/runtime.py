@@ -15,6 +15,7 @@ to its own longest prompt, so each sequence's numerics equal the same prompt run
 from __future__ import annotations
 
 import dataclasses
+import tempfile
 from collections.abc import Sequence
 
 import torch
@@ -27,7 +28,7 @@ from executor.model import MoEModel
 from executor.pass_tasks import PassTaskBuilder
 from executor.pinning import HostPins
 from executor.quant import dequantized_weights
-from executor.schedules import SCHEDULE_ORDERS, StepShape, dequantize_before_use
+from executor.schedules import SCHEDULE_ORDERS, StepShape, dequantize_before_use, read_ahead
 from executor.tasks import BatchState, MicroBatch, StepState, TaskBuilder
 from executor.weight_store import WeightStore
 from hrm.formats import is_compact, row_bytes
@@ -256,6 +257,8 @@ class Runtime:
         actions = self.order(shape)
         if shape.pages and self.store.compact:
             actions = dequantize_before_use(actions)
+        if shape.pages and self.store.disk is not None:
+            actions = read_ahead(actions, self.store.disk.parts.__contains__, shape.num_layers)
         self.engine.run((a, self.tasks.task(a, state)) for a in actions)
         self.engine.synchronize()
 
@@ -338,6 +341,7 @@ def placed_runtime(
     quiet: bool = True,
     collectives=(None, None),
     continuous: bool = False,
+    disk=None,
 ) -> Runtime:
     """A host-loaded checkpoint placed as `policy` says, on `device` (CUDA, or the CPU standing
     in for a GPU): the weights hrm.rules.placement makes resident copied there, the rest packed into
@@ -348,7 +352,8 @@ def placed_runtime(
     were loaded onto runs them there, with no store: a resident run (Policy.resident). A compact
     weight format (hrm/formats.py) streams its pages compact, and weights that never stream
     are computed with the format's values; quiet: no progress bar while quantizing;
-    collectives: a tensor-parallel rank's (reduce, gather) over its group (MoEModel)."""
+    collectives: a tensor-parallel rank's (reduce, gather) over its group (MoEModel); disk:
+    (directory, direct) of the disk tier when the policy keeps weights on disk."""
     on_gpu_already = device.type == "cuda" == checkpoint.weights.embed.device.type
     streams = policy.ffn_on_gpu and not (policy.all_on_gpu and on_gpu_already)
     fmt = policy.weight_dtype if is_compact(policy.weight_dtype) else None
@@ -373,6 +378,7 @@ def placed_runtime(
             staged=staged,
             take_over=take_over,
             quiet=quiet,
+            disk=_disk_share(policy, disk),
         )
     try:
         return Runtime(
@@ -389,3 +395,13 @@ def placed_runtime(
         if store is not None:
             store.close()
         raise
+
+
+def _disk_share(policy: Policy, disk) -> tuple[float, str, bool] | None:
+    """(share of each layer's streamed bytes on disk, directory, direct) for WeightStore: the
+    plan's r_d of all the weights is r_d / (1 - r_w) of what streams."""
+    if not policy.weights_disk_fraction:
+        return None
+    directory, direct = disk if disk is not None else (tempfile.gettempdir(), True)
+    streamed = 1.0 - policy.weights_gpu_fraction
+    return min(1.0, policy.weights_disk_fraction / streamed), directory, direct

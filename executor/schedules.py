@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from executor.buffers import TURNS
 from executor.engine import Action, Op
 from hrm.plan import SCHEDULES
 
@@ -123,6 +124,44 @@ def dequantize_before_use(actions: Iterator[Action]) -> Iterator[Action]:
             seen.add((a.step, a.layer))
             yield Action(a.step, a.layer, None, Op.DEQUANTIZE, a.queue)
         yield a
+
+
+def read_ahead(
+    actions: Iterator[Action], on_disk: Callable[[int], bool], num_layers: int
+) -> Iterator[Action]:
+    """The disk tier (executor/disk_tier.py): each layer whose weights have a disk part is read
+    into the staging of its slot's turn (Op.READ on the "disk" queue) as early as that staging
+    is free: right after the last load of the layer before it in that turn, or at the step's
+    start. So the reads run a layer ahead of the loads that copy from them, beside every other
+    queue, in any schedule; the engine's buffer waits keep each staging from being refilled
+    while a load still copies from it."""
+    actions = list(actions)
+    keys: list[tuple[int, int]] = []  # (step, layer) of the loads reading disk, in order
+    last: dict[tuple[int, int], int] = {}
+    for i, a in enumerate(actions):
+        if a.op is Op.LOAD and on_disk(a.layer):
+            key = (a.step, a.layer)
+            if key not in last:
+                keys.append(key)
+            last[key] = i
+    after: dict[int, list[tuple[int, int]]] = {}
+    first: list[tuple[int, int]] = []
+    previous: dict[int, tuple[int, int]] = {}  # staging turn -> the last key read into it
+    for key in keys:
+        turn = (key[0] * num_layers + key[1]) % TURNS  # the slot's turn (executor/tasks.py)
+        if turn in previous:
+            after.setdefault(last[previous[turn]], []).append(key)
+        else:
+            first.append(key)
+        previous[turn] = key
+
+    def read(key):
+        return Action(key[0], key[1], None, Op.READ, "disk")
+
+    yield from map(read, first)
+    for i, a in enumerate(actions):
+        yield a
+        yield from map(read, after.get(i, ()))
 
 
 SCHEDULE_ORDERS: dict[str, Callable[[StepShape], Iterator[Action]]] = {

@@ -126,10 +126,20 @@ class TaskBuilder:
         slot = (a.step * self.arch.num_layers + a.layer) % TURNS
         pages = range(self.store.page_count) if a.page == WHOLE_LAYER else [a.page]
         nbytes = sum(self.store.page_bytes(a.layer, p) for p in pages)
+        staged = self.store.reads_disk(a.layer, a.page)  # its disk part: READ's staging
         return Task(
             lambda: self.store.copy_page(a.layer, a.page, slot),
+            reads=(buf.disk_stage(slot),) if staged else (),
             writes=tuple(buf.weight_page(slot, p) for p in pages),
             nbytes=nbytes,
+        )
+
+    def _read(self, a: Action, _: StepState) -> Task:
+        slot = (a.step * self.arch.num_layers + a.layer) % TURNS
+        return Task(
+            lambda: self.store.read_disk(a.layer, slot),
+            writes=(buf.disk_stage(slot),),
+            nbytes=self.store.disk_part(a.layer),
         )
 
     def _dequantize(self, a: Action, _: StepState) -> Task:
@@ -381,6 +391,7 @@ class TaskBuilder:
         return Task(run, reads=(buf.hidden(mb.index),), writes=(buf.logits(mb.index),))
 
     BUILDERS: ClassVar[dict[Op, Callable[[TaskBuilder, Action, StepState], Task]]] = {
+        Op.READ: _read,
         Op.LOAD: _load,
         Op.DEQUANTIZE: _dequantize,
         Op.EMBED: _embed,

@@ -107,6 +107,7 @@ class WeightStore:
         staged: bool = False,
         take_over: bool = False,
         quiet: bool = True,
+        disk=None,
     ):
         """pages: per layer, cut at tensor boundaries (a layer of a smaller kind may have fewer);
         weight_format: a compact format (hrm/formats.py) the streamed weights are quantized to
@@ -115,7 +116,9 @@ class WeightStore:
         staging pages (the plan's "weight staging"); also taken when the host refuses to pin.
         take_over: the checkpoint's layers and LM head are released as soon as they are copied
         here, so the host never holds the model twice (the plan counts one copy); the caller
-        must not read them again."""
+        must not read them again. disk: (share, directory, direct) for a disk tier
+        (executor/disk_tier.py): the last `share` of each layer's streamed bytes is kept in a
+        file under `directory` instead of its arena, and read back once a pass (Op.READ)."""
         self.arch, self.placement, self.device = placement.arch, placement, device
         dtype = weights.embed.dtype
         self.format = weight_format or str(dtype).removeprefix("torch.")
@@ -129,19 +132,13 @@ class WeightStore:
         self.staged = staged
         self.arenas: dict[int, torch.Tensor] = {}  # layer -> its streamed tensors, packed
         self.resident = []
+        # layer -> where its disk part starts in its arena's bytes (the arena holds what is before)
+        self.disk_start: dict[int, int] = {}
+        self.disk = self._disk_tier(disk, device) if disk is not None else None
         layers = weights.layers
         if self.compact and self.streamed_bytes:
             layers = progress(layers, desc=f"quantizing to {self.format}", quiet=quiet)
-        for i, w in enumerate(layers):
-            layout = self._layout(i)
-            if layout.nbytes:
-                self.arenas[i] = _fill_arena(layout, w, dtype, self.format)
-            self.resident.append(self._resident(layout, w))
-            if take_over:
-                for t in (getattr(w, n) for n in layout.dense_names):
-                    release_host_tensor(t)
-                for t in (getattr(e, n) for e in w.experts for n in layout.expert_names):
-                    release_host_tensor(t)
+        self._place(layers, dtype, take_over)
         self.pins = HostPins()
         self.pinned = False
         if self.arenas and device.type == "cuda" and not staged:
@@ -175,6 +172,45 @@ class WeightStore:
 
     # -- building ------------------------------------------------------------------------------
 
+    def _disk_tier(self, disk, device: torch.device):
+        """The disk tier's file and staging: the last `share` of every streamed layer's bytes,
+        rounded up to a byte (the host keeps no more than the plan counts)."""
+        from executor.disk_tier import DiskTier
+
+        share, directory, direct = disk
+        for i in range(self.arch.num_layers):
+            nbytes = self._layout(i).nbytes
+            if nbytes:
+                self.disk_start[i] = nbytes - min(nbytes, math.ceil(share * nbytes))
+        parts = {i: self._layout(i).nbytes - s for i, s in self.disk_start.items()}
+        return DiskTier(directory, {i: n for i, n in parts.items() if n}, device, direct=direct)
+
+    def _place(self, layers, dtype: torch.dtype, take_over: bool) -> None:
+        """Each layer's streamed tensors into its arena (its disk part to the disk tier's file),
+        its resident ones onto the device; the checkpoint's copies released when taken over."""
+        for i, w in enumerate(layers):
+            layout = self._layout(i)
+            if layout.nbytes:
+                self.arenas[i] = self._kept(i, _fill_arena(layout, w, dtype, self.format))
+            self.resident.append(self._resident(layout, w))
+            if take_over:
+                for t in (getattr(w, n) for n in layout.dense_names):
+                    release_host_tensor(t)
+                for t in (getattr(e, n) for e in w.experts for n in layout.expert_names):
+                    release_host_tensor(t)
+        if self.disk is not None:
+            self.disk.open()
+
+    def _kept(self, layer: int, arena: torch.Tensor) -> torch.Tensor:
+        """The arena the host keeps: all of it, or its head, its tail written to the disk tier."""
+        start = self.disk_start.get(layer)
+        if start is None or start == arena.numel():
+            return arena
+        self.disk.write(layer, arena[start:])
+        head = page_aligned_empty(start, torch.uint8)
+        head.copy_(arena[:start])
+        return head
+
     def _layout(self, layer: int) -> _Layout:
         return self.layouts[self.arch.is_dense(layer)]
 
@@ -205,22 +241,43 @@ class WeightStore:
 
     def copy_page(self, layer: int, page: int, slot: int) -> None:
         """Page `page` of `layer` (all pages when page < 0) into `slot`; maps its experts. A page
-        past the pages of the layer's kind copies nothing."""
+        past the pages of the layer's kind copies nothing. What lies past the layer's disk start
+        comes from the disk tier's staging of the same turn as the slot (read by Op.READ)."""
         layout = self._layout(layer)
         if page >= len(layout.pages):
             return
+        split = self.disk_start.get(layer, layout.nbytes)
         for first, last in layout.pages if page < 0 else [layout.pages[page]]:
-            src, dst = self.arenas[layer][first:last], self.slots[slot][first:last]
-            if self.staged:
-                self._copy_staged(src, dst)
-            else:
-                dst.copy_(src, non_blocking=self.pinned)
+            if first < split:
+                src, dst = self.arenas[layer][first : min(last, split)], self.slots[slot]
+                if self.staged:
+                    self._copy_staged(src, dst[first : min(last, split)])
+                else:
+                    dst[first : min(last, split)].copy_(src, non_blocking=self.pinned)
+            if last > split:
+                start = max(first, split)
+                src = self.disk.staging[slot][start - split : last - split]
+                self.slots[slot][start:last].copy_(src, non_blocking=bool(self.disk.pins.pinned))
             self.h2d_bytes += last - first
         start, end = (0, layout.nbytes) if page < 0 else layout.pages[page]
         for t in layout.tensors:
             if len(t.key) == 2 and t.key[1] == EXPERT_TENSORS[0] and start <= t.offset < end:
                 self.page_table[(layer, t.key[0])] = slot
                 self.mapped[(layer, t.key[0])] += 1
+
+    def reads_disk(self, layer: int, page: int) -> bool:
+        """Whether the page (all pages when page < 0) takes bytes from the disk tier."""
+        layout, start = self._layout(layer), self.disk_start.get(layer)
+        if start is None or start == layout.nbytes or page >= len(layout.pages):
+            return False
+        return page < 0 or layout.pages[page][1] > start
+
+    def read_disk(self, layer: int, slot: int) -> None:
+        """The layer's disk part into the disk tier's staging of the slot's turn (Op.READ)."""
+        self.disk.read(layer, slot)
+
+    def disk_part(self, layer: int) -> int:
+        return self.disk.parts.get(layer, 0) if self.disk is not None else 0
 
     def dequantize(self, layer: int, slot: int) -> None:
         """A compact format: `layer`'s streamed tensors from `slot` (all its pages in) into the
@@ -276,9 +333,12 @@ class WeightStore:
         return self.slot_views[0 if self.compact else slot]
 
     def close(self) -> None:
-        """Unpin the arenas (after the device's work on them) before their memory is freed."""
+        """Unpin the arenas (after the device's work on them) before their memory is freed;
+        remove the disk tier's file."""
         self.pins.close()
         self.pinned = False
+        if self.disk is not None:
+            self.disk.close()
 
     def allocated_bytes(self) -> dict[str, dict[str, float]]:
         """Bytes per buffer, by the planner's names (planner/memory.py)."""
@@ -294,7 +354,8 @@ class WeightStore:
             }
             | ({"dequantized layer": size(self.dequantized)} if self.dequantized else {}),
             "cpu": {"layer weights": size(self.arenas.values())}
-            | ({"weight staging": size(self.ring)} if self.staged else {}),
+            | ({"weight staging": size(self.ring)} if self.staged else {})
+            | ({"disk staging": size(self.disk.staging)} if self.disk is not None else {}),
         }
 
 

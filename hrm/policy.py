@@ -67,6 +67,11 @@ class Policy:
         fraction(self.weights_gpu_fraction, where="policy: weights_gpu_fraction")
         fraction(self.kv_gpu_fraction, where="policy: kv_gpu_fraction")
         fraction(self.weights_disk_fraction, where="policy: weights_disk_fraction")
+        if self.weights_disk_fraction and not self.ffn_on_gpu:
+            raise HrmError(
+                "policy: weights_disk_fraction > 0 needs ffn_on_gpu: the disk tier keeps "
+                "weights the GPU streams in"
+            )
         if self.weights_gpu_fraction + self.weights_disk_fraction > 1.0 + 1e-9:
             raise HrmError(
                 f"policy: weights_gpu_fraction {self.weights_gpu_fraction:g} and "

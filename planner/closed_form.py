@@ -113,7 +113,8 @@ def fill_gpu(setting: Setting, batch_size, mu: int, combo: tuple[int, int]) -> F
         cpu_w=c[:, RW],
         cpu_c=c[:, RC] * att,
         cpu_cap=usable_bytes(hw.cpu.memory_bytes),
-        cpu_d=c[:, RD] if hw.disk is not None else np.zeros_like(c[:, RD]),
+        # the disk keeps streamed weights only: none where the CPU runs the layers
+        cpu_d=c[:, RD] * ffn if hw.disk is not None else np.zeros_like(c[:, RD]),
     )
 
 

@@ -70,8 +70,9 @@ def add_placement_constraints(prob, x: _Vars, allowed: dict[str, bool | None]) -
     prob += x.rw <= x.ffn, "weights_need_gpu_layers"
     # r_c <= A_g: a GPU-resident cache only for GPU attention
     prob += x.rc <= x.att, "cache_needs_gpu_attention"
-    # r_w + r_d <= 1: the disk tier keeps weights the GPU does not
-    prob += x.rw + x.rd <= 1, "disk_takes_weights_off_the_gpu"
+    # r_w + r_d <= F_g: the disk tier keeps weights the GPU streams in (none where the CPU
+    # runs the layers: the executor reads the disk part into the GPU's pages)
+    prob += x.rw + x.rd <= x.ffn, "disk_keeps_streamed_weights"
     for name, var in (("attention_on_gpu", x.att), ("ffn_on_gpu", x.ffn)):
         if allowed.get(name) is not None:
             prob += var == int(allowed[name]), f"fixed_{name}"

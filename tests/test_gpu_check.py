@@ -24,8 +24,9 @@ def test_the_dry_run_measures_every_schedule_and_the_baseline(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     rows = json.loads((out / "gpu_check.json").read_text())["rows"]
     names = [r["schedule"] for r in rows]
-    assert names == [*SCHEDULES, "cgopipe int4", "cgopipe static", "cgopipe continuous",
-                     "cgopipe continuous planned", "transformers+accelerate"]  # fmt: skip
+    assert names == [*SCHEDULES, "cgopipe int4", "cgopipe disk", "cgopipe static",
+                     "cgopipe continuous", "cgopipe continuous planned",
+                     "transformers+accelerate"]  # fmt: skip
     assert all(r["measured"]["throughput_tok_s"] > 0 for r in rows), rows
     paged = [r for r in rows if "plan" in r and r["plan"]["policy"]["weights_gpu_fraction"] < 1]
     assert paged, "the dry run's budget pages no weights"
@@ -33,6 +34,10 @@ def test_the_dry_run_measures_every_schedule_and_the_baseline(tmp_path):
     assert int4["plan"]["policy"]["weight_dtype"] == "int4"
     half = next(r for r in rows if r["schedule"] == "cgopipe")
     assert 0 < int4["measured"]["link_bytes"]["h2d"] < half["measured"]["link_bytes"]["h2d"]
+    disk = next(r for r in rows if r["schedule"] == "cgopipe disk")  # the same pages, part read
+    assert disk["plan"]["policy"]["weights_disk_fraction"] > 0
+    assert disk["measured"]["link_bytes"]["h2d"] == half["measured"]["link_bytes"]["h2d"]
+    assert 0 < disk["measured"]["link_bytes"]["disk"] < disk["measured"]["link_bytes"]["h2d"]
     static, continuous = (next(r for r in rows if r.get("batching") == m)
                           for m in ("static", "continuous"))  # fmt: skip
     assert static["measured"]["generated_tokens"] == continuous["measured"]["generated_tokens"]

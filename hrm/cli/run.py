@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import json
 import os
+import tempfile
 
 from hrm.plan import SCHEDULES
 from hrm.policy import RUN_DTYPES
@@ -126,6 +127,10 @@ def _add_run_arguments(p) -> None:
         "micro-batch of the longest prompt beside a decode of each request running)",
     )
     p.add_argument("--threads", type=int, help="CPU threads the run uses (default: torch's)")
+    p.add_argument("--disk-dir", metavar="DIR", help="where a plan with weights on disk "
+                   "writes its disk tier's file (removed after; default: temp dir)")  # fmt: skip
+    p.add_argument("--disk-buffered", action="store_true", help="read the disk tier "
+                   "through the page cache where --disk-dir refuses O_DIRECT")  # fmt: skip
     p.add_argument(
         "--output",
         help="JSONL of outputs, one line per prompt in input order (default: stdout, with the "
@@ -390,6 +395,7 @@ def _execute(args, job, hardware, partial, warn, world):
             job.schedule,
             cpu_gemm=choose,
             staged=job.staged,
+            disk=(args.disk_dir or tempfile.gettempdir(), not args.disk_buffered),
             partial=partial,
             sampling=Sampling(temperature=args.temperature, top_p=args.top_p, seed=args.seed),
             stop_token_ids=() if args.ignore_eos else spec.arch.eos_token_ids,

@@ -9,6 +9,7 @@ imports nothing back from it.
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,12 +75,6 @@ def _planned_job(args, hardware, random_arch, warn) -> Job:
             f"{args.plan}: a what-if plan: the executor runs no {plan.policy.weight_dtype} "
             f"weights (it runs {', '.join(RUN_DTYPES)}); plan again with one of those"
         )
-    if plan is not None and plan.policy.weights_disk_fraction > 0:
-        raise HrmError(
-            f"{args.plan}: the plan keeps {plan.policy.weights_disk_fraction:.0%} of the weights "
-            "on disk, and the executor has no disk tier yet; plan with more --cpu-mem, int4 "
-            "weights, or for a machine whose host holds them"
-        )
     dtype = args.dtype or (plan.policy.weight_dtype if plan is not None else None)
     if plan is not None and args.dtype and args.dtype != plan.policy.weight_dtype:
         raise HrmError(
@@ -100,6 +95,10 @@ def _planned_job(args, hardware, random_arch, warn) -> Job:
         where = f"the best plan on {hardware.name}"
     else:
         where = args.plan
+    if plan.policy.weights_disk_fraction:  # before any weight loads
+        from executor.disk_tier import check_directory
+
+        check_directory(args.disk_dir or tempfile.gettempdir(), direct=not args.disk_buffered)
     device = torch.device(spec.device)
     _check_tensor_parallel(plan, spec.arch, where)
     gpu_bytes = parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None

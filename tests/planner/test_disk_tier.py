@@ -94,6 +94,9 @@ def test_disk_reads_priced_by_hand(arch, make_gpu_profile, workload):
 def test_policy_keeps_the_weights_once():
     base = dict(batch_size=2, micro_batch_size=1, attention_on_gpu=False, ffn_on_gpu=True,
                 kv_gpu_fraction=0.0)  # fmt: skip
+    with pytest.raises(HrmError, match="needs ffn_on_gpu"):
+        Policy(**{**base, "ffn_on_gpu": False}, weights_gpu_fraction=0.0,
+               weights_disk_fraction=0.5)  # fmt: skip
     with pytest.raises(HrmError, match="add up to more than 1"):
         Policy(**base, weights_gpu_fraction=0.6, weights_disk_fraction=0.5)
     kept = Policy(**base, weights_gpu_fraction=0.25, weights_disk_fraction=0.5)

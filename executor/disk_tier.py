@@ -1,0 +1,132 @@
+"""The disk tier: the trailing part of each streamed layer's arena kept in a file, not in host
+memory, and read back once a pass into pinned staging (the "disk" queue's READ), from which the
+layer's pages are copied in with the rest (executor/weight_store.py).
+
+The parts are written to one file at load, each at a 4 KiB-aligned offset and padded, because
+what the device's slots take is the arena's layout: tensors packed in placement order, quantized
+in a compact format. The checkpoint's own files hold neither that order nor those bytes, so
+this is the one conversion the tier makes (its size and place are printed; the file is removed
+when the run ends). A part is read back in one O_DIRECT pread, large and aligned, as a drive
+reads fastest; where the filesystem refuses O_DIRECT the run is refused, unless buffered reads
+are asked for (then the page cache may serve them, and the run says so).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from executor.buffers import TURNS
+from executor.pinning import HostPins, page_aligned_empty
+from hrm.errors import HrmError
+from hrm.units import format_bytes
+
+ALIGN = 4096  # O_DIRECT's alignment of offsets, sizes and buffers
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def check_directory(directory: str | os.PathLike, *, direct: bool = True) -> None:
+    """Refuse, in one line and before anything loads, a directory the disk tier cannot use:
+    missing, not writable, or (with direct) on a filesystem that refuses O_DIRECT."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise HrmError(f"--disk-dir {directory}: no such directory for the disk tier's file")
+    try:
+        fd, name = tempfile.mkstemp(prefix="hrm-disk-check-", dir=directory)
+    except OSError as exc:
+        raise HrmError(f"--disk-dir {directory}: cannot write there ({exc.strerror})") from None
+    os.close(fd)
+    try:
+        if direct:
+            os.close(os.open(name, os.O_RDONLY | os.O_DIRECT))
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        raise _refused(directory) from None
+    finally:
+        os.unlink(name)
+
+
+def _refused(directory: Path) -> HrmError:
+    return HrmError(
+        f"{directory}: the filesystem refuses O_DIRECT reads, so the disk tier's reads would "
+        "come from the page cache; give --disk-dir on the device the plan's disk is, or "
+        "--disk-buffered to read through the cache"
+    )
+
+
+class DiskTier:
+    """One spill file of the layers' disk parts, and the pinned staging their reads land in."""
+
+    def __init__(self, directory: str | os.PathLike, parts: dict[int, int], device, *,
+                 direct: bool = True):  # fmt: skip
+        """parts: layer -> bytes of its disk part; direct: O_DIRECT reads (else buffered)."""
+        directory = Path(directory)
+        if not directory.is_dir():
+            raise HrmError(f"--disk-dir {directory}: no such directory for the disk tier's file")
+        self.parts, self.direct, self.offsets = parts, direct, {}
+        offset = 0
+        for layer, nbytes in sorted(parts.items()):
+            self.offsets[layer] = offset
+            offset += _padded(nbytes)
+        self.nbytes = offset
+        fd, name = tempfile.mkstemp(prefix="hrm-disk-", suffix=".bin", dir=directory)
+        os.close(fd)
+        self.path = Path(name)
+        self._fd: int | None = None
+        largest = _padded(max(parts.values(), default=0))
+        self.staging = [page_aligned_empty(largest, torch.uint8) for _ in range(TURNS)]
+        self.pins = HostPins()
+        if device.type == "cuda":
+            self.pins.pin_all(self.staging)
+        self.read_bytes = 0
+
+    def write(self, layer: int, data: torch.Tensor) -> None:
+        """Layer `layer`'s disk part (uint8, its arena's tail), written at its offset."""
+        with open(self.path, "r+b") as f:
+            f.seek(self.offsets[layer])
+            f.write(data.numpy().tobytes())
+
+    def open(self) -> None:
+        """After the last write: flush to the device, and open for reads (O_DIRECT unless asked
+        otherwise). A filesystem that refuses O_DIRECT is refused in one line."""
+        with open(self.path, "r+b") as f:
+            f.truncate(self.nbytes)
+            os.fsync(f.fileno())
+        try:
+            self._fd = os.open(self.path, os.O_RDONLY | (os.O_DIRECT if self.direct else 0))
+        except OSError as exc:
+            if self.direct and exc.errno == errno.EINVAL:
+                raise _refused(self.path.parent) from None
+            raise
+
+    def read(self, layer: int, turn: int) -> None:
+        """Layer `layer`'s disk part into staging `turn`: whole aligned reads until it is in."""
+        size, offset = _padded(self.parts[layer]), self.offsets[layer]
+        view = memoryview(self.staging[turn].numpy())[:size]
+        done = 0
+        while done < size:
+            got = os.preadv(self._fd, [view[done:]], offset + done)
+            if got <= 0:
+                raise HrmError(f"{self.path}: the disk tier's file ended early at {offset + done}")
+            done += got
+        self.read_bytes += self.parts[layer]
+
+    def describe(self) -> str:
+        how = "O_DIRECT" if self.direct else "buffered"
+        return (f"disk tier: {format_bytes(self.nbytes, 3)} of {len(self.parts)} layers' "
+                f"weights in {self.path} ({how} reads; removed at the end)")  # fmt: skip
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        self.pins.close()
+        self.path.unlink(missing_ok=True)
