@@ -45,8 +45,8 @@ def disk_markdown(rows: list[dict]) -> str:
         "--dtype D`, `--disk-tier auto`): where no policy fits the host's memory, the search "
         "keeps the least share of the weights on disk that fits, read once a pass (every layer "
         "of a decode step) in 8 MiB reads at the profile's datasheet NVMe rate (one Samsung "
-        "PM9A3, 6.5 GB/s), overlapped with the GPU, the CPU and the link. The executor has no "
-        "disk tier yet: these plans are predictions.",
+        "PM9A3, 6.5 GB/s), overlapped with the GPU, the CPU and the link. The disk keeps only "
+        "weights the GPU streams (r_w + r_d <= F_g), as the executor's disk tier reads them.",
         "",
         "| model | machine | host | weights | N | mu | w GPU | w disk | disk per pass | "
         "per token | disk busy | tok/s | binds |",
