@@ -32,16 +32,21 @@ def _padded(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
-def check_directory(directory: str | os.PathLike, *, direct: bool = True) -> None:
+def check_directory(
+    directory: str | os.PathLike, *, direct: bool = True, what: str = "--disk-dir"
+) -> None:
     """Refuse, in one line and before anything loads, a directory the disk tier cannot use:
-    missing, not writable, or (with direct) on a filesystem that refuses O_DIRECT."""
+    missing, not writable, or (with direct) on a filesystem that refuses O_DIRECT; `what`
+    names where it came from."""
     directory = Path(directory)
     if not directory.is_dir():
-        raise HrmError(f"--disk-dir {directory}: no such directory for the disk tier's file")
+        raise HrmError(
+            f"{what} {directory}: no such directory for the disk tier's file; give --disk-dir DIR"
+        )
     try:
         fd, name = tempfile.mkstemp(prefix="hrm-disk-check-", dir=directory)
     except OSError as exc:
-        raise HrmError(f"--disk-dir {directory}: cannot write there ({exc.strerror})") from None
+        raise HrmError(f"{what} {directory}: cannot write there ({exc.strerror})") from None
     os.close(fd)
     try:
         if direct:

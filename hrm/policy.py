@@ -138,6 +138,7 @@ POLICY_TEXT_KEYS = {
     "ffn": "cpu|gpu",
     "w": "weights on the GPU, 0..1",
     "kv": "KV cache on the GPU, 0..1",
+    "disk": "weights on disk, 0..1",
 }
 
 
@@ -193,4 +194,5 @@ def parse_policy_text(text: str, *, weight_dtype: str, kv_dtype: str) -> Policy:
         kv_gpu_fraction=share("kv"),
         weight_dtype=weight_dtype,
         kv_dtype=kv_dtype,
+        weights_disk_fraction=share("disk"),
     )

@@ -157,6 +157,7 @@ def queue_terms(setting: Setting, mb: MicroBatchSeconds) -> QueueTerms:
             "kv cache": _per_mb(kv_crossing, mb.kv_to_cpu),
         },
         # r_d * W_l read from disk once per layer and pass (FlexGen's dtoc), beside the others
+        # (on a GPU machine; the CPU standing in adds them to its shared host)
         "disk": {
             "weights": Expr(_zero(steps), _coef(steps, rd, rd) * disk_seconds(setting), rd * 0)
         },
@@ -218,8 +219,9 @@ def schedule_terms(
     shared = hardware is not None and hardware.stand_in
     head = sum(q.head.values(), _empty(q.chain))
     empty = _empty(q.chain)
-    # stand-in: one set of cores and one memory bus run all four queues: T_layer >= their sum
-    host = {"shared host": gpu + cpu + h2d + d2h} if shared else {}
+    # stand-in: one set of cores and one memory bus run all the queues (the disk's reads too: the
+    # engine runs them inline there): T_layer >= their sum
+    host = {"shared host": gpu + cpu + h2d + d2h + q.queue("disk")} if shared else {}
     if schedule == "serial":
         # S3: T_layer = max(W_l stream, sum of chains): micro-batches one after another, no fill
         layer = {"h2d": q.components["h2d"]["weights"], "latency": q.chain_sum, **host,

@@ -106,6 +106,7 @@ class PassPricer:
         out = {name: q.queue(name).scaled[step] for name in q.components}
         # a compact format's dequantize is once per pass of a layer, not per group
         out["dequantize"] = q.components["gpu"]["dequantize"].unscaled[step]
+        out["disk"] = q.queue("disk").unscaled[step]  # the disk tier's reads: once a pass too
         out["chain"] = q.chain.unscaled[step]
         out["fill"] = q.fill.unscaled[step]
         out["head"] = sum(e.scaled[step] for e in q.head.values())
@@ -121,6 +122,8 @@ class PassPricer:
         queues["gpu"] += priced[0]["dequantize"]
         stream = float(weight_stream_seconds(s, np.array([m]))[0]) * priced[0]["weights"]
         queues["h2d"] += stream
+        if priced[0]["disk"]:
+            queues["disk"] = priced[0]["disk"]
         if s.schedule == "serial":
             layer = max(stream, sum(g["chain"] for g in priced))
         else:
@@ -136,7 +139,7 @@ class PassPricer:
             layer = max(layer, sum(queues.values()))
         fill = priced[0]["fill"] if m >= 2 and s.schedule != "serial" else 0.0
         for q, busy in queues.items():
-            self.busy_s[q] += s.arch.num_layers * busy
+            self.busy_s[q] = self.busy_s.get(q, 0.0) + s.arch.num_layers * busy
         return s.arch.num_layers * layer + fill + sum(g["head"] for g in priced)
 
 

@@ -395,7 +395,7 @@ def _execute(args, job, hardware, partial, warn, world):
             job.schedule,
             cpu_gemm=choose,
             staged=job.staged,
-            disk=(args.disk_dir or tempfile.gettempdir(), not args.disk_buffered),
+            disk=(job.disk_dir or tempfile.gettempdir(), not args.disk_buffered),
             partial=partial,
             sampling=Sampling(temperature=args.temperature, top_p=args.top_p, seed=args.seed),
             stop_token_ids=() if args.ignore_eos else spec.arch.eos_token_ids,

@@ -22,6 +22,7 @@ class Job:
     plan: Any  # hrm.plan.Plan, or None for a resident run
     profile: Any  # the HardwareProfile the run is predicted on, or None
     staged: bool  # weights cross the link through a pinned staging ring (the plan says)
+    disk_dir: str | None = None  # where the disk tier's file goes, when the plan has one
 
 
 def settle_job(args, hardware, random_arch, planner_args: list[str], warn) -> Job:
@@ -95,10 +96,7 @@ def _planned_job(args, hardware, random_arch, warn) -> Job:
         where = f"the best plan on {hardware.name}"
     else:
         where = args.plan
-    if plan.policy.weights_disk_fraction:  # before any weight loads
-        from executor.disk_tier import check_directory
-
-        check_directory(args.disk_dir or tempfile.gettempdir(), direct=not args.disk_buffered)
+    disk_dir = _disk_dir(args, plan) if plan.policy.weights_disk_fraction else None
     device = torch.device(spec.device)
     _check_tensor_parallel(plan, spec.arch, where)
     gpu_bytes = parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None
@@ -120,7 +118,21 @@ def _planned_job(args, hardware, random_arch, warn) -> Job:
         else None,
     )
     profile = prediction_profile(plan, hardware, spec.device, warn)
-    return Job(spec, plan.policy, plan.schedule, plan, profile, plan.stages_weights)
+    return Job(spec, plan.policy, plan.schedule, plan, profile, plan.stages_weights, disk_dir)
+
+
+def _disk_dir(args, plan) -> str:
+    """Where a plan with weights on disk writes its disk tier's file: --disk-dir, else the
+    directory its profile's disk was measured in, else the temp directory; checked before any
+    weight loads."""
+    from executor.disk_tier import check_directory
+
+    disk = plan.machine.disk if plan.machine is not None else None
+    measured = disk.path if disk is not None else None
+    directory = args.disk_dir or measured or tempfile.gettempdir()
+    what = "--disk-dir" if args.disk_dir or not measured else "the profile's disk path"
+    check_directory(directory, direct=not args.disk_buffered, what=what)
+    return directory
 
 
 def run_spec(args, random_arch, dtype, kv_dtype=None):

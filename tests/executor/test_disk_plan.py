@@ -135,3 +135,22 @@ def test_disk_dir_missing_or_refusing_o_direct(run_cli, checkpoints, tmp_path, m
     status, out, err = run_cli(*base, "--disk-dir", tmp_path, "--disk-buffered", "--quiet")
     assert status == 0, err
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("hrm-disk-")] == []
+
+
+def test_profile_disk_path_that_does_not_exist(run_cli, checkpoints, tmp_path):
+    """Without --disk-dir the file goes where the plan's profile measured its disk: a path that
+    is not there is refused in one line, naming it."""
+    ckpt = checkpoints["mixtral-single"]
+    plan = _disk_plan(run_cli, ckpt, tmp_path)
+    data = json.loads(plan.read_text())
+    data["machine"]["disk"] = {"read": "2 GB/s", "path": str(tmp_path / "gone")}
+    plan.write_text(json.dumps(data))
+    run = ("run", "--checkpoint", ckpt, "--plan", plan, "--prompt-len", "8", "--batch", "2",
+           "--gen-len", "2")  # fmt: skip
+    status, out, err = run_cli(*run)
+    assert_one_line_error(status, err, "the profile's disk path", "gone", "--disk-dir")
+    assert out == ""
+    (tmp_path / "gone").mkdir()
+    status, _, err = run_cli(*run, "--quiet")
+    assert status == 0, err
+    assert list((tmp_path / "gone").iterdir()) == []
