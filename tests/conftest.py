@@ -43,3 +43,17 @@ def assert_one_line_error(status: int, err: str, *fragments: str) -> None:
     assert "Traceback" not in err
     for fragment in fragments:
         assert fragment in lines[0], f"{fragment!r} not in {lines[0]!r}"
+
+
+def refuse_o_direct(monkeypatch, module) -> None:
+    """`module`'s os.open refuses O_DIRECT as tmpfs and some network filesystems do (EINVAL)."""
+    import errno
+
+    real_open = os.open
+
+    def no_direct(path, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(module.os, "open", no_direct)

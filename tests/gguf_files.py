@@ -197,14 +197,14 @@ def write_gguf(
     return parts[0] if parts else out
 
 
-def dequantized_copy(src: Path, out: Path) -> Path:
-    """A GGUF file with every tensor of `src` dequantized to F32 (by the gguf package) and its
-    metadata as it was: what a quantized file must run exactly like."""
+def rewrite_gguf(src: Path, out: Path, change=None) -> Path:
+    """A copy of the GGUF file `src` with its metadata as it was and each tensor as `change`
+    (name, torch-order shape, the reader's tensor) returns it: (array, raw GGML type or None), or
+    None to keep it as it is."""
     import gguf
 
     reader = gguf.GGUFReader(str(src))
-    arch = reader.fields["general.architecture"].contents()
-    writer = gguf.GGUFWriter(str(out), arch)
+    writer = gguf.GGUFWriter(str(out), reader.fields["general.architecture"].contents())
     for name, field in reader.fields.items():
         if name.startswith("GGUF.") or name == "general.architecture":
             continue
@@ -213,13 +213,26 @@ def dequantized_copy(src: Path, out: Path) -> Path:
         writer.add_key_value(name, field.contents(), value_type, sub_type=sub)
     for t in reader.tensors:
         shape = tuple(int(n) for n in reversed(t.shape.tolist()))
-        values = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
-        writer.add_tensor(t.name, np.ascontiguousarray(values, dtype=np.float32))
+        changed = change(t.name, shape, t) if change is not None else None
+        array, raw = changed if changed is not None else (np.array(t.data), t.tensor_type)
+        writer.add_tensor(t.name, array, raw_dtype=raw)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def dequantized_copy(src: Path, out: Path) -> Path:
+    """A GGUF file with every tensor of `src` dequantized to F32 (by the gguf package) and its
+    metadata as it was: what a quantized file must run exactly like."""
+    import gguf
+
+    def plain(name, shape, t):
+        values = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
+        return np.ascontiguousarray(values, dtype=np.float32), None
+
+    return rewrite_gguf(src, out, plain)
 
 
 def torch_of(path: Path, name: str) -> torch.Tensor:

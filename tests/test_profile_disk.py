@@ -3,16 +3,13 @@ in a profile file."""
 
 from __future__ import annotations
 
-import errno
-import os
-
 import pytest
 
 from hrm.errors import HrmError
 from hrm.hardware import HardwareProfile, resolve_hardware
 from hrm.hardware.parts import Curve, DiskSpec
 from hrm.profiling import disk
-from tests.conftest import assert_one_line_error
+from tests.conftest import assert_one_line_error, refuse_o_direct
 
 
 def test_read_curve_is_timed_at_each_size_and_the_probe_removed(tmp_path):
@@ -26,14 +23,7 @@ def test_read_curve_is_timed_at_each_size_and_the_probe_removed(tmp_path):
 
 
 def test_o_direct_refused_is_said_unless_buffered_reads_are_asked(tmp_path, monkeypatch):
-    real_open = os.open
-
-    def no_direct(path, flags, *args):
-        if flags & os.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_open(path, flags, *args)
-
-    monkeypatch.setattr(disk.os, "open", no_direct)
+    refuse_o_direct(monkeypatch, disk)
     with pytest.raises(HrmError, match="refuses O_DIRECT.*--disk-buffered"):
         disk.measure_disk(tmp_path, file_bytes=2**16, budget_s=0.01)
     spec = disk.measure_disk(tmp_path, file_bytes=2**16, budget_s=0.01, direct=False)

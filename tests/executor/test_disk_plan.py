@@ -5,9 +5,7 @@ disk part once a pass from its file (removed after), and refuses what it cannot 
 from __future__ import annotations
 
 import dataclasses
-import errno
 import json
-import os
 
 import pytest
 import torch
@@ -16,7 +14,7 @@ from executor import disk_tier
 from executor.checkpoint import open_checkpoint
 from executor.generate import generate
 from executor.runtime import placed_runtime
-from tests.conftest import assert_one_line_error
+from tests.conftest import assert_one_line_error, refuse_o_direct
 from tests.executor.conftest import ragged_prompts
 from tests.executor.test_offload import between, policy
 
@@ -122,14 +120,7 @@ def test_disk_dir_missing_or_refusing_o_direct(run_cli, checkpoints, tmp_path, m
     status, out, err = run_cli(*base, "--disk-dir", tmp_path / "absent")
     assert_one_line_error(status, err, "absent", "no such directory")
     assert out == ""
-    real_open = os.open
-
-    def no_direct(path, flags, *args):
-        if flags & os.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_open(path, flags, *args)
-
-    monkeypatch.setattr(disk_tier.os, "open", no_direct)
+    refuse_o_direct(monkeypatch, disk_tier)
     status, out, err = run_cli(*base, "--disk-dir", tmp_path, "--quiet")
     assert_one_line_error(status, err, "refuses O_DIRECT", "--disk-buffered")
     status, out, err = run_cli(*base, "--disk-dir", tmp_path, "--disk-buffered", "--quiet")

@@ -16,7 +16,7 @@ from hrm.arch import resolve_model
 from tests.conftest import assert_one_line_error
 from tests.executor.conftest import _mixtral_config, ragged_prompts, reference_model, save_model
 from tests.executor.test_matches_transformers import reference_generate, run_executor
-from tests.gguf_files import dequantized_copy, write_gguf
+from tests.gguf_files import dequantized_copy, rewrite_gguf, write_gguf
 
 FAMILIES = ("mixtral-single", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3")
 PLAN = ("--hardware", "l4", "--prompt-len", "64", "--gen-len", "32", "--json")
@@ -190,24 +190,13 @@ def test_unsupported_tensor_type_is_named(run_cli, checkpoints, tmp_path):
     import gguf
 
     src = write_gguf(checkpoints["qwen3_moe"], tmp_path / "q.gguf")
-    reader = gguf.GGUFReader(str(src))
-    writer = gguf.GGUFWriter(str(tmp_path / "iq.gguf"), "qwen3moe")
-    for name, field in reader.fields.items():
-        if not name.startswith("GGUF.") and name != "general.architecture":
-            sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub)
     iq = gguf.GGMLQuantizationType.IQ4_NL
-    for t in reader.tensors:
-        if t.name == "blk.0.ffn_up_exps.weight":  # IQ4_NL: 18 bytes a block of 32
-            shape = tuple(int(n) for n in reversed(t.shape.tolist()))
-            raw = np.zeros((*shape[:-1], shape[-1] // 32 * 18), np.uint8)
-            writer.add_tensor(t.name, raw, raw_dtype=iq)
-        else:
-            writer.add_tensor(t.name, np.array(t.data))
-    for step in (writer.write_header_to_file, writer.write_kv_data_to_file,
-                 writer.write_tensors_to_file, writer.close):  # fmt: skip
-        step()
-    path = tmp_path / "iq.gguf"
+
+    def one_iq4(name, shape, t):  # IQ4_NL: 18 bytes a block of 32
+        if name == "blk.0.ffn_up_exps.weight":
+            return np.zeros((*shape[:-1], shape[-1] // 32 * 18), np.uint8), iq
+
+    path = rewrite_gguf(src, tmp_path / "iq.gguf", one_iq4)
     assert run_cli("plan", "--model", path, *PLAN)[0] == 0
     status, out, err = run_cli("run", "--checkpoint", path, "--prompt-len", "4", "--batch", "1",
                                "--gen-len", "2")  # fmt: skip
@@ -237,23 +226,14 @@ def test_k_quant_file_runs_as_its_dequantized_values(tmp_path, kind):
 
     config = _mixtral_config(hidden_size=256, intermediate_size=256, num_hidden_layers=2)
     source = write_gguf(save_model(config, tmp_path / "wide", seed=9), tmp_path / "wide.gguf")
-    reader, rng = gguf.GGUFReader(str(source)), np.random.default_rng(0)
-    writer = gguf.GGUFWriter(str(tmp_path / "k.gguf"), "llama")
-    for name, field in reader.fields.items():
-        if not name.startswith("GGUF.") and name != "general.architecture":
-            writer.add_key_value(name, field.contents(), field.types[0])
-    qtype = gguf.GGMLQuantizationType[kind]
-    for t in reader.tensors:
-        shape = tuple(int(n) for n in reversed(t.shape.tolist()))
-        if "_exps" in t.name:
+    rng, qtype = np.random.default_rng(0), gguf.GGMLQuantizationType[kind]
+
+    def k_quant(name, shape, t):
+        if "_exps" in name:
             blocks = _k_blocks(kind, int(np.prod(shape[:-1])), shape[-1], rng)
-            writer.add_tensor(t.name, blocks.reshape(*shape[:-1], -1), raw_dtype=qtype)
-        else:
-            writer.add_tensor(t.name, np.array(t.data))
-    for step in (writer.write_header_to_file, writer.write_kv_data_to_file,
-                 writer.write_tensors_to_file, writer.close):  # fmt: skip
-        step()
-    quantized = tmp_path / "k.gguf"
+            return blocks.reshape(*shape[:-1], -1), qtype
+
+    quantized = rewrite_gguf(source, tmp_path / "k.gguf", k_quant)
     plain = dequantized_copy(quantized, tmp_path / "plain.gguf")
     prompts = ragged_prompts((4, 7))
     ours, theirs = (run_executor(p, prompts, steps=6) for p in (quantized, plain))
