@@ -240,11 +240,15 @@ def _bottleneck(model: BatchModel, layer_values: dict[str, np.ndarray], v: np.nd
 
 def buffer_bytes(memory: MemoryTerms, v: np.ndarray) -> tuple[dict, dict]:
     """(GPU, CPU) bytes per buffer at placement v; the KV prefetch buffer is not allocated when
-    the whole cache lives on the GPU (the affine terms count it for any r_c, planner/memory.py)."""
+    the whole cache lives on the GPU (the affine terms count it for any r_c, planner/memory.py),
+    nor the disk tier's staging without a disk tier."""
     gpu = {name: float(c @ v) for name, c in memory.gpu.items()}
     if v[RC] >= 1.0:
         gpu["kv prefetch"] = 0.0
-    return gpu, {name: float(c @ v) for name, c in memory.cpu.items()}
+    cpu = {name: float(c @ v) for name, c in memory.cpu.items()}
+    if not v[RD]:  # no disk tier, no staging for it
+        cpu.pop("disk staging", None)
+    return gpu, cpu
 
 
 def footprint(memory: MemoryTerms, hardware: HardwareProfile, v: np.ndarray) -> MemoryFootprint:

@@ -55,7 +55,8 @@ def test_inline_runs_the_schedules_order_and_keeps_each_queues_time():
     spans = sorted((start, end) for _, start, end in log)
     assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:], strict=False))
     assert all(engine.busy_seconds()[q] >= 0.02 for q in queues)
-    assert all(s.tasks == 1 for s in engine.stats.values())
+    assert all(engine.stats[q].tasks == 1 for q in queues)
+    assert engine.stats["disk"].tasks == 0 and "disk" not in engine.busy_seconds()
 
 
 def test_threads_wait_for_the_writer_they_read_and_the_readers_they_overwrite():
