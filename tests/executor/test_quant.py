@@ -243,7 +243,7 @@ def test_the_planner_counts_the_stores_pages_and_slots(checkpoints, fmt, name):
         wl = Workload(prompt_len_mean=9, prompt_len_max=9, gen_len=STEPS)
         terms = memory_terms(arch, wl, batch_size=7, micro_batch_size=3, weight_dtype=fmt,
                              kv_dtype="bfloat16")  # fmt: skip
-        at = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0]).numpy()  # F_g = 1, r_w = 0
+        at = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 0.0]).numpy()  # F_g = 1, r_w = r_d = 0
         gpu = store.allocated_bytes()["gpu"]
         for name_ in ("paged buffer", "dequantized layer"):
             planned = float(terms.gpu[name_] @ at)
