@@ -6,9 +6,10 @@ The parts are written to one file at load, each at a 4 KiB-aligned offset and pa
 what the device's slots take is the arena's layout: tensors packed in placement order, quantized
 in a compact format. The checkpoint's own files hold neither that order nor those bytes, so
 this is the one conversion the tier makes (its size and place are printed; the file is removed
-when the run ends). A part is read back in one O_DIRECT pread, large and aligned, as a drive
-reads fastest; where the filesystem refuses O_DIRECT the run is refused, unless buffered reads
-are asked for (then the page cache may serve them, and the run says so).
+when the run ends). A part is read back in O_DIRECT reads of 8 MiB
+(hrm.rules.placement.DISK_READ_BYTES), large and aligned, as a drive reads fastest; where the
+filesystem refuses O_DIRECT the run is refused, unless buffered reads are asked for (then the
+page cache may serve them, and the run says so).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from executor.buffers import TURNS
 from executor.pinning import HostPins, page_aligned_empty
 from hrm.errors import HrmError
+from hrm.rules.placement import DISK_READ_BYTES
 from hrm.units import format_bytes
 
 ALIGN = 4096  # O_DIRECT's alignment of offsets, sizes and buffers
@@ -113,12 +115,14 @@ class DiskTier:
             raise
 
     def read(self, layer: int, turn: int) -> None:
-        """Layer `layer`'s disk part into staging `turn`: whole aligned reads until it is in."""
+        """Layer `layer`'s disk part into staging `turn`, in aligned reads of DISK_READ_BYTES
+        (the size the planner prices the reads at)."""
         size, offset = _padded(self.parts[layer]), self.offsets[layer]
         view = memoryview(self.staging[turn].numpy())[:size]
         done = 0
         while done < size:
-            got = os.preadv(self._fd, [view[done:]], offset + done)
+            chunk = view[done : done + DISK_READ_BYTES]
+            got = os.preadv(self._fd, [chunk], offset + done)
             if got <= 0:
                 raise HrmError(f"{self.path}: the disk tier's file ended early at {offset + done}")
             done += got
