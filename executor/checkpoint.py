@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from executor.checkpoint_files import Tensors, open_shards
+from executor.safetensors_mmap import SafetensorsFile
 from executor.stored_formats import check_stored_format
 from hrm.arch import ModelArch
 from hrm.errors import HrmError
@@ -270,6 +271,16 @@ class Checkpoint:
     arch: ModelArch
     weights: ModelWeights
     dtype: torch.dtype
+    files: tuple = ()  # the safetensors files its tensors are views of (SafetensorsFile)
+
+    def source(self, tensor: torch.Tensor) -> tuple[Path, int] | None:
+        """(file, offset) of a tensor that is a contiguous view of one of the checkpoint's files
+        (the disk tier reads those in place), else None."""
+        for f in self.files:
+            offset = f.source(tensor)
+            if offset is not None:
+                return f.path, offset
+        return None
 
     @property
     def expert_gate_weights(self) -> list[torch.Tensor]:
@@ -366,7 +377,8 @@ def open_checkpoint(
         final_norm=t.get(norm_name, (H,)),
         lm_head=embed if arch.tie_word_embeddings else t.get("lm_head.weight", (V, H)),
     )
-    return Checkpoint(directory=directory, arch=arch, weights=weights, dtype=t.dtype)
+    files = tuple({id(f): f for f in t.where.values() if isinstance(f, SafetensorsFile)}.values())
+    return Checkpoint(directory=directory, arch=arch, weights=weights, dtype=t.dtype, files=files)
 
 
 # the standard deviation transformers draws these families' linear weights from

@@ -61,11 +61,25 @@ def check_directory(
         os.unlink(name)
 
 
+def check_checkpoint(checkpoint: str | os.PathLike, *, direct: bool = True) -> None:
+    """The disk tier reads a checkpoint's own files in place: refuse, before anything loads, one
+    on a filesystem that refuses O_DIRECT (unless buffered reads are asked for)."""
+    path = Path(checkpoint)
+    files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))[:1]
+    for name in files if direct else ():
+        try:
+            os.close(os.open(name, os.O_RDONLY | os.O_DIRECT))
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            raise _refused(name.parent) from None
+
+
 def _refused(directory: Path) -> HrmError:
     return HrmError(
         f"{directory}: the filesystem refuses O_DIRECT reads, so the disk tier's reads would "
-        "come from the page cache; give --disk-dir on the device the plan's disk is, or "
-        "--disk-buffered to read through the cache"
+        "come from the page cache; give --disk-dir (and the checkpoint) on the device the "
+        "plan's disk is, or --disk-buffered to read through the cache"
     )
 
 
@@ -93,7 +107,11 @@ class DiskTier:
         self.pins = HostPins()
         if device.type == "cuda":
             self.pins.pin_all(self.staging)
-        self.read_bytes = 0
+        # layer -> its disk part read in place from the checkpoint's files: (offset in the
+        # part, file, offset in the file, bytes) per tensor; nothing of it is in our file
+        self.inplace: dict[int, list[tuple[int, Path, int, int]]] = {}
+        self._fds: dict[Path, int] = {}
+        self._bounce = page_aligned_empty(0, torch.uint8)
 
     def write(self, layer: int, data: torch.Tensor) -> None:
         """Layer `layer`'s disk part (uint8, its arena's tail), written at its offset."""
@@ -101,41 +119,68 @@ class DiskTier:
             f.seek(self.offsets[layer])
             f.write(data.numpy().tobytes())
 
+    def point(self, layer: int, pieces: list[tuple[int, Path, int, int]]) -> None:
+        """Layer `layer`'s disk part is read in place: each (offset in the part, checkpoint
+        file, offset there, bytes)."""
+        self.inplace[layer] = pieces
+        span = max(_padded(off % ALIGN + n) + ALIGN for _, _, off, n in pieces)
+        if span > self._bounce.numel():
+            self._bounce = page_aligned_empty(span, torch.uint8)
+
     def open(self) -> None:
         """After the last write: flush to the device, and open for reads (O_DIRECT unless asked
-        otherwise). A filesystem that refuses O_DIRECT is refused in one line."""
+        otherwise), our file and the checkpoint files read in place. A filesystem that refuses
+        O_DIRECT is refused in one line."""
         with open(self.path, "r+b") as f:
             f.truncate(self.nbytes)
             os.fsync(f.fileno())
-        try:
-            self._fd = os.open(self.path, os.O_RDONLY | (os.O_DIRECT if self.direct else 0))
-        except OSError as exc:
-            if self.direct and exc.errno == errno.EINVAL:
-                raise _refused(self.path.parent) from None
-            raise
+        for path in (self.path, *{p for pieces in self.inplace.values() for _, p, _, _ in pieces}):
+            try:
+                self._fds[path] = os.open(path, os.O_RDONLY | (os.O_DIRECT if self.direct else 0))
+            except OSError as exc:
+                if self.direct and exc.errno == errno.EINVAL:
+                    raise _refused(path.parent) from None
+                raise
+        self._fd = self._fds[self.path]
 
     def read(self, layer: int, turn: int) -> None:
         """Layer `layer`'s disk part into staging `turn`, in aligned reads of DISK_READ_BYTES
-        (the size the planner prices the reads at)."""
-        size, offset = _padded(self.parts[layer]), self.offsets[layer]
-        view = memoryview(self.staging[turn].numpy())[:size]
-        done = 0
-        while done < size:
-            chunk = view[done : done + DISK_READ_BYTES]
-            got = os.preadv(self._fd, [chunk], offset + done)
-            if got <= 0:
-                raise HrmError(f"{self.path}: the disk tier's file ended early at {offset + done}")
-            done += got
-        self.read_bytes += self.parts[layer]
+        (the size the planner prices the reads at): from our file, or tensor by tensor from the
+        checkpoint's own files through an aligned bounce buffer."""
+        if layer not in self.inplace:
+            view = memoryview(self.staging[turn].numpy())
+            _read_into(self._fd, self.path, view, self.offsets[layer], self.parts[layer])
+            return
+        bounce, staging = memoryview(self._bounce.numpy()), self.staging[turn]
+        for at, path, offset, nbytes in self.inplace[layer]:
+            start = offset // ALIGN * ALIGN
+            _read_into(self._fds[path], path, bounce, start, offset - start + nbytes)
+            head = offset - start
+            staging[at : at + nbytes].copy_(self._bounce[head : head + nbytes])
 
     def describe(self) -> str:
         how = "O_DIRECT" if self.direct else "buffered"
-        return (f"disk tier: {format_bytes(self.nbytes, 3)} of {len(self.parts)} layers' "
-                f"weights in {self.path} ({how} reads; removed at the end)")  # fmt: skip
+        kept = sum(self.parts[i] for i in self.inplace)
+        spilled = sum(self.parts.values()) - kept
+        return (f"disk tier: {format_bytes(kept, 3)} read in place from the checkpoint, "
+                f"{format_bytes(spilled, 3)} written to {self.path} ({how} reads of "
+                f"{format_bytes(DISK_READ_BYTES)}; the file removed at the end)")  # fmt: skip
 
     def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+        self._fd = None
         self.pins.close()
         self.path.unlink(missing_ok=True)
+
+
+def _read_into(fd: int, path: Path, view: memoryview, offset: int, nbytes: int) -> None:
+    """`nbytes` (rounded up to ALIGN) from `offset` (aligned) into the front of `view`, in reads
+    of DISK_READ_BYTES; a file's aligned last read may come back short at its end."""
+    size, done = _padded(nbytes), 0
+    while done < nbytes:
+        got = os.preadv(fd, [view[done : min(size, done + DISK_READ_BYTES)]], offset + done)
+        if got <= 0:
+            raise HrmError(f"{path}: ended at byte {offset + done}, before the disk tier's part")
+        done += got

@@ -378,7 +378,7 @@ def placed_runtime(
             staged=staged,
             take_over=take_over,
             quiet=quiet,
-            disk=_disk_share(policy, disk),
+            disk=_disk_share(policy, disk, checkpoint.source),
         )
     try:
         return Runtime(
@@ -397,11 +397,12 @@ def placed_runtime(
         raise
 
 
-def _disk_share(policy: Policy, disk) -> tuple[float, str, bool] | None:
-    """(share of each layer's streamed bytes on disk, directory, direct) for WeightStore: the
-    plan's r_d of all the weights is r_d / (1 - r_w) of what streams."""
+def _disk_share(policy: Policy, disk, sources):
+    """(share of each layer's streamed bytes on disk, directory, direct, sources) for
+    WeightStore: the plan's r_d of all the weights is r_d / (1 - r_w) of what streams;
+    sources: where the checkpoint's tensors lie in its files (Checkpoint.source)."""
     if not policy.weights_disk_fraction:
         return None
     directory, direct = disk if disk is not None else (tempfile.gettempdir(), True)
     streamed = 1.0 - policy.weights_gpu_fraction
-    return min(1.0, policy.weights_disk_fraction / streamed), directory, direct
+    return min(1.0, policy.weights_disk_fraction / streamed), directory, direct, sources

@@ -98,6 +98,17 @@ class SafetensorsFile:
     def keys(self) -> list[str]:
         return list(self._entries)
 
+    def source(self, tensor: torch.Tensor) -> int | None:
+        """The file offset of `tensor`'s bytes when it is a contiguous view of this file (what
+        the disk tier reads in place), else None."""
+        if not tensor.is_contiguous() or tensor.device.type != "cpu":
+            return None
+        base = torch.frombuffer(self._map, dtype=torch.uint8, count=1).data_ptr()
+        start, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+        if base <= start and start + nbytes <= base + len(self._map):
+            return start - base
+        return None
+
     def shape(self, name: str) -> tuple[int, ...]:
         return self._entries[name].shape
 

@@ -177,11 +177,14 @@ class WeightStore:
         rounded up to a byte (the host keeps no more than the plan counts)."""
         from executor.disk_tier import DiskTier
 
-        share, directory, direct = disk
+        share, directory, direct, self._sources = disk
         for i in range(self.arch.num_layers):
-            nbytes = self._layout(i).nbytes
-            if nbytes:
-                self.disk_start[i] = nbytes - min(nbytes, math.ceil(share * nbytes))
+            layout = self._layout(i)
+            start = layout.nbytes - min(layout.nbytes, math.ceil(share * layout.nbytes))
+            if layout.nbytes and not self.compact:  # whole tensors: readable in place
+                start = max((t.offset for t in layout.tensors if t.offset <= start), default=0)
+            if layout.nbytes:
+                self.disk_start[i] = start
         parts = {i: self._layout(i).nbytes - s for i, s in self.disk_start.items()}
         return DiskTier(directory, {i: n for i, n in parts.items() if n}, device, direct=direct)
 
@@ -190,7 +193,11 @@ class WeightStore:
         its resident ones onto the device; the checkpoint's copies released when taken over."""
         for i, w in enumerate(layers):
             layout = self._layout(i)
-            if layout.nbytes:
+            pieces = self._in_place(i, w)
+            if pieces:  # the arena holds the head; the tail is read from the checkpoint
+                self.arenas[i] = _fill_arena(layout, w, dtype, self.format, self.disk_start[i])
+                self.disk.point(i, pieces)
+            elif layout.nbytes:
                 self.arenas[i] = self._kept(i, _fill_arena(layout, w, dtype, self.format))
             self.resident.append(self._resident(layout, w))
             if take_over:
@@ -200,6 +207,21 @@ class WeightStore:
                     release_host_tensor(t)
         if self.disk is not None:
             self.disk.open()
+
+    def _in_place(self, layer: int, w: LayerWeights) -> list | None:
+        """The layer's disk part as pieces of the checkpoint's own files, where every tensor of
+        it is a contiguous view of one (stored as the run computes it); else None."""
+        start = self.disk_start.get(layer)
+        if self.disk is None or start is None or layer not in self.disk.parts:
+            return None
+        pieces = []
+        for t in self._layout(layer).tensors:
+            if t.offset >= start:
+                source = self._sources(_tensor(w, t.key)) if not t.quantized else None
+                if source is None:
+                    return None
+                pieces.append((t.offset - start, source[0], source[1], t.nbytes))
+        return pieces
 
     def _kept(self, layer: int, arena: torch.Tensor) -> torch.Tensor:
         """The arena the host keeps: all of it, or its head, its tail written to the disk tier."""
@@ -359,9 +381,12 @@ class WeightStore:
         }
 
 
-def _fill_arena(layout: _Layout, w: LayerWeights, dtype: torch.dtype, fmt: str) -> torch.Tensor:
-    arena = page_aligned_empty(layout.nbytes, torch.uint8)
-    for t in layout.tensors:
+def _fill_arena(
+    layout: _Layout, w: LayerWeights, dtype: torch.dtype, fmt: str, upto: int | None = None
+) -> torch.Tensor:
+    """The layer's streamed tensors packed; with `upto`, the head of them before that byte."""
+    arena = page_aligned_empty(layout.nbytes if upto is None else upto, torch.uint8)
+    for t in (t for t in layout.tensors if upto is None or t.offset < upto):
         stored = arena[t.offset : t.offset + t.nbytes]
         if t.quantized:
             stored.copy_(quantize(_tensor(w, t.key), fmt))

@@ -96,7 +96,7 @@ def _planned_job(args, hardware, random_arch, warn) -> Job:
         where = f"the best plan on {hardware.name}"
     else:
         where = args.plan
-    disk_dir = _disk_dir(args, plan) if plan.policy.weights_disk_fraction else None
+    disk_dir = _disk_dir(args, plan, spec) if plan.policy.weights_disk_fraction else None
     device = torch.device(spec.device)
     _check_tensor_parallel(plan, spec.arch, where)
     gpu_bytes = parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None
@@ -121,12 +121,14 @@ def _planned_job(args, hardware, random_arch, warn) -> Job:
     return Job(spec, plan.policy, plan.schedule, plan, profile, plan.stages_weights, disk_dir)
 
 
-def _disk_dir(args, plan) -> str:
+def _disk_dir(args, plan, spec) -> str:
     """Where a plan with weights on disk writes its disk tier's file: --disk-dir, else the
-    directory its profile's disk was measured in, else the temp directory; checked before any
-    weight loads."""
-    from executor.disk_tier import check_directory
+    directory its profile's disk was measured in, else the temp directory; checked, with the
+    checkpoint its reads may come from in place, before any weight loads."""
+    from executor.disk_tier import check_checkpoint, check_directory
 
+    if spec.checkpoint is not None:
+        check_checkpoint(spec.checkpoint, direct=not args.disk_buffered)
     disk = plan.machine.disk if plan.machine is not None else None
     measured = disk.path if disk is not None else None
     directory = args.disk_dir or measured or tempfile.gettempdir()

@@ -28,7 +28,8 @@ def _tokens(path, pol, schedule, disk_dir, dtype="float32"):
     try:
         out = generate(runtime, ragged_prompts((5, 9, 3, 7, 6, 2, 8)), 5)
         stats = runtime.engine.stats["disk"]
-        parts = runtime.store.disk.parts if runtime.store.disk is not None else {}
+        disk = runtime.store.disk
+        parts = (disk.parts, set(disk.inplace)) if disk is not None else ({}, set())
     finally:
         runtime.close()
     return out.output_token_ids, stats, parts
@@ -48,8 +49,9 @@ def test_disk_tier_gives_the_tokens_of_host_memory(checkpoints, tmp_path, monkey
     base = policy(attn=attn, rw=rw)
     on_disk = dataclasses.replace(base, weights_disk_fraction=0.6 * (1 - rw))
     memory, idle, _ = _tokens(path, base, schedule, tmp_path)
-    disk, stats, parts = _tokens(path, on_disk, schedule, tmp_path)
+    disk, stats, (parts, in_place) = _tokens(path, on_disk, schedule, tmp_path)
     assert disk == memory and idle.tasks == 0
+    assert in_place == set(parts)  # float32 views of the checkpoint: read from its own file
     passes = 1 + 4  # one batch of 7: prefill, then 4 decode steps past the first token
     assert stats.nbytes == passes * sum(parts.values()) > 0  # each layer's part once a pass
     assert list(tmp_path.iterdir()) == []  # the file is removed
@@ -61,8 +63,9 @@ def test_compact_weights_stream_from_disk(checkpoints, tmp_path):
     base = policy(rw=0.0, dtype="float32")
     base = dataclasses.replace(base, weight_dtype="int8")
     on_disk = dataclasses.replace(base, weights_disk_fraction=0.5)
-    assert _tokens(path, base, "cgopipe", tmp_path)[0] == _tokens(path, on_disk, "cgopipe",
-                                                                   tmp_path)[0]  # fmt: skip
+    memory, disk = (_tokens(path, p, "cgopipe", tmp_path) for p in (base, on_disk))
+    assert memory[0] == disk[0]
+    assert disk[2][0] and not disk[2][1]  # quantized: written to the tier's file, not in place
 
 
 def _disk_plan(run_cli, checkpoint, tmp_path, share=0.5):
