@@ -1,15 +1,15 @@
-"""The disk tier: the trailing part of each streamed layer's arena kept in a file, not in host
-memory, and read back once a pass into pinned staging (the "disk" queue's READ), from which the
-layer's pages are copied in with the rest (executor/weight_store.py).
+"""The disk tier: the trailing part of each streamed layer's arena kept off host memory and read
+back once a pass into pinned staging (the "disk" queue's READ), from which the layer's pages are
+copied in with the rest (executor/weight_store.py).
 
-The parts are written to one file at load, each at a 4 KiB-aligned offset and padded, because
-what the device's slots take is the arena's layout: tensors packed in placement order, quantized
-in a compact format. The checkpoint's own files hold neither that order nor those bytes, so
-this is the one conversion the tier makes (its size and place are printed; the file is removed
-when the run ends). A part is read back in O_DIRECT reads of 8 MiB
-(hrm.rules.placement.DISK_READ_BYTES), large and aligned, as a drive reads fastest; where the
-filesystem refuses O_DIRECT the run is refused, unless buffered reads are asked for (then the
-page cache may serve them, and the run says so).
+Where the part's tensors are contiguous views of the checkpoint's own safetensors files in the
+run's dtype, they are read from those files in place (the aligned pages around each, through a
+bounce buffer). Otherwise (a compact format's rows, a dtype converted at load, a GGUF's
+dequantized tensors, random weights) the part is written at load to one file of ours, each
+layer's at a 4 KiB-aligned offset (its size and place are printed; it is removed when the run
+ends). Reads are O_DIRECT, 8 MiB at a time (hrm.rules.placement.DISK_READ_BYTES), large and
+aligned, as a drive reads fastest; where a filesystem refuses O_DIRECT the run is refused,
+unless buffered reads are asked for (then the page cache may serve them).
 """
 
 from __future__ import annotations
@@ -51,12 +51,7 @@ def check_directory(
         raise HrmError(f"{what} {directory}: cannot write there ({exc.strerror})") from None
     os.close(fd)
     try:
-        if direct:
-            os.close(os.open(name, os.O_RDONLY | os.O_DIRECT))
-    except OSError as exc:
-        if exc.errno != errno.EINVAL:
-            raise
-        raise _refused(directory) from None
+        os.close(_open(Path(name), direct))
     finally:
         os.unlink(name)
 
@@ -65,33 +60,33 @@ def check_checkpoint(checkpoint: str | os.PathLike, *, direct: bool = True) -> N
     """The disk tier reads a checkpoint's own files in place: refuse, before anything loads, one
     on a filesystem that refuses O_DIRECT (unless buffered reads are asked for)."""
     path = Path(checkpoint)
-    files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))[:1]
-    for name in files if direct else ():
-        try:
-            os.close(os.open(name, os.O_RDONLY | os.O_DIRECT))
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise
-            raise _refused(name.parent) from None
+    for name in [path] if path.is_file() else sorted(path.glob("*.safetensors"))[:1]:
+        os.close(_open(name, direct))
 
 
-def _refused(directory: Path) -> HrmError:
-    return HrmError(
-        f"{directory}: the filesystem refuses O_DIRECT reads, so the disk tier's reads would "
-        "come from the page cache; give --disk-dir (and the checkpoint) on the device the "
-        "plan's disk is, or --disk-buffered to read through the cache"
-    )
+def _open(path: Path, direct: bool) -> int:
+    """`path` opened for reads, O_DIRECT unless buffered reads are asked for; a filesystem that
+    refuses O_DIRECT is refused in one line."""
+    try:
+        return os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+    except OSError as exc:
+        if not direct or exc.errno != errno.EINVAL:
+            raise
+        raise HrmError(
+            f"{path.parent}: the filesystem refuses O_DIRECT reads, so the disk tier's reads "
+            "would come from the page cache; give --disk-dir (and the checkpoint) on the device "
+            "the plan's disk is, or --disk-buffered to read through the cache"
+        ) from None
 
 
 class DiskTier:
-    """One spill file of the layers' disk parts, and the pinned staging their reads land in."""
+    """The layers' disk parts (in the checkpoint's files, or one file of ours) and the pinned
+    staging their reads land in."""
 
     def __init__(self, directory: str | os.PathLike, parts: dict[int, int], device, *,
                  direct: bool = True):  # fmt: skip
         """parts: layer -> bytes of its disk part; direct: O_DIRECT reads (else buffered)."""
-        directory = Path(directory)
-        if not directory.is_dir():
-            raise HrmError(f"--disk-dir {directory}: no such directory for the disk tier's file")
+        check_directory(directory, direct=direct)
         self.parts, self.direct, self.offsets = parts, direct, {}
         offset = 0
         for layer, nbytes in sorted(parts.items()):
@@ -135,12 +130,7 @@ class DiskTier:
             f.truncate(self.nbytes)
             os.fsync(f.fileno())
         for path in (self.path, *{p for pieces in self.inplace.values() for _, p, _, _ in pieces}):
-            try:
-                self._fds[path] = os.open(path, os.O_RDONLY | (os.O_DIRECT if self.direct else 0))
-            except OSError as exc:
-                if self.direct and exc.errno == errno.EINVAL:
-                    raise _refused(path.parent) from None
-                raise
+            self._fds[path] = _open(path, self.direct)
         self._fd = self._fds[self.path]
 
     def read(self, layer: int, turn: int) -> None:

@@ -116,9 +116,10 @@ class WeightStore:
         staging pages (the plan's "weight staging"); also taken when the host refuses to pin.
         take_over: the checkpoint's layers and LM head are released as soon as they are copied
         here, so the host never holds the model twice (the plan counts one copy); the caller
-        must not read them again. disk: (share, directory, direct) for a disk tier
-        (executor/disk_tier.py): the last `share` of each layer's streamed bytes is kept in a
-        file under `directory` instead of its arena, and read back once a pass (Op.READ)."""
+        must not read them again. disk: (share, directory, direct, sources) for a disk tier
+        (executor/disk_tier.py): the last `share` of each layer's streamed bytes is kept off the
+        arena and read back once a pass (Op.READ), from the checkpoint's files where `sources`
+        (Checkpoint.source) finds its tensors there, else from a file under `directory`."""
         self.arch, self.placement, self.device = placement.arch, placement, device
         dtype = weights.embed.dtype
         self.format = weight_format or str(dtype).removeprefix("torch.")
@@ -212,12 +213,13 @@ class WeightStore:
         """The layer's disk part as pieces of the checkpoint's own files, where every tensor of
         it is a contiguous view of one (stored as the run computes it); else None."""
         start = self.disk_start.get(layer)
-        if self.disk is None or start is None or layer not in self.disk.parts:
+        # a compact format's part holds quantized rows, and starts inside a tensor
+        if self.disk is None or self.compact or layer not in self.disk.parts:
             return None
         pieces = []
         for t in self._layout(layer).tensors:
             if t.offset >= start:
-                source = self._sources(_tensor(w, t.key)) if not t.quantized else None
+                source = self._sources(_tensor(w, t.key))
                 if source is None:
                     return None
                 pieces.append((t.offset - start, source[0], source[1], t.nbytes))
