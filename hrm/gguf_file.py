@@ -7,6 +7,7 @@ tensor data is read here; hrm/gguf_config.py turns the metadata into config.json
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ class GgufModel:
     metadata: dict[str, Any]  # scalars and short arrays (tokenizer lists left out)
     tensors: dict[str, GgufTensor]
     config: dict[str, Any]  # config.json's fields, as far as the file states them
+    parts: tuple = ()  # (file, (mtime, size)) of each part as it was read
 
     def described(self) -> tuple[dict[str, Any], str, str]:
         """ModelArch.from_hf_config's arguments: the config, the model's name, where it is."""
@@ -54,8 +56,6 @@ def is_gguf(path: str | os.PathLike) -> bool:
 def _reader(path: Path):
     from gguf import GGUFReader
 
-    if not path.is_file():
-        raise HrmError(f"{path}: no such GGUF file; check the path")
     try:
         return GGUFReader(path)
     except (ValueError, OSError, IndexError, KeyError) as exc:
@@ -119,20 +119,38 @@ def _tensors(reader, path: Path) -> dict[str, GgufTensor]:
 
 
 def read_gguf(path: str | os.PathLike) -> GgufModel:
-    """The header of a GGUF file (all parts of a split one): its tensors and its config."""
+    """The header of a GGUF file (all parts of a split one): its tensors and its config. Read
+    once per file as its parts stand (a run asks for it to plan, to load and for its
+    tokenizer): read again when any part changed or went."""
     path = Path(path)
+    if not path.is_file():
+        raise HrmError(f"{path}: no such GGUF file; check the path")
+    model = _read_gguf(path, _state(path))
+    if any(_state(p) != state for p, state in model.parts):
+        _read_gguf.cache_clear()
+        model = _read_gguf(path, _state(path))
+    return model
+
+
+def _state(path: Path) -> tuple[int, int] | None:
+    """(mtime, size) of a file, None when it is not there."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return stat.st_mtime_ns, stat.st_size
+
+
+@functools.lru_cache(maxsize=8)
+def _read_gguf(path: Path, state: tuple[int, int] | None) -> GgufModel:
+    """read_gguf's work, cached by the first part's path and state."""
     reader = _reader(path)
     metadata = _metadata(reader)
     tensors = _tensors(reader, path)
-    for part in _parts(path, metadata)[1:]:
+    parts = _parts(path, metadata)
+    for part in parts[1:]:
         tensors.update(_tensors(_reader(part), part))
     architecture = metadata.get("general.architecture")
     config = config_of(architecture, metadata, tensors, str(path))
     return GgufModel(path=path, architecture=architecture, metadata=metadata, tensors=tensors,
-                     config=config)  # fmt: skip
-
-
-def token_list(path: str | os.PathLike, key: str = "tokenizer.ggml.tokens") -> list:
-    """A long metadata array in full (the vocabulary, its merges)."""
-    field = _reader(Path(path)).fields.get(key)
-    return [] if field is None else field.contents()
+                     config=config, parts=tuple((p, _state(p)) for p in parts))  # fmt: skip
