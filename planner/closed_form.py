@@ -41,14 +41,13 @@ class Fill:
 
     def disk_share(self, rw: np.ndarray, rc: np.ndarray, idx=slice(None)) -> np.ndarray:
         """The least r_d that fits the CPU row (0 where it fits without, or without a disk)."""
-        over = self.cpu_0[idx] + self.cpu_w[idx] * rw + self.cpu_c[idx] * rc - self.cpu_cap
+        over = self.cpu_use(rw, rc, idx) - self.cpu_cap
         relief = -self.cpu_d[idx]
         return np.where(relief > 0, np.maximum(over, 0) / np.where(relief > 0, relief, 1.0), 0.0)
 
     def cpu_fits(self, rw: np.ndarray, rc: np.ndarray, idx=slice(None)) -> np.ndarray:
         """The CPU row holds with the disk tier taking at most the weights not on the GPU."""
-        use = self.cpu_0[idx] + self.cpu_w[idx] * rw + self.cpu_c[idx] * rc
-        return use + self.cpu_d[idx] * (1 - rw) <= self.cpu_cap
+        return self.cpu_use(rw, rc, idx) + self.cpu_d[idx] * (1 - rw) <= self.cpu_cap
 
     def weights_for_kv(self, rc: np.ndarray, idx=slice(None)) -> np.ndarray:
         """r_w = the most resident weights the GPU holds beside a cache fraction rc."""
@@ -87,8 +86,9 @@ class Fill:
         limit = np.where(slope > 0, room / np.where(slope > 0, slope, 1.0), 1.0)
         return np.where(self.gpu_w > 0, np.clip(limit, 0, 1), 1.0)
 
-    def cpu_use(self, rw: np.ndarray, rc: np.ndarray) -> np.ndarray:
-        return self.cpu_0 + self.cpu_w * rw + self.cpu_c * rc
+    def cpu_use(self, rw: np.ndarray, rc: np.ndarray, idx=slice(None)) -> np.ndarray:
+        """The CPU row's bytes before the disk tier takes any."""
+        return self.cpu_0[idx] + self.cpu_w[idx] * rw + self.cpu_c[idx] * rc
 
     @property
     def fits(self) -> np.ndarray:

@@ -159,7 +159,9 @@ def queue_terms(setting: Setting, mb: MicroBatchSeconds) -> QueueTerms:
         # r_d * W_l read from disk once per layer and pass (FlexGen's dtoc), beside the others
         # (on a GPU machine; the CPU standing in adds them to its shared host)
         "disk": {
-            "weights": Expr(_zero(steps), _coef(steps, rd, rd) * disk_seconds(setting), rd * 0)
+            "weights": Expr(
+                _zero(steps), _coef(steps, rd, rd) * disk_seconds(setting), np.zeros(BASIS)
+            )
         },
     }
     # chain = one micro-batch through all its stages, i.e. the per-micro-batch sum of every queue
