@@ -28,15 +28,17 @@ def link_seconds(hardware: HardwareProfile, nbytes, direction: str) -> np.ndarra
 
 def all_reduce_seconds(hardware: HardwareProfile, nbytes) -> np.ndarray:
     """Ring all-reduce of `nbytes` over the g GPUs of tensor parallelism (NCCL's ring: a
-    reduce-scatter then an all-gather, 2(g-1) steps of nbytes/g each way on every GPU):
-      T_ar = 2 * (g - 1) / g * S / B_peer
-    B_peer: the profile's interconnect (NVLink), else PCIe peer-to-peer at the link's rate.
-    Per-step latency is not counted, so small messages come out optimistic. 0 for one GPU."""
+    reduce-scatter then an all-gather, 2(g-1) steps of nbytes/g each way on every GPU), in the
+    alpha-beta form GenZ and LLMCompass use:
+      T_ar = 2 * (g - 1) * (alpha + S / (g * B_peer))
+    B_peer, alpha: the profile's interconnect (NVLink, PCIe, or gloo measured by hrm profile),
+    else PCIe peer-to-peer at the link's rate with NCCL's step latency. 0 for one GPU."""
     nbytes = np.asarray(nbytes, dtype=float)
     g = hardware.gpu_count
     if g <= 1:
         return np.zeros_like(nbytes)
-    return 2.0 * (g - 1) / g * nbytes / hardware.peer_bytes_per_s
+    steps = 2.0 * (g - 1)
+    return steps * (hardware.peer_step_latency_s + nbytes / (g * hardware.peer_bytes_per_s))
 
 
 def check_tensor_parallel(arch: ModelArch, hardware: HardwareProfile) -> None:

@@ -7,6 +7,7 @@ from hrm import units
 from hrm.errors import HrmError
 from hrm.hardware import HardwareProfile, bundled_profile_names, resolve_hardware
 from hrm.hardware.parts import Curve
+from hrm.hardware.stand_in import stand_in_profile
 
 EXPECTED_BUNDLED = {"t4", "l4", "2xt4", "4xt4", "a100-80g", "h100-sxm", "h200-sxm"}
 
@@ -162,8 +163,35 @@ def test_interconnect_shared_links_and_price_round_trip_and_are_checked(tmp_path
     with pytest.raises(HrmError, match="shared must be true or false"):
         HardwareProfile.from_dict({**data, "link": {**data["link"], "shared": "yes"}})
     cpu_only = {k: v for k, v in data.items() if k not in ("gpu", "link")}
-    with pytest.raises(HrmError, match="'interconnect' section but no 'gpu'"):
+    with pytest.raises(HrmError, match="nvlink 'interconnect' section but no 'gpu'"):
         HardwareProfile.from_dict(cpu_only)
+
+
+def test_a_measured_latency_round_trips_and_gloo_is_a_cpu_only_hosts(tmp_path):
+    gpus = resolve_hardware("4xt4").to_dict()
+    gpus["interconnect"] = {"kind": "pcie", "bandwidth": "12 GB/s", "latency": 5e-6}
+    profile = HardwareProfile.from_dict(copy.deepcopy(gpus))
+    assert profile.peer_step_latency_s == 5e-6
+    assert HardwareProfile.load(profile.save(tmp_path / "p.yaml")) == profile
+    # no interconnect: PCIe peer to peer with NCCL's step latency
+    assert resolve_hardware("4xt4").peer_step_latency_s == pytest.approx(2.8e-6)
+    host = resolve_hardware("ci-cpu").to_dict()
+    host["interconnect"] = {"kind": "gloo", "bandwidth": "1 GB/s", "latency": 1.3e-4}
+    cpu_only = HardwareProfile.from_dict(copy.deepcopy(host))
+    assert HardwareProfile.load(cpu_only.save(tmp_path / "c.yaml")) == cpu_only
+    stand_in = stand_in_profile(cpu_only, 4e9).with_gpu_count(2)
+    assert (stand_in.peer_step_latency_s, stand_in.peer_bytes_per_s) == (1.3e-4, 1e9)
+    assert HardwareProfile.load(stand_in.save(tmp_path / "s.yaml")) == stand_in
+    # a stand-in without a measured one prices all-reduces by bytes alone, as before
+    assert stand_in_profile(resolve_hardware("ci-cpu"), 4e9).peer_step_latency_s == 0.0
+    for where, value, fragment in (
+        (host, {"kind": "gloo", "bandwidth": "1 GB/s"}, "gloo interconnect needs its measured"),
+        (host, {"kind": "gloo", "bandwidth": "1 GB/s", "latency": -1}, "latency must be a non"),
+        (host, {"kind": "gloo", "bandwidth": "1 GB/s", "latency": "fast"}, "latency must be a"),
+        (gpus, {"kind": "gloo", "bandwidth": "1 GB/s", "latency": 1e-4}, "CPU-only host's"),
+    ):
+        with pytest.raises(HrmError, match=fragment):
+            HardwareProfile.from_dict({**copy.deepcopy(where), "interconnect": value})
 
 
 def test_launch_overhead_is_measured_per_dtype_on_either_device_and_round_trips(tmp_path):

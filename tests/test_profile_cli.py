@@ -78,6 +78,10 @@ def test_a_quick_run_writes_a_measured_cpu_profile(capsys, tmp_path, monkeypatch
     assert set(profile.cpu.dequantize_rates) == {"int8", "int4"}
     assert "int8" not in profile.cpu.attention_curves
     assert "executor overhead (bfloat16)" in out
+    # two processes' gloo all-reduce: what tp ranks on this host pay, alpha and beta
+    ring = profile.interconnect
+    assert ring.kind == "gloo" and ring.latency_s > 0 and ring.bytes_per_s > 0
+    assert "all-reduce (gloo)" in out and "median_s_by_bytes" in profile.provenance["all_reduce"]
     assert profile.provenance["command"] == " ".join(["hrm", *argv, "-o", str(output)])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["box.yaml", "config.json"]
 

@@ -80,6 +80,10 @@ def run(args: argparse.Namespace) -> int:
     if args.disk and not Path(args.disk).is_dir():
         raise HrmError(f"--disk {args.disk}: no such directory; give one on the device to time")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+    def warn(message: str) -> None:
+        print(f"hrm profile: warning: {message}", file=sys.stderr)
+
     profile = measure_profile(
         plan=PRESETS["quick" if args.quick else "full"],
         device=device,
@@ -87,9 +91,13 @@ def run(args: argparse.Namespace) -> int:
         name=output.stem,
         command=_command_line(args),
         quiet=args.quiet,
-        warn=lambda message: print(f"hrm profile: warning: {message}", file=sys.stderr),
+        warn=warn,
     )
     profile = with_launch_overhead(profile, arch, quick=args.quick)
+    if profile.gpu is None:  # the CPU standing in for GPUs: tp ranks are processes here
+        from hrm.profiling.collective import with_all_reduce
+
+        profile = with_all_reduce(profile, quick=args.quick, warn=warn)
     if args.disk:
         from hrm.profiling.disk import measure_disk
 
@@ -233,6 +241,12 @@ def format_summary(profile: HardwareProfile, path: Path) -> str:
             f"  link: h2d {units.format_bandwidth(profile.link.h2d_bytes_per_s)}, "
             f"d2h {units.format_bandwidth(profile.link.d2h_bytes_per_s)}"
             + (f", both at once {units.format_bandwidth(both)}" if both else "")
+        )
+    if profile.interconnect is not None:
+        ring = profile.interconnect
+        lines.append(
+            f"  all-reduce ({ring.kind}): {1e6 * ring.latency_s:.0f} us a ring step, "
+            f"{units.format_bandwidth(ring.bytes_per_s)}"
         )
     if profile.disk is not None and profile.disk.read_curve is not None:
         reads = ", ".join(f"{units.format_bytes(x)} {units.format_bandwidth(y)}"

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hrm import units
 from hrm.errors import HrmError
 from hrm.formats import is_compact
 from hrm.hardware.files import (
@@ -25,10 +24,18 @@ from hrm.hardware.files import (
     _disk_from_dict,
     _disk_to_dict,
     _interconnect_from_dict,
+    _interconnect_to_dict,
     _link_from_dict,
     _link_to_dict,
 )
-from hrm.hardware.parts import RATE_DTYPES, DeviceSpec, DiskSpec, Interconnect, LinkSpec
+from hrm.hardware.parts import (
+    DATASHEET_STEP_LATENCY_S,
+    RATE_DTYPES,
+    DeviceSpec,
+    DiskSpec,
+    Interconnect,
+    LinkSpec,
+)
 from hrm.io import atomic_write_yaml, load_yaml
 from hrm.policy import RUN_DTYPES
 from hrm.schema import check_keys
@@ -127,6 +134,14 @@ class HardwareProfile:
             return self.interconnect.bytes_per_s
         return self.link.h2d_bytes_per_s if self.link else 0.0
 
+    @property
+    def peer_step_latency_s(self) -> float:
+        """Each ring step's latency between GPUs: the interconnect's, else PCIe's datasheet
+        figure; 0 for a CPU standing in without a measured one (priced by bytes alone)."""
+        if self.interconnect is not None:
+            return self.interconnect.latency_s
+        return 0.0 if self.stand_in else DATASHEET_STEP_LATENCY_S["pcie"]
+
     def with_gpu_count(self, count: int) -> HardwareProfile:
         """The same machine using `count` of its GPUs (tensor parallel across them). A count
         above the profile's is a what-if: that many of its GPU, each with a link like its own
@@ -222,9 +237,8 @@ class HardwareProfile:
             raise HrmError(f"{where}: source must be one of {', '.join(SOURCES)}, got {source!r}")
         interconnect = None
         if data.get("interconnect") is not None:
-            if gpu is None:
-                raise HrmError(f"{where}: has an 'interconnect' section but no 'gpu'")
             interconnect = _interconnect_from_dict(data["interconnect"], f"{where}: interconnect")
+            _check_interconnect(interconnect, gpu, stand_in, where)
         price = data.get("price_per_hour")
         if price is not None and (
             isinstance(price, bool) or not isinstance(price, (int, float)) or not price > 0
@@ -258,10 +272,7 @@ class HardwareProfile:
         if self.link is not None:
             out["link"] = _link_to_dict(self.link)
         if self.interconnect is not None:
-            out["interconnect"] = {
-                "kind": self.interconnect.kind,
-                "bandwidth": units.format_bandwidth(self.interconnect.bytes_per_s, None),
-            }
+            out["interconnect"] = _interconnect_to_dict(self.interconnect)
         if self.price_per_hour is not None:
             out["price_per_hour"] = self.price_per_hour
         if self.stand_in:
@@ -276,6 +287,20 @@ class HardwareProfile:
 
     def save(self, path: str | os.PathLike) -> Path:
         return atomic_write_yaml(path, self.to_dict())
+
+
+def _check_interconnect(
+    interconnect: Interconnect, gpu: DeviceSpec | None, stand_in: bool, where: str
+) -> None:
+    """GPUs' links need GPUs; gloo (processes on one host) belongs to a CPU-only host and the
+    CPU standing in for its GPUs."""
+    if interconnect.kind == "gloo" and gpu is not None and not stand_in:
+        raise HrmError(
+            f"{where}: a gloo interconnect is a CPU-only host's (its processes'); "
+            "a profile with a gpu names pcie or nvlink"
+        )
+    if interconnect.kind != "gloo" and gpu is None:
+        raise HrmError(f"{where}: has a {interconnect.kind} 'interconnect' section but no 'gpu'")
 
 
 def bundled_profile_names() -> list[str]:

@@ -304,15 +304,35 @@ def _link_to_dict(link: LinkSpec) -> dict[str, Any]:
 
 
 def _interconnect_from_dict(data: Any, where: str) -> Interconnect:
-    data = check_keys(data, where=where, required={"kind", "bandwidth"})
+    """kind, bandwidth, and `latency`: seconds per ring step (optional for pcie and nvlink,
+    whose datasheet figure stands in; a gloo one is always measured)."""
+    data = check_keys(data, where=where, required={"kind", "bandwidth"}, optional={"latency"})
     if data["kind"] not in INTERCONNECTS:
         raise HrmError(
             f"{where}: kind must be one of {', '.join(INTERCONNECTS)}, got {data['kind']!r}"
         )
+    latency = data.get("latency")
+    if latency is not None and (
+        isinstance(latency, bool) or not isinstance(latency, (int, float)) or not latency >= 0
+    ):
+        raise HrmError(f"{where}: latency must be a non-negative number of seconds per ring step")
+    if latency is None and data["kind"] == "gloo":
+        raise HrmError(f"{where}: a gloo interconnect needs its measured latency (seconds)")
     return Interconnect(
         kind=data["kind"],
         bytes_per_s=units.parse_bandwidth(data["bandwidth"], f"{where}: bandwidth"),
+        step_latency_s=float(latency) if latency is not None else None,
     )
+
+
+def _interconnect_to_dict(interconnect: Interconnect) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "kind": interconnect.kind,
+        "bandwidth": units.format_bandwidth(interconnect.bytes_per_s, None),
+    }
+    if interconnect.step_latency_s is not None:
+        out["latency"] = interconnect.step_latency_s
+    return out
 
 
 def _curve_from_list(points: Any, where: str, parse_rate) -> Curve:

@@ -229,12 +229,33 @@ def gemm_shape_key(d_in: int, d_out: int) -> str:
     return f"{d_in}x{d_out}"
 
 
-INTERCONNECTS = ("pcie", "nvlink")
+# gloo: processes on one host, the CPU standing in for GPUs (hrm/hardware/stand_in.py)
+INTERCONNECTS = ("pcie", "nvlink", "gloo")
+# Each ring step's latency where a profile measured none: NCCL's own cost model for a ring
+# all-reduce in its LL protocol (src/graph/tuning.cc: a base of 3.6 us a call, and 0.47 us a step
+# over NVLink, 1.0 us over PCIe), a 2-GPU call's (two steps) spread over its two steps
+DATASHEET_STEP_LATENCY_S = {
+    "nvlink": (3.6 + 2 * 0.47) / 2 * 1e-6,
+    "pcie": (3.6 + 2 * 1.0) / 2 * 1e-6,
+}
 
 
 @dataclass(frozen=True, kw_only=True)
 class Interconnect:
-    """GPU-to-GPU links for tensor parallelism's all-reduces: per GPU, each direction."""
+    """The links of tensor parallelism's all-reduces: per GPU and direction, bandwidth (beta)
+    and each ring step's latency (alpha)."""
 
-    kind: str  # pcie (peer-to-peer through the host bridge) or nvlink
+    kind: str  # pcie (peer-to-peer through the host bridge), nvlink, or gloo (see INTERCONNECTS)
     bytes_per_s: float
+    step_latency_s: float | None = None  # None: DATASHEET_STEP_LATENCY_S for its kind
+
+    def __post_init__(self) -> None:
+        if self.step_latency_s is None and self.kind not in DATASHEET_STEP_LATENCY_S:
+            raise HrmError(f"a {self.kind} interconnect needs its measured latency")
+
+    @property
+    def latency_s(self) -> float:
+        """Seconds each ring step waits beyond its bytes."""
+        if self.step_latency_s is not None:
+            return self.step_latency_s
+        return DATASHEET_STEP_LATENCY_S[self.kind]

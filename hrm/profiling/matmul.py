@@ -31,6 +31,7 @@ from hrm.rules.gemm_paths import (
     packed_linear,
     widened_linear,
 )
+from hrm.rules.host_memory import release_freed_host_memory
 
 SWEPT_DTYPES = FLOAT_DTYPES  # the GEMM sweep times every dtype weights are computed in
 _ALIGN = 64  # scaled sizes stay multiples of 64, as real layer sizes are
@@ -99,7 +100,16 @@ class MatmulSweep:
         return max(rate for _, rate in self.rates())
 
 
-def sweep_matmul(
+def sweep_matmul(**kwargs) -> MatmulSweep:
+    """_sweep_matmul, then the freed pages of its weights handed back to the OS
+    (release_freed_host_memory): sweeps of ever other shapes and paths would otherwise pile
+    up their holes in the kept heap."""
+    sweep = _sweep_matmul(**kwargs)
+    release_freed_host_memory()
+    return sweep
+
+
+def _sweep_matmul(
     *,
     dtype: str,
     shape: GemmShape,

@@ -36,3 +36,13 @@ def keep_freed_host_memory() -> bool:
         return False
     # mallopt returns 1 on success; -1 for M_TRIM_THRESHOLD means never trim (mallopt(3))
     return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, -1))
+
+
+def release_freed_host_memory() -> None:
+    """Hand the pages of freed blocks back to the OS (malloc_trim: the heap's top, and
+    madvise of free pages inside it), keeping the heap's layout. For measurements that make and
+    drop large weights one after another: a kept heap holds every hole they leave, and a quick
+    profile at Mixtral 8x7B's shape grew past 24 GB on its packed sweeps' copies. A no-op off
+    glibc."""
+    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+        ctypes.CDLL("libc.so.6").malloc_trim(0)

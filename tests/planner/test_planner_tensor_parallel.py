@@ -33,17 +33,23 @@ def wide_arch():
 
 def test_the_ring_all_reduce_is_pinned_to_its_hand_derived_value():
     four = gpu_profile(gpu_count=4, link_bytes_per_s=1e8)
-    # 2 * (g - 1) / g * S / B = 2 * 3/4 * 1e6 / 1e8 = 15 ms, over PCIe peer to peer at 1e8 B/s
-    assert float(all_reduce_seconds(four, 1e6)) == pytest.approx(0.015)
+    # 2 (g - 1) (alpha + S / (g B)): 6 steps of NCCL's PCIe step latency (2.8 us) and 1e6/4 bytes
+    # at 1e8 B/s, over PCIe peer to peer
+    pcie = 6 * (2.8e-6 + 1e6 / 4 / 1e8)
+    assert float(all_reduce_seconds(four, 1e6)) == pytest.approx(pcie)
     nvlink = dataclasses.replace(four, interconnect=Interconnect(kind="nvlink", bytes_per_s=1e10))
-    assert float(all_reduce_seconds(nvlink, 1e6)) == pytest.approx(1.5e-4)
+    assert float(all_reduce_seconds(nvlink, 1e6)) == pytest.approx(6 * (2.27e-6 + 2.5e-5))
+    measured = Interconnect(kind="nvlink", bytes_per_s=1e10, step_latency_s=1e-3)
+    measured_four = dataclasses.replace(four, interconnect=measured)
+    # a tiny message costs the latency alone: 6 steps of 1 ms
+    assert float(all_reduce_seconds(measured_four, 2)) == pytest.approx(6e-3, rel=1e-6)
     assert float(all_reduce_seconds(gpu_profile(gpu_count=1), 1e6)) == 0.0
     # per layer and micro-batch of b sequences: two all-reduces of b * h * 2 bytes in decode,
     # of b * S * h * 2 in prefill (S = 32 padded-free prefill length is the mean 16 here)
     arch = wide_arch()
     mb = micro_batch_seconds(Setting(arch=arch, hardware=four, workload=WORKLOAD), 3)
-    decode = 2 * 2 * 3 / 4 * (3 * 64 * 2) / 1e8
-    prefill = 2 * 2 * 3 / 4 * (3 * WORKLOAD.prefill_len * 64 * 2) / 1e8
+    decode = 2 * 6 * (2.8e-6 + (3 * 64 * 2) / 4 / 1e8)
+    prefill = 2 * 6 * (2.8e-6 + (3 * WORKLOAD.prefill_len * 64 * 2) / 4 / 1e8)
     assert mb.gpu_all_reduce[1:] == pytest.approx(np.full(3, decode))
     assert mb.gpu_all_reduce[0] == pytest.approx(prefill)
 
@@ -68,7 +74,9 @@ def test_a_head_count_that_does_not_divide_is_named():
 
 def _free_comm(count: int, gpu_mem: float, link: float) -> HardwareProfile:
     hw = gpu_profile(gpu_count=count, gpu_memory_bytes=gpu_mem, link_bytes_per_s=link)
-    return dataclasses.replace(hw, interconnect=Interconnect(kind="nvlink", bytes_per_s=1e30))
+    return dataclasses.replace(
+        hw, interconnect=Interconnect(kind="nvlink", bytes_per_s=1e30, step_latency_s=0.0)
+    )
 
 
 @settings(max_examples=25, deadline=None)
