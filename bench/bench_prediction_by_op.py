@@ -1,10 +1,10 @@
 """Where the planner's prediction of a CPU run is right and wrong, operation by operation.
 
 Runs the benchmark model of bench_cpu_vs_transformers.py (the same random Mixtral-shaped
-checkpoint, batch and lengths, in `--dtype`) with the executor, timing each part of every layer:
-dense (norms, QKV and O projections), attention, expert FFN (router included) and the LM head, per
-phase (prefill, decode). Beside each it puts the planner's seconds for the same part
-(planner.cost.micro_batch_seconds with the all-CPU policy of `hrm run --hardware`) from a quick
+checkpoint, or `--family`'s, batch and lengths, in `--dtype`) with the executor, timing each part
+of every layer: dense (norms, QKV and O projections), attention, expert FFN (router included) and
+the LM head, per phase (prefill, decode). Beside each it puts the planner's seconds for the same
+part (planner.cost.micro_batch_seconds with the all-CPU policy of `hrm run --hardware`) from a quick
 `hrm profile --model` of this host at the benchmark model's own shape, or from `--hardware`. The
 executor and the planner take the same CPU GEMM path, the one that profile chooses
 (hrm.rules.cpu_gemm). The router sits in the planner's dense part (0.02% of the FLOPs). Prints a
@@ -29,9 +29,9 @@ from bench_cpu_vs_transformers import (
     FULL,
     QUICK,
     ROOT,
+    bench_config,
     host_cpu_gemm,
     host_description,
-    mixtral_config,
     profile_host,
     random_prompts,
     save_checkpoint,
@@ -164,6 +164,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="the quick shape of the CPU bench")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument(
+        "--family",
+        choices=("mixtral", "qwen3_moe", "gpt_oss", "deepseek_v2"),
+        default="mixtral",
+        help="model family (bench_cpu_vs_transformers.py's shapes)",
+    )
     parser.add_argument("--hardware", help="profile to predict with (default: profile this host)")
     parser.add_argument("--repeats", type=int, default=3, help="runs to take the median of (3)")
     parser.add_argument("--output", help="JSON to write (reports/bench_prediction_by_op.json)")
@@ -173,13 +179,14 @@ def main() -> None:
     args = parser.parse_args()
     name = "bench_prediction_by_op" + ("_quick" if args.quick else "")
     name += "" if args.dtype == "bfloat16" else f"_{args.dtype}"
+    name += "" if args.family == "mixtral" else f"_{args.family}"
     output = Path(args.output or ROOT / "reports" / f"{name}.json")
     shape = dict(QUICK if args.quick else FULL)
     shape.update(
         {k: getattr(args, k) for k in ("batch", "prompt_len", "gen_len") if getattr(args, k)}
     )
     batch, prompt_len, gen_len = shape["batch"], shape["prompt_len"], shape["gen_len"]
-    config = mixtral_config(shape["hidden"], shape["width"], shape["layers"])
+    config = bench_config(args.family, shape["hidden"], shape["width"], shape["layers"])
     _check_memory(config, batch, prompt_len, gen_len, args.dtype)
     prompts = random_prompts(batch, prompt_len)
     with tempfile.TemporaryDirectory() as tmp:

@@ -11,6 +11,7 @@ from hrm.arch import ModelArch
 from hrm.errors import HrmError
 from hrm.formats import kv_format_problem
 from hrm.hardware import HardwareProfile
+from hrm.roofline.ops import expert_gemm_shapes
 from hrm.rules.cpu_gemm import CpuGemmChoice, choose_cpu_gemm
 from hrm.rules.placement import largest_page_bytes
 from hrm.workload import Workload
@@ -79,7 +80,8 @@ class Setting:
             return self.cpu_gemm
         if not self._chosen:  # once: it keeps its rates' memo (hrm.rules.cpu_gemm)
             self._chosen.append(choose_cpu_gemm(
-                self.hardware.cpu, self.compute_dtype, source=f"profile {self.hardware.name}"
+                self.hardware.cpu, self.compute_dtype, source=f"profile {self.hardware.name}",
+                shape=expert_gemm_shapes(self.arch)[0],
             ))  # fmt: skip
         return self._chosen[0]
 

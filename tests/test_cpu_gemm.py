@@ -22,6 +22,7 @@ from hrm.rules.cpu_gemm import (
     gemm_peak_flops_per_s,
     has_choice_curves,
     pays_to_pad,
+    shape_curve,
 )
 from tests.gemm_curves import AMX, AMX_PACKED, AVX2, AVX512_PACKED, MIXED, rates, scaled
 
@@ -204,3 +205,66 @@ def test_a_choice_with_small_pads_round_trips_and_old_records_read_without_them(
     assert CpuGemmChoice.from_dict(old).rows_at(3) == 3
     with pytest.raises(HrmError, match="small_pads must map"):
         CpuGemmChoice.from_dict({**record, "small_pads": {"native": {"*": {"three": 4}}}})
+
+
+def _flat(gflops: float) -> Curve:
+    return Curve(points=((1.0, gflops * 1e9), (256.0, gflops * 1e9)))
+
+
+def test_a_shape_not_measured_is_read_between_the_measured_sizes_nearest_it():
+    """log rate linear in log(d_in * d_out) between the nearest measured sizes, flat beyond;
+    shapes of one size averaged (w1 and w2); a router (narrow) read from narrow ones only."""
+    r = MeasuredRates(
+        matmul_curves={"float32": _flat(100)},
+        matmul_shape="4096x14336",
+        gemm_shape_curves={
+            "1024x512": {"float32": _flat(10)},
+            "4096x1024": {"float32": _flat(80)},
+            "14336x4096": {"float32": _flat(400)},
+            "4096x8": {"float32": _flat(1)},
+        },
+    )
+    # 2048 x 1024 holds 4x the weights of 1024 x 512 and half those of 4096 x 1024: 2/3 of the way
+    assert shape_curve(r, "float32", (2048, 1024)).at(16) == pytest.approx(
+        10e9 ** (1 / 3) * 80e9 ** (2 / 3)
+    )
+    assert shape_curve(r, "float32", (512, 256)).at(16) == pytest.approx(10e9)  # below: flat
+    assert shape_curve(r, "float32", (8192, 32000)).at(16) == pytest.approx(200e9)  # w1 and w2
+    assert shape_curve(r, "float32", (1024, 64)).at(16) == pytest.approx(1e9)  # narrow: the router
+    assert shape_curve(r, "float32", (4096, 1024)).points[0][1] == 80e9  # measured
+    assert shape_curve(r, "float32", (4096, 14336)) is r.matmul_curves["float32"]  # w1
+    assert shape_curve(r, "float32", None) is r.matmul_curves["float32"]
+    # a rate key no shape measured keeps the w1 curve
+    assert shape_curve(r, "bfloat16", (2048, 1024)) is None
+
+
+def test_the_choice_follows_the_runs_expert_shape_not_the_profiles():
+    """Packed ran 1.1x native at Mixtral 8x7B's expert and 1.3-1.8x at hidden 1024's: a profile
+    of the one chooses packed for the other where its smaller shapes say so."""
+    big = {"bfloat16": _flat(500), "bfloat16_widened": _flat(200), "bfloat16_packed": _flat(520)}
+    small = {"bfloat16": _flat(300), "bfloat16_widened": _flat(150), "bfloat16_packed": _flat(480)}
+    r = MeasuredRates(
+        matmul_curves=big, matmul_shape="4096x14336", gemm_shape_curves={"1024x512": small}
+    )
+    assert choose_cpu_gemm(r, "bfloat16").paths == ("native",)
+    assert choose_cpu_gemm(r, "bfloat16", shape=(4096, 14336)).paths == ("native",)
+    chosen = choose_cpu_gemm(r, "bfloat16", shape=(1024, 384))
+    assert chosen.paths == ("packed",)
+    assert gemm_flops_per_s(r, chosen, 16, (1024, 384)) == pytest.approx(480e9)
+
+
+def test_a_shape_is_read_from_its_own_input_width_where_one_was_timed():
+    r = MeasuredRates(
+        matmul_curves={"float32": _flat(100)},
+        gemm_shape_curves={
+            "1024x512": {"float32": _flat(10)},
+            "1024x4096": {"float32": _flat(40)},
+            "4096x1024": {"float32": _flat(80)},
+        },
+    )
+    # 1024 x 2048 lies 2/3 of the way (in log size) between the two of d_in 1024; 4096 x
+    # 1024's, of a like size, does not enter
+    expected = 10e9 ** (1 / 3) * 40e9 ** (2 / 3)
+    assert shape_curve(r, "float32", (1024, 2048)).at(16) == pytest.approx(expected)
+    # no measured shape of d_in 2048: read by size among all, 4096 x 1024 and 1024 x 4096 averaged
+    assert shape_curve(r, "float32", (2048, 2048)).at(16) == pytest.approx((40e9 * 80e9) ** 0.5)

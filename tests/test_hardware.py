@@ -274,9 +274,13 @@ def test_gemm_shape_curves_are_the_cpus_checked_and_round_trip(tmp_path):
     data = resolve_hardware("l4").to_dict()
     curves = {"4096x1024": {"float32": [[1, 2e9], [64, 9e10]], "bfloat16_widened": [[1, 3e9]]}}
     data["cpu"]["gemm_shape_curves"] = curves
+    data["cpu"]["matmul_shape"] = "4096x14336"  # where matmul_curves were timed
     profile = HardwareProfile.from_dict(copy.deepcopy(data))
     assert profile.cpu.gemm_shape_curves["4096x1024"]["float32"].at(64) == 9e10
+    assert profile.cpu.matmul_shape == "4096x14336"
     assert HardwareProfile.load(profile.save(tmp_path / "p.yaml")) == profile
+    with pytest.raises(HrmError, match="matmul_shape: '4096' is not a shape"):
+        HardwareProfile.from_dict({**data, "cpu": {**data["cpu"], "matmul_shape": "4096"}})
     for bad, message in (
         ({"4096x1024": {"float32": [[64, 9e10], [1, 2e9]]}}, "4096x1024: float32"),
         ({"4096x1024": {"int3": [[1, 2e9]]}}, "int3"),

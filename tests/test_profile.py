@@ -13,7 +13,7 @@ from hrm import units
 from hrm.arch import resolve_model
 from hrm.hardware import HardwareProfile
 from hrm.hardware.parts import gemm_shape_key
-from hrm.profiling import SweepPlan, measure_profile
+from hrm.profiling import GENERIC_SHAPES, SweepPlan, measure_profile
 from hrm.profiling.cpu import CpuTimes, measured_others_share, others_cpu_share
 from hrm.profiling.matmul import GemmShape, fit_shape, sweep_matmul
 from hrm.profiling.timing import Timing, time_calls
@@ -223,10 +223,13 @@ def test_a_tiny_run_times_the_executors_widened_path_for_16_bit(tiny_profile):
 
 def test_a_tiny_run_times_every_other_gemm_shape_on_each_path(tiny_profile):
     """q, k/v, o, router, w2 and the LM head each get curves of their own (w1's is the main
-    sweep's), for float32 and both bf16 paths, at the plan's shape grid."""
+    sweep's, at matmul_shape), and so do the generic shapes other models are read between, for
+    float32 and both bf16 paths, at the plan's shape grid."""
     curves = tiny_profile.cpu.gemm_shape_curves
     w1 = gemm_shape_key(TINY_ARCH.hidden_size, TINY_ARCH.intermediate_size)
-    assert set(curves) == {gemm_shape_key(*s) for s in gemm_shapes(TINY_ARCH)} - {w1}
+    assert tiny_profile.cpu.matmul_shape == w1
+    timed = {gemm_shape_key(*s) for s in (*gemm_shapes(TINY_ARCH), *GENERIC_SHAPES)}
+    assert set(curves) == timed - {w1}
     for key, by_rate in curves.items():
         packed = {"bfloat16_packed"} if packing_missing("bfloat16") is None else set()
         assert set(by_rate) == {"float32", "bfloat16", "bfloat16_widened"} | packed, key

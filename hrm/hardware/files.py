@@ -35,6 +35,7 @@ _DEVICE_OPTIONAL = {
     "elementwise_rate",
     "expert_ffn_curves",
     "gemm_shape_curves",
+    "matmul_shape",
     "copy_bandwidth",
     "dequantize_rates",
 }
@@ -44,6 +45,7 @@ _CPU_ONLY = (
     "prefill_attention_curves",
     "elementwise_rate",
     "gemm_shape_curves",
+    "matmul_shape",
     "copy_bandwidth",
 )
 _GPU_ONLY = ("expert_ffn_curves",)
@@ -90,12 +92,9 @@ def _device_from_dict(
     count = positive_int(data.get("count", 1), where=f"{where}: count")
     if is_cpu and count != 1:
         raise HrmError(f"{where}: count must be 1 for the cpu (give the total cores and memory)")
-    cores = data.get("cores")
+    cores, shape = data.get("cores"), data.get("matmul_shape")
     available = data.get("available_memory")
-    for keys, only_for in ((_CPU_ONLY, "cpu"), (_GPU_ONLY, "gpu")):
-        for key in keys:
-            if data.get(key) is not None and measured_as_cpu != (only_for == "cpu"):
-                raise HrmError(f"{where}: {key} is measured for the {only_for} only")
+    _check_measured_on(data, where, measured_as_cpu)
     overhead = _overheads_from_dict(data.get("launch_overhead"), f"{where}: launch_overhead")
     attention = data.get("attention_curves") or {}
     elementwise = _by_dtype(data, "elementwise_rate", where, set(RATE_DTYPES))
@@ -105,6 +104,7 @@ def _device_from_dict(
         gemm_shape_curves=_shape_curves_from_dict(
             data.get("gemm_shape_curves") or {}, f"{where}: gemm_shape_curves", rate_keys
         ),
+        matmul_shape=_shape_name(shape, f"{where}: matmul_shape") if shape else None,
         launch_overhead=overhead,
         expert_ffn_curves=_dtype_curves(
             data.get("expert_ffn_curves"), f"{where}: expert_ffn_curves", units.parse_flops
@@ -153,6 +153,14 @@ def _device_from_dict(
     )
 
 
+def _check_measured_on(data: Any, where: str, measured_as_cpu: bool) -> None:
+    """What hrm profile measures on one kind of device only is refused on the other."""
+    for keys, only_for in ((_CPU_ONLY, "cpu"), (_GPU_ONLY, "gpu")):
+        for key in keys:
+            if data.get(key) is not None and measured_as_cpu != (only_for == "cpu"):
+                raise HrmError(f"{where}: {key} is measured for the {only_for} only")
+
+
 def _dtype_curves(data: Any, where: str, parse_rate) -> dict[str, Curve]:
     """A mapping of dtype -> [size, rate] pairs (absent: empty), checked and parsed."""
     keys = set(RATE_DTYPES) | set(WEIGHT_FORMATS)  # a compact KV cache's attention too
@@ -163,14 +171,20 @@ def _dtype_curves(data: Any, where: str, parse_rate) -> dict[str, Curve]:
     }
 
 
+def _shape_name(shape: Any, where: str) -> str:
+    """A gemm_shape_key, checked: d_in x d_out, both positive."""
+    d_in, _, d_out = str(shape).partition("x")
+    if not (d_in.isdigit() and d_out.isdigit() and int(d_in) > 0 and int(d_out) > 0):
+        raise HrmError(f"{where}: {shape!r} is not a shape; write d_in x d_out, like 4096x1024")
+    return str(shape)
+
+
 def _shape_curves_from_dict(data: Any, where: str, rate_keys: set[str]) -> dict:
     if not isinstance(data, dict):
         raise HrmError(f"{where}: must be a mapping of shapes (like 4096x1024) to curves")
     out = {}
     for shape, curves in data.items():
-        d_in, _, d_out = str(shape).partition("x")
-        if not (d_in.isdigit() and d_out.isdigit() and int(d_in) > 0 and int(d_out) > 0):
-            raise HrmError(f"{where}: {shape!r} is not a shape; write d_in x d_out, like 4096x1024")
+        _shape_name(shape, where)
         curves = check_keys(curves, where=f"{where}: {shape}", required=set(), optional=rate_keys)
         out[str(shape)] = {
             key: _curve_from_list(points, f"{where}: {shape}: {key}", units.parse_flops)
@@ -203,6 +217,8 @@ def _device_to_dict(device: DeviceSpec) -> dict[str, Any]:
             shape: {key: _curve_to_list(c) for key, c in curves.items()}
             for shape, curves in device.gemm_shape_curves.items()
         }
+    if device.matmul_shape is not None:
+        out["matmul_shape"] = device.matmul_shape
     if device.launch_overhead:
         out["launch_overhead"] = {
             d: _overhead_to_dict(o) for d, o in device.launch_overhead.items()

@@ -132,8 +132,11 @@ class DeviceSpec:
     expert_ffn_curves: Mapping[str, Curve] = field(default_factory=dict)
     # CPU only: GEMM FLOP/s against rows at each other shape the executor runs, keyed by
     # gemm_shape_key ("d_in x d_out") then by rate key (measured by hrm profile); a shape absent
-    # here is priced at matmul_curves, timed at the expert's w1 shape
+    # here is read between the measured ones (hrm.rules.cpu_gemm.shape_curve)
     gemm_shape_curves: Mapping[str, Mapping[str, Curve]] = field(default_factory=dict)
+    # CPU only: the gemm_shape_key matmul_curves were timed at (the profiled model's expert w1,
+    # as scaled to fit); None in profiles from before it was recorded
+    matmul_shape: str | None = None
 
     # weights per second the executor dequantizes a compact format at, into 16 bits, per format
     # (hrm/formats.py; measured by hrm profile); absent: priced by memory traffic

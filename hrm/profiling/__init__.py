@@ -103,6 +103,11 @@ PRESETS = {
         shape_budget_s=12.0,
     ),
 }
+# timed besides the model's own shapes, so that a profile prices other models' GEMMs from
+# shapes of their size and input width (hrm.rules.cpu_gemm.shape_curve): the smallest of
+# Mixtral 8x7B's (but its router) holds 4.2M weights at d_in 4096, a hidden-1024 model's
+# 0.4-3.7M, and packed ran 1.3-1.8x native there against 1.1x at 58.7M
+GENERIC_SHAPES = ((1024, 512), (1024, 4096), (2048, 1024))
 # the rate keys timed at the other GEMM shapes: the dtypes runs use on a CPU, each of the
 # executor's paths (packed where this CPU packs); float16 keeps the w1 curve at every shape
 SHAPE_SWEPT = (
@@ -267,6 +272,7 @@ def _measure_cpu(
         copy_bandwidth_bytes_per_s=copy_timing.rate(copy_moved) / 2,
         **_flops_fields(sweeps, "cpu", warnings),
         gemm_shape_curves=shape_curves,
+        matmul_shape=gemm_shape_key(shape.hidden, shape.intermediate),
     )
     notes = {
         "cpu_gemm_shapes": shape_notes,
@@ -386,8 +392,10 @@ def _link_notes(link_sweep, both_timing, both_bytes) -> dict[str, Any]:
 
 
 def _other_shapes(arch: ModelArch) -> list[tuple[int, int]]:
-    """The forward pass's GEMM shapes other than w1's (timed by the main sweep)."""
-    return [s for s in gemm_shapes(arch) if s != (arch.hidden_size, arch.intermediate_size)]
+    """The forward pass's GEMM shapes other than w1's (timed by the main sweep), then
+    GENERIC_SHAPES: what another model's GEMMs are read between (hrm.rules.cpu_gemm.shape_curve)."""
+    w1 = (arch.hidden_size, arch.intermediate_size)
+    return [s for s in dict.fromkeys((*gemm_shapes(arch), *GENERIC_SHAPES)) if s != w1]
 
 
 def _measure_gemm_shapes(

@@ -103,6 +103,6 @@ def with_all_reduce(
     if not (dist.is_available() and dist.is_gloo_available()):
         warn("torch.distributed has no gloo here: all-reduce latency not measured")
         return profile
-    interconnect, notes = measure_all_reduce(repeats=3 if quick else 5, calls=10 if quick else 20)
+    interconnect, notes = measure_all_reduce(repeats=5 if quick else 7, calls=20 if quick else 40)
     provenance = {**profile.provenance, "all_reduce": notes}
     return dataclasses.replace(profile, interconnect=interconnect, provenance=provenance)

@@ -29,6 +29,7 @@ from hrm.policy import dtype_bytes
 from hrm.profiling import cpu
 from hrm.profiling.matmul import GemmShape, sweep_matmul
 from hrm.profiling.timing import perf_counter_clock
+from hrm.roofline.ops import expert_gemm_shapes
 from hrm.rules.cpu_gemm import CpuGemmChoice, MeasuredRates, choose_cpu_gemm, has_choice_curves
 from hrm.rules.gemm_paths import host_paths, packing_missing
 from hrm.units import format_bytes
@@ -220,7 +221,8 @@ def cpu_gemm_for_run(
             f"this host runs ({', '.join(paths)})"
         )
     if reason is None:
-        return choose_cpu_gemm(hardware.cpu, dtype, mode, source=f"profile {hardware.name}")
+        return choose_cpu_gemm(hardware.cpu, dtype, mode, source=f"profile {hardware.name}",
+                               shape=expert_gemm_shapes(arch)[0])  # fmt: skip
     choice = probe_cpu_gemm(arch, dtype, weights, mode=mode)
     if mode == "auto":
         warn(f"CPU GEMM path from this host's probe ({reason}): {choice.describe()}")

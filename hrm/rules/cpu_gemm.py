@@ -41,6 +41,7 @@ ANY_SHAPE = "*"  # small pads read off the w1-shape curve: shapes without a curv
 # A path is taken over native, and padding over none, only when it saves at least this share of
 # the time: two profiles of one host differ by about 5%, so a smaller gain is timing noise.
 NOISE_FLOOR = 0.1
+NARROW = 128  # a GEMM with fewer inputs or outputs than this (a router) is read from its likes
 
 
 class GemmRates(Protocol):
@@ -49,6 +50,7 @@ class GemmRates(Protocol):
     peak_flops_per_s: Mapping[str, float]
     matmul_curves: Mapping[str, Curve]  # at the expert's w1 shape
     gemm_shape_curves: Mapping[str, Mapping[str, Curve]]  # other shapes (DeviceSpec)
+    matmul_shape: str | None  # the shape matmul_curves were timed at, where known
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,6 +59,7 @@ class MeasuredRates:
 
     matmul_curves: Mapping[str, Curve]
     gemm_shape_curves: Mapping[str, Mapping[str, Curve]] = field(default_factory=dict)
+    matmul_shape: str | None = None  # the model's own: a probe times its expert w1
 
     @property
     def peak_flops_per_s(self) -> dict[str, float]:
@@ -78,12 +81,65 @@ def rate_key(rates: GemmRates, dtype: str, path: str) -> str:
 def rate_at(
     rates: GemmRates, key: str, tokens: float, shape: tuple[int, int] | None = None
 ) -> float:
-    """FLOP/s at `tokens` rows: the curve measured at `shape` (d_in, d_out) where there is one,
-    else the w1-shape curve, else the peak, else float32's."""
-    curve = rates.matmul_curves.get(key)
-    if shape is not None:
-        curve = rates.gemm_shape_curves.get(gemm_shape_key(*shape), {}).get(key, curve)
+    """FLOP/s at `tokens` rows: the curve at `shape` (d_in, d_out) (shape_curve), else the
+    w1-shape curve, else the peak, else float32's."""
+    curve = shape_curve(rates, key, shape)
     return curve.at(tokens) if curve is not None else peak_at(rates, key)
+
+
+_SHAPE_MEMO: dict[tuple[int, int], tuple[tuple, dict]] = {}  # ids -> (held curves, read)
+
+
+def shape_curve(rates: GemmRates, key: str, shape: tuple[int, int] | None) -> Curve | None:
+    """`key`'s curve at `shape`: measured there; else read between the two measured shapes
+    nearest in weight size (d_in * d_out), among those of its input width where there are any,
+    each row count's rate a power law in the size between them (log-log, as Curve reads rows),
+    held flat beyond the smallest and largest; else the w1-shape curve. The measured shapes are
+    the profile's (its model's q, k/v, o, router, w2, LM head, w1 at matmul_shape, and the
+    generic shapes hrm profile adds): a profile of Mixtral 8x7B prices a hidden-1024 model's
+    GEMMs from its 1024-wide shapes, not from its 58M-weight expert."""
+    fallback = rates.matmul_curves.get(key)
+    if shape is None:
+        return fallback
+    # read once per set of curves (a search prices a shape thousands of times); the memo holds
+    # the curves it is keyed by, so their ids are not reused while it lives
+    held = (rates.gemm_shape_curves, rates.matmul_curves)
+    _, memo = _SHAPE_MEMO.setdefault(tuple(map(id, held)), (held, {}))
+    at = (key, shape, rates.matmul_shape)
+    if at not in memo:
+        memo[at] = _read_between(rates, key, shape)
+    return memo[at] or fallback
+
+
+def _read_between(rates: GemmRates, key: str, shape: tuple[int, int]) -> Curve | None:
+    """shape_curve's measured or interpolated curve; None where `key` has no shape measured."""
+    by_shape = {name: curves[key] for name, curves in rates.gemm_shape_curves.items()
+                if key in curves}  # fmt: skip
+    if rates.matmul_shape is not None and key in rates.matmul_curves:
+        by_shape.setdefault(rates.matmul_shape, rates.matmul_curves[key])
+    name = gemm_shape_key(*shape)
+    if name in by_shape or not by_shape:
+        return by_shape.get(name)
+    dims = {other: tuple(map(int, other.split("x"))) for other in by_shape}
+    # a router's few outputs run unlike a matrix of the same size: narrow from narrow; and a
+    # matrix from those of its own input width where there are some (packed gained 1.2-1.8x
+    # native at d_in 1024 and 1.1-1.3x at 4096, at like sizes)
+    alike = [o for o, d in dims.items() if (min(d) < NARROW) == (min(shape) < NARROW)] or dims
+    alike = [o for o in alike if dims[o][0] == shape[0]] or alike
+    sizes: dict[float, list[Curve]] = {}
+    for other in alike:
+        d_in, d_out = dims[other]
+        sizes.setdefault(math.log(d_in * d_out), []).append(by_shape[other])
+    logs = sorted(sizes)
+    x = min(max(math.log(shape[0] * shape[1]), logs[0]), logs[-1])
+    i = bisect.bisect_left(logs, x)  # logs[i] >= x, and i > 0 where logs[i] > x
+    lo, hi = (logs[i - 1] if logs[i] > x else x), logs[i]
+    w = (x - lo) / (hi - lo) if hi > lo else 0.0
+    curves = [(c, (1 - w) / len(sizes[lo])) for c in sizes[lo]]
+    curves += [(c, w / len(sizes[hi])) for c in sizes[hi]] if hi > lo else []
+    rows = sorted({r for c, _ in curves for r, _ in c.points})
+    points = [(r, math.exp(sum(f * math.log(c.at(r)) for c, f in curves))) for r in rows]
+    return Curve(points=tuple(points))
 
 
 def peak_at(rates: GemmRates, key: str) -> float:
@@ -199,16 +255,24 @@ class CpuGemmChoice:
 
 
 def choose_cpu_gemm(
-    rates: GemmRates, dtype: str, mode: str = "auto", *, source: str = "profile"
+    rates: GemmRates,
+    dtype: str,
+    mode: str = "auto",
+    *,
+    source: str = "profile",
+    shape: tuple[int, int] | None = None,
 ) -> CpuGemmChoice:
     """The fastest path at each token count of the curves' grid, from `rates` (native unless
     another saves NOISE_FLOOR of its time; packed at every count or none, and only where the
     rates hold its curve); mode native, widened or packed forces one path (padding still as
-    measured). Float32 has one path, native."""
+    measured). Float32 has one path, native. `shape`: the run's expert w1 (d_in, d_out), whose
+    curves (shape_curve) decide; packed ran 1.3-1.8x native at hidden 1024 and 1.07-1.11x at
+    Mixtral 8x7B's expert on the AMX VM, so a profile's own w1 does not speak for every model."""
     if mode not in MODES:
         raise HrmError(f"--cpu-gemm: unknown path {mode!r}; use one of {', '.join(MODES)}")
     paths = PATHS if dtype in HALF_DTYPES else ("native",)
     keys = {path: rate_key(rates, dtype, path) for path in paths}
+    # padding is the kernel's row blocking: read off the w1 curve, whose grid has 12 rows
     padded = tuple(p for p in paths if pays_to_pad(rates.matmul_curves.get(keys[p])))
     small = {path: small_pads_by_shape(rates, keys[path]) for path in paths}
     if mode != "auto" and dtype not in HALF_DTYPES:
@@ -226,9 +290,9 @@ def choose_cpu_gemm(
     def seconds_per_row(path: str, tokens: float) -> float:
         # t(T) = rows_run / rate(rows_run), per useful row
         rows = _rows_run(small, padded, path, tokens, None)
-        return rows / rate_at(rates, keys[path], rows) / tokens
+        return rows / rate_at(rates, keys[path], rows, shape) / tokens
 
-    curves = [rates.matmul_curves[k] for k in keys.values() if k in rates.matmul_curves]
+    curves = [shape_curve(rates, k, shape) for k in keys.values() if k in rates.matmul_curves]
     grid = sorted({x for curve in curves for x, _ in curve.points}) or [1.0]
     buckets = _mixed_buckets(grid, [p for p in paths if p != "packed"], seconds_per_row)
     if "packed" in paths and path_key(dtype, "packed") in rates.matmul_curves:
@@ -357,9 +421,7 @@ def gemm_flops_per_s_each(
         x = t[mask]  # above SMALL_PAD_LIMIT: padded to the next multiple where the path pads
         rows = np.ceil(x / TOKEN_PAD) * TOKEN_PAD if path in choice.padded else x
         key = rate_key(rates, choice.dtype, path)
-        curve = rates.matmul_curves.get(key)
-        if shape is not None:
-            curve = rates.gemm_shape_curves.get(gemm_shape_key(*shape), {}).get(key, curve)
+        curve = shape_curve(rates, key, shape)
         rate = curve.at_each(rows) if curve is not None else peak_at(rates, key)
         out[mask] = rate * x / rows
     return out
