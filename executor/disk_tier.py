@@ -6,15 +6,17 @@ Where the part's tensors are contiguous views of the checkpoint's own safetensor
 run's dtype, they are read from those files in place (the aligned pages around each, through a
 bounce buffer). Otherwise (a compact format's rows, a dtype converted at load, a GGUF's
 dequantized tensors, random weights) the part is written at load to one file of ours, each
-layer's at a 4 KiB-aligned offset (its size and place are printed; it is removed when the run
-ends). Reads are O_DIRECT, 8 MiB at a time (hrm.rules.placement.DISK_READ_BYTES), large and
-aligned, as a drive reads fastest; where a filesystem refuses O_DIRECT the run is refused,
-unless buffered reads are asked for (then the page cache may serve them).
+layer's at a 4 KiB-aligned offset; the file is unlinked as soon as it is made and lives on its
+open descriptor, so nothing stays behind even when the run is killed. Reads are O_DIRECT, 8 MiB
+at a time (hrm.rules.placement.DISK_READ_BYTES), large and aligned, as a drive reads fastest;
+where a filesystem refuses O_DIRECT the run is refused, unless buffered reads are asked for
+(then the page cache may serve them).
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import tempfile
 from pathlib import Path
@@ -72,11 +74,15 @@ def _open(path: Path, direct: bool) -> int:
     except OSError as exc:
         if not direct or exc.errno != errno.EINVAL:
             raise
-        raise HrmError(
-            f"{path.parent}: the filesystem refuses O_DIRECT reads, so the disk tier's reads "
-            "would come from the page cache; give --disk-dir (and the checkpoint) on the device "
-            "the plan's disk is, or --disk-buffered to read through the cache"
-        ) from None
+        raise HrmError(_refused(path)) from None
+
+
+def _refused(path: Path) -> str:
+    return (
+        f"{path.parent}: the filesystem refuses O_DIRECT reads, so the disk tier's reads "
+        "would come from the page cache; give --disk-dir (and the checkpoint) on the device "
+        "the plan's disk is, or --disk-buffered to read through the cache"
+    )
 
 
 class DiskTier:
@@ -93,10 +99,10 @@ class DiskTier:
             self.offsets[layer] = offset
             offset += _padded(nbytes)
         self.nbytes = offset
-        fd, name = tempfile.mkstemp(prefix="hrm-disk-", suffix=".bin", dir=directory)
-        os.close(fd)
+        self._fd: int | None
+        self._fd, name = tempfile.mkstemp(prefix="hrm-disk-", suffix=".bin", dir=directory)
+        os.unlink(name)  # the descriptor keeps it: a killed run leaves no file
         self.path = Path(name)
-        self._fd: int | None = None
         largest = _padded(max(parts.values(), default=0))
         self.staging = [page_aligned_empty(largest, torch.uint8) for _ in range(TURNS)]
         self.pins = HostPins()
@@ -110,9 +116,9 @@ class DiskTier:
 
     def write(self, layer: int, data: torch.Tensor) -> None:
         """Layer `layer`'s disk part (uint8, its arena's tail), written at its offset."""
-        with open(self.path, "r+b") as f:
-            f.seek(self.offsets[layer])
-            f.write(data.numpy().tobytes())
+        view, done = memoryview(data.numpy()).cast("B"), 0
+        while done < len(view):  # pwrite may write less than asked (2 GiB at most on Linux)
+            done += os.pwrite(self._fd, view[done:], self.offsets[layer] + done)
 
     def point(self, layer: int, pieces: list[tuple[int, Path, int, int]]) -> None:
         """Layer `layer`'s disk part is read in place: each (offset in the part, checkpoint
@@ -123,15 +129,20 @@ class DiskTier:
             self._bounce = page_aligned_empty(span, torch.uint8)
 
     def open(self) -> None:
-        """After the last write: flush to the device, and open for reads (O_DIRECT unless asked
-        otherwise), our file and the checkpoint files read in place. A filesystem that refuses
+        """After the last write: flush to the device, and read on (O_DIRECT unless asked
+        otherwise) our file and the checkpoint files read in place. A filesystem that refuses
         O_DIRECT is refused in one line."""
-        with open(self.path, "r+b") as f:
-            f.truncate(self.nbytes)
-            os.fsync(f.fileno())
-        for path in (self.path, *{p for pieces in self.inplace.values() for _, p, _, _ in pieces}):
+        os.ftruncate(self._fd, self.nbytes)
+        os.fsync(self._fd)
+        if self.direct:  # Linux lets a descriptor take O_DIRECT (fcntl(2), F_SETFL)
+            try:
+                fcntl.fcntl(
+                    self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) | os.O_DIRECT
+                )
+            except OSError as exc:
+                raise HrmError(_refused(self.path)) if exc.errno == errno.EINVAL else exc from None
+        for path in {p for pieces in self.inplace.values() for _, p, _, _ in pieces}:
             self._fds[path] = _open(path, self.direct)
-        self._fd = self._fds[self.path]
 
     def read(self, layer: int, turn: int) -> None:
         """Layer `layer`'s disk part into staging `turn`, in aligned reads of DISK_READ_BYTES
@@ -153,16 +164,19 @@ class DiskTier:
         kept = sum(self.parts[i] for i in self.inplace)
         spilled = sum(self.parts.values()) - kept
         return (f"disk tier: {format_bytes(kept, 3)} read in place from the checkpoint, "
-                f"{format_bytes(spilled, 3)} written to {self.path} ({how} reads of "
-                f"{format_bytes(DISK_READ_BYTES)}; the file removed at the end)")  # fmt: skip
+                f"{format_bytes(spilled, 3)} written to a file in {self.path.parent} ({how} "
+                f"reads of {format_bytes(DISK_READ_BYTES)}; unlinked once made, so it goes "
+                "with the run)")  # fmt: skip
 
     def close(self) -> None:
-        for fd in self._fds.values():
+        """Close the files (ours goes with its descriptor) and unpin; once."""
+        if self._fd is None:
+            return
+        for fd in [*self._fds.values(), self._fd]:
             os.close(fd)
         self._fds.clear()
         self._fd = None
         self.pins.close()
-        self.path.unlink(missing_ok=True)
 
 
 def _read_into(fd: int, path: Path, view: memoryview, offset: int, nbytes: int) -> None:

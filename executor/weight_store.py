@@ -358,7 +358,7 @@ class WeightStore:
 
     def close(self) -> None:
         """Unpin the arenas (after the device's work on them) before their memory is freed;
-        remove the disk tier's file."""
+        close the disk tier's files."""
         self.pins.close()
         self.pinned = False
         if self.disk is not None:

@@ -139,12 +139,14 @@ def with_launch_overhead(
     from hrm.profiling import PRESETS, SWEPT_DTYPES
     from hrm.roofline.ops import expert_gemm_shapes
     from hrm.rules.cpu_gemm import choose_cpu_gemm
+    from hrm.rules.host_memory import release_freed_host_memory
 
     # the dtypes the profile's CPU sweep ran (hrm validate's own profile sweeps those it runs)
     dtypes = [d for d in FLOAT_DTYPES if d in profile.cpu.matmul_curves]
     paths = {d: choose_cpu_gemm(profile.cpu, d, shape=expert_gemm_shapes(arch)[0]) for d in dtypes}
     preset = "quick" if quick else "full"
     timed = timed or cpu_overhead.PRESETS[preset]  # --quick: bfloat16 alone (others take its)
+    release_freed_host_memory()  # what the sweeps left in the kept heap: these build models
     elementwise = {
         d: measure_elementwise_rate(arch, d, repeats=timed.elementwise_repeats, cpu_gemm=paths[d])
         for d in timed.dtypes

@@ -28,7 +28,7 @@ from hrm.profiling.timing import Timing, perf_counter_clock
 from hrm.progress import progress_bar
 from hrm.roofline.ops import gemm_shapes
 from hrm.rules.gemm_paths import host_paths
-from hrm.rules.host_memory import keep_freed_host_memory
+from hrm.rules.host_memory import keep_freed_host_memory, release_freed_host_memory
 
 STORED_CPU_BANDWIDTH = "read"  # decode streams weights and KV cache: a read, not a copy
 BUSY_WARNING_SHARE = 0.1  # other processes' share of CPU time above which figures are suspect
@@ -103,13 +103,10 @@ PRESETS = {
         shape_budget_s=12.0,
     ),
 }
-# timed besides the model's own shapes, so that a profile prices other models' GEMMs from
-# shapes of their size and input width (hrm.rules.cpu_gemm.shape_curve): the smallest of
-# Mixtral 8x7B's (but its router) holds 4.2M weights at d_in 4096, a hidden-1024 model's
-# 0.4-3.7M, and packed ran 1.3-1.8x native there against 1.1x at 58.7M
+# timed besides the model's own shapes, so that other models' GEMMs are read from shapes of
+# their size and input width (hrm.rules.cpu_gemm.shape_curve; docs/decisions.md, 2026-12-06)
 GENERIC_SHAPES = ((1024, 512), (1024, 4096), (2048, 1024))
-# the rate keys timed at the other GEMM shapes: the dtypes runs use on a CPU, each of the
-# executor's paths (packed where this CPU packs); float16 keeps the w1 curve at every shape
+# the rate keys timed at the other shapes: each path of the dtypes CPU runs use (float16: w1's)
 SHAPE_SWEPT = (
     ("float32", "native"),
     ("bfloat16", "native"),
@@ -251,15 +248,7 @@ def _measure_cpu(
         scaled=shape.scale != 1.0,
         memory_budget_bytes=_MATMUL_MEMORY_FRACTION * available,
     )
-    array_bytes = min(max(plan.min_array_bytes, 8 * cache), available / 8)
-    if array_bytes < 4 * cache:
-        warnings.append(
-            f"cpu bandwidth arrays of {units.format_bytes(array_bytes)} are under 4x the "
-            f"{units.format_bytes(cache)} last-level cache: bandwidth may be overstated"
-        )
-    bandwidth = cpu.measure_bandwidth(
-        array_bytes=array_bytes, repeats=plan.repeats, min_sample_s=plan.min_sample_s, tick=tick
-    )
+    bandwidth, array_bytes = _measure_bandwidth(plan, cache, available, tick, warnings)
     stored_timing, stored_bytes = bandwidth[STORED_CPU_BANDWIDTH]
     copy_timing, copy_moved = bandwidth["copy"]
     spec = DeviceSpec(
@@ -389,6 +378,23 @@ def _link_notes(link_sweep, both_timing, both_bytes) -> dict[str, Any]:
             **_rate_summary(both_timing, both_bytes, units.format_bandwidth),
         },
     }
+
+
+def _measure_bandwidth(plan: SweepPlan, cache: float, available: float, tick, warnings) -> tuple:
+    """cpu.measure_bandwidth over arrays of 8x the last-level cache (at most an eighth of the
+    memory), and their size; their pages handed back after: the kept heap held the triad's
+    9 GB under the executor's own measurements that follow."""
+    array_bytes = min(max(plan.min_array_bytes, 8 * cache), available / 8)
+    if array_bytes < 4 * cache:
+        warnings.append(
+            f"cpu bandwidth arrays of {units.format_bytes(array_bytes)} are under 4x the "
+            f"{units.format_bytes(cache)} last-level cache: bandwidth may be overstated"
+        )
+    bandwidth = cpu.measure_bandwidth(
+        array_bytes=array_bytes, repeats=plan.repeats, min_sample_s=plan.min_sample_s, tick=tick
+    )
+    release_freed_host_memory()
+    return bandwidth, array_bytes
 
 
 def _other_shapes(arch: ModelArch) -> list[tuple[int, int]]:

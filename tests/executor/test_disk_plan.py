@@ -148,3 +148,26 @@ def test_profile_disk_path_that_does_not_exist(run_cli, checkpoints, tmp_path):
     status, _, err = run_cli(*run, "--quiet")
     assert status == 0, err
     assert list((tmp_path / "gone").iterdir()) == []
+
+
+def test_the_tiers_own_file_is_unlinked_once_made_and_reads_back(tmp_path):
+    """Nothing of the tier's file is left in the directory, even mid-run (a killed run left it
+    behind), and what was written reads back O_DIRECT through the open descriptor."""
+    from executor.disk_tier import DiskTier
+
+    tier = DiskTier(tmp_path, {0: 10_000, 1: 5_000}, torch.device("cpu"))
+    assert list(tmp_path.iterdir()) == []
+    data = torch.randint(
+        0, 256, (10_000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)
+    )
+    tier.write(0, data)
+    tier.write(1, data[:5_000].flip(0))
+    tier.open()
+    tier.read(1, 1)
+    tier.read(0, 0)
+    assert torch.equal(tier.staging[0][:10_000], data)
+    assert torch.equal(tier.staging[1][:5_000], data[:5_000].flip(0))
+    assert "written to a file in" in tier.describe()
+    tier.close()
+    tier.close()  # once
+    assert list(tmp_path.iterdir()) == []
