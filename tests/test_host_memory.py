@@ -7,7 +7,7 @@ import platform
 import pytest
 import torch
 
-from hrm.rules.host_memory import keep_freed_host_memory, release_freed_host_memory
+from hrm.rules.host_memory import keep_freed_host_memory, release_freed_host_memory, released
 
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
@@ -72,3 +72,19 @@ def test_released_memory_leaves_the_process_and_the_heap_is_still_kept():
     again = torch.ones(size // 4)
     assert _mallinfo().hblkhd - before.hblkhd < size // 2  # not a fresh mmap
     del spacer, top, again
+
+
+@pytest.mark.skipif(not GLIBC, reason="glibc's malloc only")
+def test_a_released_measurement_hands_back_what_it_freed():
+    assert keep_freed_host_memory()
+    floor = torch.ones(1 << 20)  # a live block below, so the freed one sits inside the heap
+
+    def measure() -> int:
+        block = torch.ones(64 << 20)  # 256 MiB, dropped on return
+        top = torch.ones(1 << 20)
+        return block.numel() + top.numel()
+
+    before = _resident_bytes()
+    assert released(measure)() == (64 << 20) + (1 << 20)
+    assert _resident_bytes() - before < 64 << 20  # not the 256 MiB the call freed
+    del floor

@@ -139,7 +139,7 @@ def with_launch_overhead(
     from hrm.profiling import PRESETS, SWEPT_DTYPES
     from hrm.roofline.ops import expert_gemm_shapes
     from hrm.rules.cpu_gemm import choose_cpu_gemm
-    from hrm.rules.host_memory import release_freed_host_memory
+    from hrm.rules.host_memory import release_freed_host_memory, released
 
     # the dtypes the profile's CPU sweep ran (hrm validate's own profile sweeps those it runs)
     dtypes = [d for d in FLOAT_DTYPES if d in profile.cpu.matmul_curves]
@@ -147,6 +147,12 @@ def with_launch_overhead(
     preset = "quick" if quick else "full"
     timed = timed or cpu_overhead.PRESETS[preset]  # --quick: bfloat16 alone (others take its)
     release_freed_host_memory()  # what the sweeps left in the kept heap: these build models
+    measure_attention_curve, measure_prefill_attention_curve, measure_dequantize_rate = map(
+        released,
+        (measure_attention_curve, measure_prefill_attention_curve, measure_dequantize_rate),
+    )
+    measure_elementwise_rate = released(measure_elementwise_rate)
+    measure_cpu_overhead = released(cpu_overhead.measure_cpu_overhead)
     elementwise = {
         d: measure_elementwise_rate(arch, d, repeats=timed.elementwise_repeats, cpu_gemm=paths[d])
         for d in timed.dtypes
@@ -154,7 +160,7 @@ def with_launch_overhead(
     cpu = dataclasses.replace(
         profile.cpu,
         launch_overhead={
-            d: cpu_overhead.measure_cpu_overhead(
+            d: measure_cpu_overhead(
                 arch,
                 d,
                 cpu_gemm=paths[d],
