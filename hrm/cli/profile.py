@@ -115,16 +115,11 @@ def with_launch_overhead(
     profile: HardwareProfile, arch, *, quick: bool = False, timed=None
 ) -> HardwareProfile:
     """The profile with what only the executor's own code shows: on the CPU, per dtype, its
-    decode-attention stage's K/V read rate, its prefill attention stage's FLOP/s
-    (executor/attention.py), the element passes per second of its grouped expert FFN beyond the
-    GEMMs, and its fixed cost per layer, expert and step beyond all of those
-    (executor/cpu_overhead.py: its decode at the model's own shapes); on a GPU its fixed costs
-    (executor/overhead.py: the host's issue time, on a miniature of the model, in float32) and
-    the whole grouped expert FFN's rate at decode and prefill token counts, each point held for
-    the sweep's sustain time. timed: the CPU's fixed costs' preset (default: quick's or full's;
-    their dtypes are those whose elementwise rates are timed too)."""
-    import dataclasses
-
+    attention stages' rates (executor/attention.py), its FFN's element passes per second and its
+    fixed costs per layer, expert and step (executor/cpu_overhead.py, at the model's shapes); on
+    a GPU its fixed costs (executor/overhead.py) and the grouped expert FFN's rate by rows.
+    timed: the CPU's fixed costs' preset (default quick's or full's; its dtypes' elementwise
+    rates are timed too). Each measurement hands back the pages it freed (released)."""
     from executor import cpu_overhead
     from executor.attention import measure_attention_curve, measure_prefill_attention_curve
     from executor.overhead import (
@@ -147,12 +142,10 @@ def with_launch_overhead(
     preset = "quick" if quick else "full"
     timed = timed or cpu_overhead.PRESETS[preset]  # --quick: bfloat16 alone (others take its)
     release_freed_host_memory()  # what the sweeps left in the kept heap: these build models
-    measure_attention_curve, measure_prefill_attention_curve, measure_dequantize_rate = map(
-        released,
-        (measure_attention_curve, measure_prefill_attention_curve, measure_dequantize_rate),
-    )
-    measure_elementwise_rate = released(measure_elementwise_rate)
-    measure_cpu_overhead = released(cpu_overhead.measure_cpu_overhead)
+    measured = (measure_attention_curve, measure_prefill_attention_curve, measure_dequantize_rate,
+                measure_elementwise_rate, cpu_overhead.measure_cpu_overhead)  # fmt: skip
+    (measure_attention_curve, measure_prefill_attention_curve, measure_dequantize_rate,
+     measure_elementwise_rate, measure_cpu_overhead) = map(released, measured)  # fmt: skip
     elementwise = {
         d: measure_elementwise_rate(arch, d, repeats=timed.elementwise_repeats, cpu_gemm=paths[d])
         for d in timed.dtypes
