@@ -140,7 +140,9 @@ class DiskTier:
                     self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) | os.O_DIRECT
                 )
             except OSError as exc:
-                raise HrmError(_refused(self.path)) if exc.errno == errno.EINVAL else exc from None
+                if exc.errno != errno.EINVAL:
+                    raise
+                raise HrmError(_refused(self.path)) from None
         for path in {p for pieces in self.inplace.values() for _, p, _, _ in pieces}:
             self._fds[path] = _open(path, self.direct)
 
