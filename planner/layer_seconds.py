@@ -53,21 +53,18 @@ def micro_batch_seconds(setting: Setting, b: float) -> MicroBatchSeconds:
     """Per-layer seconds of one micro-batch of b sequences at each step, on either device: of the
     mean layer where dense layers sit among sparse ones (docs/decisions.md, 2026-12-05). Where
     the requests have lengths of their own, decode step t computes the sequences still going,
-    b * active_t of them in expectation (Workload.decode_active, rounded up to 1/ACTIVE_PARTS)."""
-    full = _mean_layer(setting, b)
-    active = np.ceil(setting.workload.decode_active * ACTIVE_PARTS - 1e-9) / ACTIVE_PARTS
-    if (active >= 1).all():
-        return full
-    fields = {f.name: getattr(full, f.name).copy() for f in dataclasses.fields(MicroBatchSeconds)}
-    for share in np.unique(active[active < 1]):  # > 0: the longest answer runs to the last step
-        fewer = _mean_layer(setting, b * float(share))
-        steps = 1 + np.flatnonzero(active == share)  # decode step t is entry t
-        for name, values in fields.items():
-            values[steps] = getattr(fewer, name)[steps]
-    return MicroBatchSeconds(**fields)
+    b * active_t of them in expectation (Workload.decode_active, rounded up to 1/ACTIVE_PARTS):
+    one evaluation with a size per step. Kept by b in the setting's layer_memo (a search asks
+    for the same b at many points)."""
+    if b not in setting.layer_memo:
+        active = np.ceil(setting.workload.decode_active * ACTIVE_PARTS - 1e-9) / ACTIVE_PARTS
+        sizes = b if (active >= 1).all() else b * np.concatenate([[1.0], active])
+        setting.layer_memo[b] = _mean_layer(setting, sizes)
+    return setting.layer_memo[b]
 
 
-def _mean_layer(setting: Setting, b: float) -> MicroBatchSeconds:
+def _mean_layer(setting: Setting, b) -> MicroBatchSeconds:
+    """`b`: the micro-batch's sequences, or one entry per step (step 0 the prefill)."""
     kinds = [(_kind_seconds(kind, b), share) for kind, share in setting.kinds()]
     if len(kinds) == 1:
         return kinds[0][0]
@@ -79,15 +76,21 @@ def _mean_layer(setting: Setting, b: float) -> MicroBatchSeconds:
     )
 
 
-def _phase_ops(setting: Setting, b: float) -> tuple[dict, dict]:
-    """The layer's ops by name in prefill (its chunks' FFN groups) and in decode."""
+def _sizes(b) -> tuple[float, object]:
+    """(prefill's sequences, decode's: one number, or one per decode step)."""
+    return (b, b) if np.ndim(b) == 0 else (float(b[0]), b[1:])
 
-    def ops(new_tokens, context, group) -> dict:
+
+def _phase_ops(setting: Setting, b) -> tuple[dict, dict]:
+    """The layer's ops by name in prefill (its chunks' FFN groups) and in decode."""
+    b_pre, b_dec = _sizes(b)
+
+    def ops(batch, new_tokens, context, group) -> dict:
         out = {
             op.name: op
             for op in layer_ops(
                 setting.arch,
-                batch=b,
+                batch=batch,
                 new_tokens=new_tokens,
                 context=context,
                 weight_dtype=setting.compute_dtype,  # a compact format's, dequantized
@@ -98,15 +101,15 @@ def _phase_ops(setting: Setting, b: float) -> tuple[dict, dict]:
         if is_compact(setting.kv_dtype):  # read through a 16-bit copy, written then read
             att = out["attention"]
             keys = setting.arch.mean_keys(context) if new_tokens == 1 else context
-            copy = 2.0 * b * keys * setting.arch.kv_width * dtype_bytes(ACTIVATION_DTYPE)
+            copy = 2.0 * batch * keys * setting.arch.kv_width * dtype_bytes(ACTIVATION_DTYPE)
             out["attention"] = dataclasses.replace(
                 att, activation_bytes=att.activation_bytes + copy
             )
         return out
 
     s_pre = setting.workload.prefill_len
-    chunk = min(b * s_pre, PREFILL_CHUNK_TOKENS)
-    return ops(s_pre, s_pre, chunk), ops(1, setting.decode_contexts, b)
+    chunk = min(b_pre * s_pre, PREFILL_CHUNK_TOKENS)
+    return ops(b_pre, s_pre, s_pre, chunk), ops(b_dec, 1, setting.decode_contexts, b_dec)
 
 
 def _on_device(
@@ -123,8 +126,8 @@ def _on_device(
     if device is None:  # no GPU: these entries are multiplied by F_g = 0
         return {key: np.zeros(steps) for key in ("dense", "ffn", "attention", "head")}
     arch, (prefill, decode) = setting.arch, phases
-    s_pre = wl.prefill_len
-    chunk = min(b * s_pre, PREFILL_CHUNK_TOKENS)
+    s_pre, (b_pre, b_dec) = wl.prefill_len, _sizes(b)
+    chunk = min(b_pre * s_pre, PREFILL_CHUNK_TOKENS)
 
     def both(name: str, pre_rows: float, dec_rows: float) -> np.ndarray:
         if name not in prefill:
@@ -139,7 +142,12 @@ def _on_device(
                                   weight_dtype=dtype, cpu_gemm=cpu_gemm,
                                   memo=memo)  # fmt: skip
 
-    head = lm_head_op(arch, batch=b, weight_dtype=dtype)
+    def decode_ffn() -> np.ndarray:  # each step's micro-batch, one group of its b
+        sizes, where = np.unique(np.asarray(b_dec, dtype=float), return_inverse=True)
+        each = np.array([ffn(float(x), float(x)) for x in sizes.flat])
+        return each[where].reshape(np.shape(b_dec)) * np.ones(steps - 1)
+
+    head = lm_head_op(arch, batch=b, weight_dtype=dtype)  # b: at each step
     attention = both("attention", s_pre, arch.num_attention_heads / arch.num_key_value_heads)
     on_cpu = cpu_gemm is not None
     prefill_curve = device.prefill_attention_curves.get(setting.kv_dtype) if on_cpu else None
@@ -147,7 +155,7 @@ def _on_device(
         # prefill attention on the CPU at the executor's measured rate for the FLOPs it
         # computes, the micro-batch padded to the longest prompt (hrm profile):
         # T = F_exec / R(F_exec)
-        flops = prefill_attention_flops(arch, batch=b, length=wl.prompt_len_max)
+        flops = prefill_attention_flops(arch, batch=b_pre, length=wl.prompt_len_max)
         attention[0] = flops / prefill_curve.at(flops)
     curve = device.attention_curves.get(setting.kv_dtype) if on_cpu else None
     if curve is not None and steps > 1:
@@ -156,15 +164,15 @@ def _on_device(
         kv = np.asarray(decode["attention"].bytes, dtype=float) * np.ones(steps - 1)
         attention[1:] = kv / curve.at_each(kv)
     return {
-        "dense": sum(both(name, chunk, b) for name in DENSE_OPS),
-        "ffn": np.concatenate([[ffn(b * s_pre, chunk)], ffn(b, b) * np.ones(steps - 1)]),
+        "dense": sum(both(name, chunk, b_dec) for name in DENSE_OPS),
+        "ffn": np.concatenate([[ffn(b_pre * s_pre, chunk)], decode_ffn()]),
         "attention": attention,
         "head": op_seconds(head, device, dtype, b, cpu_gemm=cpu_gemm) * np.ones(steps),
     }
 
 
-def _kind_seconds(setting: Setting, b: float) -> MicroBatchSeconds:
-    """micro_batch_seconds of a model whose layers are all of one kind."""
+def _kind_seconds(setting: Setting, b) -> MicroBatchSeconds:
+    """micro_batch_seconds of a model whose layers are all of one kind; `b` as _mean_layer's."""
     arch, hw, steps = setting.arch, setting.hardware, setting.steps
     dtype, s_pre = setting.compute_dtype, setting.workload.prefill_len
     adt = dtype_bytes(ACTIVATION_DTYPE)
@@ -174,7 +182,8 @@ def _kind_seconds(setting: Setting, b: float) -> MicroBatchSeconds:
     gpu_gemm = setting.cpu_gemm_choice if hw.stand_in else None
     gpu = _on_device(setting, b, phases, "gpu", hw.gpu, gpu_gemm)
     cpu_overhead = hw.cpu.launch_overhead_for(dtype)
-    hidden_page = b * s_pre * arch.hidden_size * adt
+    b_pre, b_dec = _sizes(b)
+    hidden_page = b_pre * s_pre * arch.hidden_size * adt
     kv_token = arch.kv_token_bytes(setting.kv_dtype)  # K and V of one token in one layer
 
     def steps_of(seconds, prefill: float, decode) -> np.ndarray:
@@ -196,23 +205,23 @@ def _kind_seconds(setting: Setting, b: float) -> MicroBatchSeconds:
         cpu_dense=cpu["dense"],
         cpu_ffn=cpu["ffn"],
         cpu_attention=cpu["attention"],
-        activations_to_gpu=steps_of(h2d, hidden_page, b * arch.attention_output_size * adt),
-        activations_to_cpu=steps_of(d2h, hidden_page, b * (arch.q_size + arch.kv_width) * adt),
+        activations_to_gpu=steps_of(h2d, hidden_page, b_dec * arch.attention_output_size * adt),
+        activations_to_cpu=steps_of(d2h, hidden_page, b_dec * (arch.q_size + arch.kv_width) * adt),
         # a host layer's filled slots, a sliding layer's window at most (executor/kv_cache.py)
         kv_to_gpu=np.concatenate(
-            [[0.0], h2d(b * arch.mean_keys(setting.decode_contexts) * kv_token)]
+            [[0.0], h2d(b_dec * arch.mean_keys(setting.decode_contexts) * kv_token)]
         ),
-        kv_to_cpu=steps_of(d2h, b * s_pre * kv_token, b * kv_token),
+        kv_to_cpu=steps_of(d2h, b_pre * s_pre * kv_token, b_dec * kv_token),
         # two all-reduces of the micro-batch's hidden states per layer (Megatron: after the O
         # projection and after the expert FFN), prefill over all its prompt tokens
-        gpu_all_reduce=2 * steps_of(all_reduce, hidden_page, b * arch.hidden_size * adt),
+        gpu_all_reduce=2 * steps_of(all_reduce, hidden_page, b_dec * arch.hidden_size * adt),
         cpu_launch=launch_seconds(
-            cpu_overhead, arch, steps, min(b * s_pre, PREFILL_CHUNK_TOKENS), b
+            cpu_overhead, arch, steps, min(b_pre * s_pre, PREFILL_CHUNK_TOKENS), b_dec
         ),
         gpu_launch=unhidden_gpu_launch(
             hw.gpu.launch_overhead_for(dtype) if hw.gpu is not None else None, gpu["dense"], steps
         ),
         head_gpu=gpu["head"],
         head_cpu=cpu["head"] + step_seconds(cpu_overhead),
-        embed_to_gpu=h2d(b * arch.hidden_size * adt) * np.ones(steps),
+        embed_to_gpu=h2d(b * arch.hidden_size * adt) * np.ones(steps),  # b: at each step
     )

@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from scipy.special import gammaln
 
 from hrm.arch import ModelArch
 from hrm.hardware.parts import DeviceSpec
@@ -131,6 +130,10 @@ def _binomial(trials: int, p: float) -> tuple[np.ndarray, np.ndarray]:
     reach = 8 * math.sqrt(trials * p * (1 - p)) + 1
     lo, hi = max(1, math.floor(trials * p - reach)), min(trials, math.ceil(trials * p + reach))
     counts = np.arange(lo, hi + 1)
-    log_choose = gammaln(trials + 1) - gammaln(counts + 1) - gammaln(trials - counts + 1)
-    log_p = counts * math.log(p) + (trials - counts) * math.log1p(-p)
-    return counts, np.exp(log_choose + log_p)
+    # log P(lo) from math.lgamma, then each next count by the ratio P(n+1)/P(n) =
+    # (trials - n) / (n + 1) * p / (1 - p): no scipy.special, whose import alone was a seventh
+    # of `hrm plan`'s time
+    first = (math.lgamma(trials + 1) - math.lgamma(lo + 1) - math.lgamma(trials - lo + 1)
+             + lo * math.log(p) + (trials - lo) * math.log1p(-p))  # fmt: skip
+    steps = np.log(trials - counts[:-1]) - np.log(counts[:-1] + 1) + math.log(p / (1 - p))
+    return counts, np.exp(first + np.concatenate([[0.0], np.cumsum(steps)]))

@@ -11,9 +11,12 @@ CPU standing in for the GPU, their total), the longest group's chain; serial add
 up; the weights stream once a pass in as many pages as the pass has groups; fill and drain
 when there are two groups or more, and each sampling group's LM head.
 
-Shapes are priced on a grid: contexts and chunks at powers of CONTEXT_BUCKET (6% apart), and
-groups of more than 16 sequences between two sizes of that grid, interpolated linearly (a
-pass's last group is of any size, and each new shape is a static model's layer to price).
+Shapes are priced on a grid: chunks at powers of CONTEXT_BUCKET (6% apart), and groups of more
+than 16 sequences between two sizes of that grid, interpolated linearly (a pass's last group is
+of any size, and each new shape is a static model's layer to price). A decode group's context
+is priced exactly: one static model of its size decodes from a 1-token prompt to the longest
+context asked, a step per context (its steps are one vectorised evaluation), and a mean
+context between two integers is interpolated.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 
 import numpy as np
 
@@ -32,7 +36,7 @@ from planner.evaluate import policy_vector
 from planner.layer_seconds import micro_batch_seconds
 from planner.setting import Setting
 
-CONTEXT_BUCKET = 1.0625  # contexts priced at the next power of this (6% apart at most)
+CONTEXT_BUCKET = 1.0625  # chunks priced at the next power of this, group sizes between two
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,26 +59,33 @@ class JobPrice:
         return self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
 
 
+# a group's terms, in this order, as one vector (at a policy) or one row per step (by basis)
+TERMS = ("gpu", "cpu", "h2d", "d2h", "dequantize", "disk", "chain", "fill", "head", "weights")
+GPU, CPU, H2D, D2H, DEQUANTIZE, DISK, CHAIN, FILL, HEAD, WEIGHTS = range(len(TERMS))
+QUEUES = TERMS[: D2H + 1]
+
+
 class PassPricer:
-    """Prices passes for one setting and policy. A group's terms, as vectors over the placement
-    basis, are kept by shape in `shapes`, which pricers of one setting may share (a search
-    prices many policies' passes of the same shapes); their values at this policy in _groups."""
+    """Prices passes for one setting and policy. A group's terms, [rows, TERMS, placement
+    basis], are kept by shape in `shapes`, which pricers of one setting may share (a search
+    prices many policies' passes of the same shapes); their values at this policy, one vector
+    over TERMS a group, in _groups (a pass prices its groups as one array)."""
 
     def __init__(self, setting: Setting, policy: Policy, shapes: dict | None = None):
         self.setting = setting
         self.v = policy_vector(policy)
-        self.shapes: dict[tuple[str, int, float], dict[str, np.ndarray]] = (
-            {} if shapes is None else shapes
-        )
-        self._groups: dict[tuple[str, int, float], dict[str, float]] = {}
+        self.shapes: dict[tuple, np.ndarray] = {} if shapes is None else shapes
+        self._groups: dict[tuple[str, int, float], np.ndarray] = {}
+        self._decodes: dict[int, np.ndarray] = {}  # a size's table at this policy
+        self._streams: dict[int, float] = {}  # the weights' stream in m pages, per share streamed
         self.busy_s = dict.fromkeys(("gpu", "cpu", "h2d", "d2h"), 0.0)  # over the passes priced
 
-    def group(self, phase: str, b: int, length: float) -> dict[str, float]:
-        """One group's per-layer seconds on each queue, its chain, fill and head: decode at
-        context `length`, or prefill of chunks of `length` tokens."""
+    def group(self, phase: str, b: int, length: float) -> np.ndarray:
+        """One group's per-layer seconds on each queue, its chain, fill and head (TERMS): decode
+        at context `length`, or prefill of chunks of `length` tokens."""
         if phase == "decode":
-            length = _bucket(max(length, 1.0))
-        else:  # chunks too, from 16 tokens (a pass's prompts are of every length)
+            length = max(length, 2.0)  # a decode attends over its prompt and itself at least
+        else:  # chunks from 16 tokens at the bucket above (a pass's prompts are of every length)
             length = float(max(1, round(length)))
             if length > 16:
                 length = round(_bucket(length))
@@ -82,65 +93,85 @@ class PassPricer:
         if key not in self._groups:
             lo, hi = _sizes_around(b)
             share = (b - lo) / (hi - lo) if hi > lo else 0.0
-            terms = {k: (1 - share) * t for k, t in self._terms(phase, lo, length).items()}
+            terms = self._values(phase, lo, length)
             if share:
-                for k, t in self._terms(phase, hi, length).items():
-                    terms[k] = terms[k] + share * t
-            self._groups[key] = {k: float(t @ self.v) for k, t in terms.items()}
+                terms = (1 - share) * terms + share * self._values(phase, hi, length)
+            self._groups[key] = terms
         return self._groups[key]
 
-    def _terms(self, phase: str, b: int, length: float) -> dict[str, np.ndarray]:
-        key = (phase, b, length)
-        if key not in self.shapes:
-            self.shapes[key] = self._group_terms(phase, b, length)
-        return self.shapes[key]
+    def _values(self, phase: str, b: int, length: float) -> np.ndarray:
+        """A group's terms of b at this policy: a chunk's, or a decode's at context `length`
+        (row c - 2 of its size's table, a fractional context between the rows either side)."""
+        if phase != "decode":
+            key = (phase, b, length)
+            if key not in self.shapes:
+                self.shapes[key] = self._group_terms(b, prompt=length, steps=1)
+            return self.shapes[key][0] @ self.v
+        low = math.floor(length)
+        rows = self._decodes.get(b)
+        if rows is None or len(rows) < low:  # contexts 2..G: G - 1 rows
+            table = self.shapes.get(("decode", b))
+            if table is None or len(table) < low:
+                reach = max(64, 1 << math.ceil(math.log2(low + 1)))
+                table = self.shapes["decode", b] = self._group_terms(b, prompt=1.0, steps=reach)
+            rows = self._decodes[b] = table @ self.v
+        share = length - low
+        if not share:
+            return rows[low - 2]
+        return (1 - share) * rows[low - 2] + share * rows[low - 1]
 
-    def _group_terms(self, phase: str, b: int, length: float) -> dict[str, np.ndarray]:
-        prompt = length - 1 if phase == "decode" else length
-        prompt = max(prompt, 1.0)
-        workload = Workload(prompt_len_mean=prompt, prompt_len_max=math.ceil(prompt), gen_len=2)
+    def _group_terms(self, b: int, *, prompt: float, steps: int) -> np.ndarray:
+        """[rows, TERMS, basis] of a group of b over a static model's steps: its prefill of
+        `prompt` tokens (steps=1), or its decode steps at contexts prompt + 1 .. prompt + steps
+        - 1."""
+        workload = Workload(prompt_len_mean=prompt, prompt_len_max=math.ceil(prompt),
+                            gen_len=max(2, steps))  # fmt: skip
         setting = self.setting.alike(workload=workload)
         object.__setattr__(setting, "ffn_memo", self.setting.ffn_memo)  # by rows: any workload
         q = queue_terms(setting, micro_batch_seconds(setting, b))
-        step = 0 if phase == "prefill" else 1
-        out = {name: q.queue(name).scaled[step] for name in q.components}
+        rows = slice(0, 1) if steps == 1 else slice(1, None)
+        out = {name: q.queue(name).scaled[rows] for name in QUEUES}
         # a compact format's dequantize is once per pass of a layer, not per group
-        out["dequantize"] = q.components["gpu"]["dequantize"].unscaled[step]
-        out["disk"] = q.queue("disk").unscaled[step]  # the disk tier's reads: once a pass too
-        out["chain"] = q.chain.unscaled[step]
-        out["fill"] = q.fill.unscaled[step]
-        out["head"] = sum(e.scaled[step] for e in q.head.values())
-        out["weights"] = q.components["h2d"]["weights"].weights
-        return out
+        out["dequantize"] = q.components["gpu"]["dequantize"].unscaled[rows]
+        out["disk"] = q.queue("disk").unscaled[rows]  # the disk tier's reads: once a pass too
+        out["chain"] = q.chain.unscaled[rows]
+        out["fill"] = q.fill.unscaled[rows]
+        out["head"] = sum(e.scaled[rows] for e in q.head.values())
+        out["weights"] = np.broadcast_to(q.components["h2d"]["weights"].weights,
+                                         out["chain"].shape)  # fmt: skip
+        return np.stack([out[name] for name in TERMS], axis=1)
 
     def price(self, groups: Sequence[tuple[str, int, float]]) -> float:
         """Seconds of a pass cut into `groups` (phase, sequences, context or chunk)."""
         s, hw = self.setting, self.setting.hardware
-        priced = [self.group(*g) for g in groups]
+        priced = np.array([self.group(*g) for g in groups])
         m = len(priced)
-        queues = {q: sum(g[q] for g in priced) for q in ("gpu", "cpu", "h2d", "d2h")}
-        queues["gpu"] += priced[0]["dequantize"]
-        stream = float(weight_stream_seconds(s, np.array([m]))[0]) * priced[0]["weights"]
+        total, first = priced.sum(axis=0).tolist(), priced[0].tolist()
+        if m not in self._streams:
+            self._streams[m] = float(weight_stream_seconds(s, np.array([m]))[0])
+        stream = self._streams[m] * first[WEIGHTS]
+        queues = dict(zip(QUEUES, total[: D2H + 1], strict=True))
+        queues["gpu"] += first[DEQUANTIZE]
         queues["h2d"] += stream
-        if priced[0]["disk"]:
-            queues["disk"] = priced[0]["disk"]
+        if first[DISK]:
+            queues["disk"] = first[DISK]
         if s.schedule == "serial":
-            layer = max(stream, sum(g["chain"] for g in priced))
+            layer = max(stream, total[CHAIN])
         else:
-            layer = max(*queues.values(), max(g["chain"] for g in priced))
+            layer = max(*queues.values(), float(priced[:, CHAIN].max()))
             link = hw.link
             if link is not None and link.bidirectional_bytes_per_s:  # as planner/cost.py
                 both = link.bidirectional_bytes_per_s
                 layer = max(layer, (queues["h2d"] * link.h2d_bytes_per_s
                                     + queues["d2h"] * link.d2h_bytes_per_s) / both)  # fmt: skip
             if s.schedule == "overlap":
-                layer = max(layer, queues["h2d"] + priced[0]["gpu"])
+                layer = max(layer, queues["h2d"] + first[GPU])
         if hw.stand_in:
             layer = max(layer, sum(queues.values()))
-        fill = priced[0]["fill"] if m >= 2 and s.schedule != "serial" else 0.0
+        fill = first[FILL] if m >= 2 and s.schedule != "serial" else 0.0
         for q, busy in queues.items():
             self.busy_s[q] = self.busy_s.get(q, 0.0) + s.arch.num_layers * busy
-        return s.arch.num_layers * layer + fill + sum(g["head"] for g in priced)
+        return s.arch.num_layers * layer + fill + total[HEAD]
 
 
 def _sizes_around(b: int) -> tuple[int, int]:
@@ -165,7 +196,7 @@ def pass_groups(p: Pass, micro_batch_size: int) -> list[tuple[str, int, float]]:
     out = []
     for phase, entries in p.groups(micro_batch_size):
         if phase == "decode":
-            out.append((phase, len(entries), sum(pos + 1 for _, pos in entries) / len(entries)))
+            out.append((phase, len(entries), 1 + sum(map(itemgetter(1), entries)) / len(entries)))
         else:
             out.append((phase, len(entries), sum(c.length for c in entries) / len(entries)))
     return out

@@ -39,6 +39,11 @@ class Setting:
     ffn_memo: dict[str, dict[float, float]] = field(
         default_factory=dict, init=False, compare=False, repr=False
     )
+    # one micro-batch's per-layer seconds by its size b (planner.layer_seconds): a search asks
+    # for the same b at many points, and each decode step's fewer sequences again
+    layer_memo: dict[float, object] = field(
+        default_factory=dict, init=False, compare=False, repr=False
+    )
     # one Setting per kind of layer, with its share of the layers (kinds)
     _kinds: list = field(default_factory=list, init=False, compare=False, repr=False)
     _chosen: list = field(default_factory=list, init=False, compare=False, repr=False)

@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import numpy as np
+
 from hrm.arch import ModelArch
 from hrm.policy import dtype_bytes
 
@@ -64,7 +66,7 @@ class Op:
 def expected_distinct_experts(arch: ModelArch, tokens: float) -> float:
     """Experts a group of `tokens` touches under uniform routing: E * (1 - (1 - k/E)^tokens)."""
     e, k = arch.num_experts, arch.experts_per_token
-    return e * (1.0 - (1.0 - k / e) ** max(tokens, 0.0))
+    return e * (1.0 - (1.0 - k / e) ** np.maximum(tokens, 0.0))  # tokens: a number or an array
 
 
 def _linear(
@@ -133,7 +135,10 @@ def expert_ffn_op(
     per token (ffn_output_elements).
     """
     group = tokens if group_tokens is None else group_tokens
-    groups = tokens / group if group else 0.0
+    if np.ndim(group):  # a size per decode step (planner/layer_seconds.py)
+        groups = np.divide(tokens, group, out=np.zeros(np.shape(group)), where=group != 0)
+    else:
+        groups = tokens / group if group else 0.0
     # every assignment counts as one row of one expert; each touched expert's weight once
     rows = routed_expert_op(arch, rows=tokens * arch.experts_per_token, weight_dtype=weight_dtype)
     return dataclasses.replace(

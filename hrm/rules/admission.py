@@ -184,13 +184,16 @@ class Admission:
         for c in done.chunks:
             self.held += -(-(c.start + c.length) // bt) - (-(-c.start // bt))
             self.prefilled[c.index] = c.start + c.length
+        # the decodes' loop is the simulation's inner loop: its names bound locally
+        decoding, generated, running, opened = self.decoding, self.generated, self.running, 0
         for i, pos in done.decodes:  # the token fed went to row `pos`
-            self.decoding[i] = pos + 1
-            self.generated[i] += 1
+            decoding[i] = pos + 1
+            made = generated[i] = generated[i] + 1
             if pos % bt == 0:
-                self.held += 1
-            if i in stop or self.generated[i] >= self.running[i].max_new:
+                opened += 1
+            if made >= running[i].max_new or i in stop:
                 ended.append(i)
+        self.held += opened
         for c in done.chunks:
             if c.last:  # its first token is sampled; it decodes from the next pass
                 i = c.index
@@ -199,12 +202,17 @@ class Admission:
                 if i in stop or self.running[i].max_new <= 1:
                     ended.append(i)
         self.peak_held = max(self.peak_held, self.held)
+        self._end(ended)
+        return ended
+
+    def _end(self, ended: list[int]) -> None:
+        """Free the blocks of requests that ended: those holding their rows and their lives'."""
+        bt = self.block_tokens
         for i in ended:
             self.held -= -(-self._rows(i) // bt)
             r = self.running.pop(i)
             del self.prefilled[i], self.generated[i], self.decoding[i]
             self.reserved -= blocks_for(life_tokens(r), bt)
-        return ended
 
     def next_span(self) -> tuple[Pass, int]:
         """The next pass and how many passes it repeats for: a pass of decodes alone (nothing
@@ -219,12 +227,20 @@ class Admission:
     def complete_span(self, span: Pass, count: int) -> list[int]:
         """complete() of `count` passes of a span from next_span (no stop tokens: a simulation
         runs every request to its max_new); returns the requests that ended."""
-        bt, before = self.block_tokens, count - 1  # the passes before the last: none ends
-        for i, pos in span.decodes:  # pos rows written so far
-            self.decoding[i] = pos + before
-            self.generated[i] += before
-            self.held += -(-(pos + before) // bt) - (-(-pos // bt))
-        return self.complete(span.shifted(before))
+        if count == 1:
+            return self.complete(span)
+        bt, ended, opened = self.block_tokens, [], 0
+        decoding, generated, running = self.decoding, self.generated, self.running
+        for i, pos in span.decodes:  # rows pos .. pos + count - 1 written
+            decoding[i] = pos + count
+            made = generated[i] = generated[i] + count
+            opened += -(-(pos + count) // bt) - (-(-pos // bt))
+            if made >= running[i].max_new:
+                ended.append(i)
+        self.held += opened
+        self.peak_held = max(self.peak_held, self.held)
+        self._end(ended)
+        return ended
 
     def _rows(self, i: int) -> int:
         """KV rows request i has written: its prompt so far and every sampled token fed back

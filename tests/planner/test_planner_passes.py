@@ -20,7 +20,7 @@ from hrm.workload import Workload
 from planner import predict
 from planner.continuous import plan_continuous, price_static_job
 from planner.memory import activation_tokens
-from planner.passes import PassPricer, price_job
+from planner.passes import CPU, PassPricer, price_job
 from planner.search import search
 from planner.setting import Setting
 from tests.conftest import assert_one_line_error
@@ -47,15 +47,25 @@ def pricer(text: str, schedule: str, hardware="l4", prompt=99):
 
 @pytest.mark.parametrize(("text", "schedule"), CASES)
 def test_a_pass_of_equal_groups_is_the_static_step(text, schedule):
-    """m groups of mu decodes at context 100 are a static decode step of N at 99 + 1; m groups
-    of mu prompts of 99 are its prefill (each priced at the bucket above its length, 6% at
-    most: the pass's shapes are priced once each)."""
+    """m groups of mu decodes at context 100 are a static decode step of N at 99 + 1, exactly;
+    m groups of mu prompts of 99 are its prefill (a chunk priced at the bucket above its
+    length, 6% at most: the pass's shapes are priced once each)."""
     p, plan = pricer(text, schedule)
     m, mu = plan.policy.num_micro_batches, plan.policy.micro_batch_size
     decode = p.price([("decode", mu, 100.0)] * m)
     prefill = p.price([("prefill", mu, 99.0)] * m)
-    assert decode == pytest.approx(plan.predicted.decode_s, rel=2e-3)
+    assert decode == pytest.approx(plan.predicted.decode_s, rel=1e-9)
     assert prefill == pytest.approx(plan.predicted.prefill_s, rel=2e-3)
+
+
+def test_a_decode_group_between_two_contexts_is_priced_between_them():
+    """A group's mean context is priced exactly: at a whole number as the static step there,
+    between two as the line between them, and a context past the table's end grows it."""
+    p, _ = pricer(*CASES[1])
+    at = {c: p.group("decode", 16, c) for c in (300.0, 301.0, 300.25, 5000.0)}
+    assert at[300.25] == pytest.approx(0.75 * at[300.0] + 0.25 * at[301.0], rel=1e-12)
+    assert (at[300.0] <= at[300.25]).all() and at[300.0][CPU] < at[301.0][CPU]  # CPU attention
+    assert at[5000.0][CPU] > at[301.0][CPU] and len(p.shapes["decode", 16]) >= 4999
 
 
 def test_a_mixed_pass_overlaps_its_groups_and_streams_the_weights_once():
