@@ -25,17 +25,31 @@ def continuous_plan(arch, hardware, workload, job, static: list[Plan]) -> dict:
     """The continuous plan over the `static` plans (best first), the same job run as static
     batches of the best, and the seconds both took."""
     from planner.continuous import plan_continuous, price_static_job
+
+    started = time.perf_counter()
+    setting = _setting(arch, hardware, workload, static[0])
+    requests = job_requests(workload, job, static[0].policy.batch_size)
+    plan = plan_continuous(setting, static, requests)
+    batches = price_static_job(setting, static[0], requests)
+    return {"plan": plan, "static_job": batches, "seconds": time.perf_counter() - started}
+
+
+def continuous_for_run(arch, hardware, workload, lengths, static: list[Plan]) -> Plan:
+    """The continuous plan of a run's own requests ((prompt length, max new tokens) each) over
+    the `static` plans: what `hrm run --hardware` runs when it plans (continuous batching)."""
+    from hrm.rules.admission import Request
+    from planner.continuous import plan_continuous
+
+    requests = [Request(i, p, g) for i, (p, g) in enumerate(lengths)]
+    return plan_continuous(_setting(arch, hardware, workload, static[0]), static, requests)
+
+
+def _setting(arch, hardware, workload, best: Plan):
     from planner.setting import Setting
 
-    best = static[0]
-    setting = Setting(arch=arch, hardware=hardware, workload=workload, schedule=best.schedule,
-                      weight_dtype=best.policy.weight_dtype,
-                      kv_dtype=best.policy.kv_dtype)  # fmt: skip
-    started = time.perf_counter()
-    requests = job_requests(workload, job, best.policy.batch_size)
-    plan = plan_continuous(setting, static, requests)
-    batches = price_static_job(setting, best, requests)
-    return {"plan": plan, "static_job": batches, "seconds": time.perf_counter() - started}
+    return Setting(arch=arch, hardware=hardware, workload=workload, schedule=best.schedule,
+                   weight_dtype=best.policy.weight_dtype,
+                   kv_dtype=best.policy.kv_dtype)  # fmt: skip
 
 
 def describe(planned: dict, bound_rate: float) -> str:

@@ -236,7 +236,11 @@ def _plan_for(args, spec, hardware):
 
 def _best_plan(args, spec, hardware, gpu: float, cpu: float):
     """The search's best plan for the run's prompts with `gpu` and `cpu` bytes (the CPU standing
-    in for a GPU where `hardware` has none)."""
+    in for a GPU where `hardware` has none); under continuous batching (the default), the
+    continuous plan of its requests over the search's top plans, as `hrm plan --batching
+    continuous` makes it, so the run admits by that plan's limits and is predicted pass by
+    pass."""
+    from hrm.cli.plan_continuous import continuous_for_run
     from planner.search import search
 
     if hardware.has_gpu:
@@ -245,17 +249,21 @@ def _best_plan(args, spec, hardware, gpu: float, cpu: float):
         from hrm.hardware.stand_in import stand_in_profile
 
         hardware = stand_in_profile(hardware.with_resources(cpu_memory_bytes=cpu), gpu)
+    continuous, workload = args.batching == "continuous", spec.workload()
     result = search(
         spec.arch,
         hardware,
-        spec.workload(),
+        workload,
         schedule=args.schedule or "cgopipe",
         weight_dtype=spec.dtype,
         kv_dtype=spec.kv_dtype,
-        top_k=1,
+        top_k=5 if continuous else 1,  # as hrm plan's: the continuous plan's candidates
         max_batch_size=len(spec.prompts),
     )
-    return result.best
+    if not continuous:
+        return result.best
+    lengths = [(len(p), spec.max_new(i)) for i, p in enumerate(spec.prompts)]
+    return continuous_for_run(spec.arch, hardware, workload, lengths, list(result.top))
 
 
 def prediction_profile(plan, hardware, device: str, warn):

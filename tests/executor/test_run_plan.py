@@ -173,18 +173,26 @@ def test_random_weight_arguments(run_cli, args, fragment):
 
 def test_hardware_with_a_gpu_plans_first_and_caps_n_at_the_prompts(run_cli, files):
     """Planned for an L4, run by the CPU standing in for it: predicted with this host's
-    stand-in (the profile `this_host` names), not as an L4."""
+    stand-in (the profile `this_host` names), not as an L4. Under continuous batching (the
+    default) it plans continuously, as `hrm plan --batching continuous` does: the run admits by
+    that plan's limits and is predicted pass by pass; static batches plan static."""
     path, prompts, _ = files
-    status, out, err = run_cli(
-        "run", "--checkpoint", path, "--hardware", "l4", "--gpu-mem", "1.2MB", "--prompts",
-        prompts, "--gen-len", "4", *record_flags(), "--quiet",
-    )  # fmt: skip
+    args = ("run", "--checkpoint", path, "--hardware", "l4", "--gpu-mem", "1.2MB", "--prompts",
+            prompts, "--gen-len", "4", "--ignore-eos", "--quiet")  # fmt: skip
+    status, out, err = run_cli(*args, *record_flags())
     assert status == 0, err
     record = json.loads(out)
     assert record["plan"]["policy"]["batch_size"] <= len(LENGTHS)
     assert record["plan"]["hardware"] == "l4" and record["predicted"] is not None
     assert record["hardware"] == "ci-cpu-avx512-stand-in"
     assert record["environment"]["prompts"] == len(LENGTHS)
+    planned, ran = record["plan"]["continuous"], record["environment"]["continuous"]
+    assert planned["requests"] == len(LENGTHS) and planned["max_running"] >= 1
+    assert ran["passes"] == planned["passes"] == len(record["predicted"]["pass_seconds"])
+    assert max(ran["pass_tokens"]) <= planned["token_budget"]
+    status, out, err = run_cli(*args, *record_flags(), "--batching", "static")
+    assert status == 0, err
+    assert json.loads(out)["plan"].get("continuous") is None
 
 
 def test_a_stand_in_gpu_takes_from_the_host_what_its_plan_places(run_cli, files, monkeypatch):
