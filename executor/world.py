@@ -270,6 +270,10 @@ def _rank_figures(rank: int, r) -> dict:
         "batches_run": r.environment["batches_run"],
         "all_reduces": r.environment.get("all_reduces", 0),
         "all_reduce_s": r.environment.get("all_reduce_s", 0.0),
+        # continuous batching: the KV context its pool was booked at (its group's own answers),
+        # and its passes
+        "kv_context": r.environment.get("kv_context"),
+        "passes": r.environment.get("continuous", {}).get("passes"),
     }
 
 

@@ -19,7 +19,7 @@ def run_record(spec, result, *, policy, schedule: str, profile=None, plan=None):
 
     predicted = None
     continuous = result.environment.get("continuous")
-    if profile is not None and continuous and result.groups is None and result.outputs:
+    if profile is not None and continuous and result.outputs:
         predicted = _predict_passes(spec, result, policy, schedule, profile)
     elif profile is not None and result.batches:
         predicted = _predict_batches(spec, result, policy, schedule, profile)
@@ -45,8 +45,15 @@ def _predict_batches(spec, result, policy, schedule, profile) -> dict:
     and busy time all of theirs (as executor/world.py combines the measurement)."""
     if result.groups is None:
         return _predict_group(spec, result.batches, result.cpu_gemm, policy, schedule, profile)
-    groups = [_predict_group(spec, g, result.cpu_gemm, policy, schedule, profile)
-              for g in result.groups if g]  # fmt: skip
+    return _side_by_side([_predict_group(spec, g, result.cpu_gemm, policy, schedule, profile)
+                          for g in result.groups if g])  # fmt: skip
+
+
+def _side_by_side(groups: list[dict]) -> dict:
+    """Data-parallel groups' predictions combined: the slowest's time, every group's tokens and
+    busy time."""
+    if len(groups) == 1:
+        return groups[0]
     slowest = max(groups, key=lambda p: p["prefill_s"] + p["decode_s"])
     busy: dict[str, float] = {}
     for p in groups:
@@ -64,19 +71,33 @@ def _predict_batches(spec, result, policy, schedule, profile) -> dict:
 
 def _predict_passes(spec, result, policy, schedule, profile) -> dict:
     """The planner's prediction of a continuous run: the requests that ran, through the
-    executor's admission rule at the run's limits, each pass priced (planner/passes.py)."""
+    executor's admission rule at the run's limits, each pass priced (planner/passes.py). A
+    data-parallel run's groups each ran every groups-th request (executor/run.py) at the KV
+    context its rank recorded, side by side."""
+    env, ran = result.environment, sorted(result.outputs)
+    if result.groups is None:
+        return _priced_passes(spec, result, policy, schedule, profile, ran, env["kv_context"])
+    groups, tp = env["data_parallel"], env["tensor_parallel"]
+    leads = env["ranks"][::tp]  # a tensor-parallel group's first rank speaks for it
+    shares = [[i for i in ran if i % groups == g] for g in range(groups)]
+    return _side_by_side([
+        _priced_passes(spec, result, policy, schedule, profile, share, lead["kv_context"])
+        for share, lead in zip(shares, leads, strict=True) if share
+    ])  # fmt: skip
+
+
+def _priced_passes(spec, result, policy, schedule, profile, ran, context) -> dict:
     from hrm.rules.admission import Request
     from planner.passes import price_job
     from planner.setting import Setting
 
-    env, ran = result.environment, sorted(result.outputs)
+    env = result.environment
     requests = [Request(i, len(spec.prompts[i]), spec.max_new(i)) for i in ran]
     setting = Setting(arch=spec.arch, hardware=profile, workload=spec.workload(ran),
                       schedule=schedule, weight_dtype=policy.weight_dtype,
                       kv_dtype=policy.kv_dtype, cpu_gemm=result.cpu_gemm)  # fmt: skip
     price = price_job(setting, policy, requests, token_budget=env["token_budget"],
-                      context_tokens=env["kv_context"],
-                      max_running=env.get("max_running"))  # fmt: skip
+                      context_tokens=context, max_running=env.get("max_running"))  # fmt: skip
     return {
         "prefill_s": price.prefill_s,
         "decode_s": price.decode_s,

@@ -95,22 +95,29 @@ def test_bad_batching_flags_are_refused_before_loading(run_cli, files, tmp_path,
 def test_data_and_tensor_parallel_runs_give_one_processes_answers(files, tmp_path):
     """Two data-parallel groups each run every other request through passes of their own; two
     tensor-parallel ranks take the same admissions (the rule is deterministic and each rank
-    samples the same gathered logits): both give one process's static output."""
+    samples the same gathered logits): both give one process's static output, and each is
+    predicted: the groups side by side, each its share of the requests pass by pass."""
     from tests.executor.test_data_parallel import _tp_plan, hrm, torchrun
     from tests.executor.test_run_plan import run_args
 
     path, prompts, plan = files
-    one = hrm(*run_args(path, prompts, plan, "--output", tmp_path / "one.jsonl"))
+    predicted = ("--hardware", "l4", "--ignore-eos", "--json")
+    one = hrm(*run_args(path, prompts, plan, "--output", tmp_path / "one.jsonl", "--ignore-eos"))
     assert one.returncode == 0, one.stderr
     for name, done in (
         ("dp.jsonl", lambda out: torchrun(2, *run_args(path, prompts, plan, "--output", out,
-                                                       "--batching", "continuous"))),
+                                                       "--batching", "continuous", *predicted))),
         ("tp.jsonl", lambda out: hrm(*run_args(path, prompts, _tp_plan(path, tmp_path, 2),
-                                               "--output", out, "--batching", "continuous"))),
+                                               "--output", out, "--batching", "continuous",
+                                               *predicted))),
     ):  # fmt: skip
         result = done(tmp_path / name)
         assert result.returncode == 0, result.stderr
         assert (tmp_path / name).read_text() == (tmp_path / "one.jsonl").read_text()
+        record = json.loads(result.stdout)
+        made, ranks = record["measured"]["generated_tokens"], record["environment"]["ranks"]
+        assert record["predicted"]["generated_tokens"] == made > 0
+        assert record["predicted"]["passes"] in [r["passes"] for r in ranks]
 
 
 def test_a_prompt_longer_than_the_plan_runs_where_its_kv_fits_and_else_is_named(
