@@ -9,9 +9,9 @@ into every pass (at most one micro-batch of the longest prompt beside N decodes)
 runs both, in turn, so that the host's drift falls on both alike; the median of --rounds rounds
 is kept, after one warm-up round. Then one bf16 round of each. Each run is also predicted as
 `hrm run --hardware` predicts it, on this host's bundled profile with its CPU standing in for
-the GPU (static: batch by batch; continuous: pass by pass). Prints a table and writes
-reports/bench_batching.json.
-    python bench/bench_batching.py [--rounds 3] [--requests 256]
+the GPU (static: batch by batch; continuous: pass by pass), or on --hardware (a profile of
+this host from `hrm profile`). Prints a table and writes reports/bench_batching.json.
+    python bench/bench_batching.py [--rounds 3] [--requests 256] [--hardware me.yaml]
 """
 
 from __future__ import annotations
@@ -71,18 +71,26 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--hardware", help="this host's profile to predict on (default: the bundled "
+                   "profile of its kind)")  # fmt: skip
     p.add_argument("-o", "--output", default=str(ROOT / "reports" / "bench_batching.json"))
     args = p.parse_args()
 
     from executor.api import RunSpec
     from executor.checkpoint import random_checkpoint
     from hrm.arch import resolve_model
+    from hrm.errors import HrmError
+    from hrm.hardware import resolve_hardware
     from hrm.hardware.stand_in import stand_in_profile
     from hrm.policy import parse_policy_text
     from hrm.profiling.host_gemm import bundled_profile_of_this_host
     from hrm.requests import Request
 
-    host = bundled_profile_of_this_host()
+    try:
+        host = resolve_hardware(args.hardware) if args.hardware else bundled_profile_of_this_host()
+    except HrmError as exc:
+        print(f"bench_batching: --hardware: {exc}", file=sys.stderr)
+        return 2
     profile = stand_in_profile(host, 8e9) if host is not None else None
     arch = dataclasses.replace(resolve_model("mixtral-8x7b"), name="bench", **BENCH)
     prompts, max_tokens = job(args.requests, arch.vocab_size)
