@@ -66,7 +66,9 @@ class Op:
 def expected_distinct_experts(arch: ModelArch, tokens: float) -> float:
     """Experts a group of `tokens` touches under uniform routing: E * (1 - (1 - k/E)^tokens)."""
     e, k = arch.num_experts, arch.experts_per_token
-    return e * (1.0 - (1.0 - k / e) ** np.maximum(tokens, 0.0))  # tokens: a number or an array
+    if np.ndim(tokens):  # a count per decode step (planner/layer_seconds.py)
+        return e * (1.0 - (1.0 - k / e) ** np.maximum(tokens, 0.0))
+    return e * (1.0 - (1.0 - k / e) ** max(tokens, 0.0))
 
 
 def _linear(
