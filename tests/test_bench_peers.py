@@ -52,3 +52,19 @@ def test_a_peer_or_point_that_is_not_what_it_says_is_refused_in_one_line(args, f
     assert done.returncode == 2 and done.stdout == ""
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and fragment in lines[0], done.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--vllm-python", "/no/python"], "bench_cpu_attention: --vllm-python /no/python: not an "),
+        (["--vllm-python", "/bin/true"], "--vllm-python /bin/true: not 'vllm'-capable"),
+    ],
+)
+def test_the_attention_bench_refuses_a_vllm_that_is_not_one_in_one_line(args, fragment):
+    attention = ROOT / "bench" / "bench_cpu_attention.py"
+    done = subprocess.run([sys.executable, attention, *args], capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 2 and done.stdout == ""
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and fragment in lines[0], done.stderr
