@@ -176,10 +176,12 @@ def _kind_seconds(setting: Setting, b) -> MicroBatchSeconds:
     arch, hw, steps = setting.arch, setting.hardware, setting.steps
     dtype, s_pre = setting.compute_dtype, setting.workload.prefill_len
     adt = dtype_bytes(ACTIVATION_DTYPE)
-    # a CPU standing in for the GPU runs the CPU's GEMM paths and kernels (hrm/hardware/stand_in.py)
+    # a CPU standing in for the GPU runs the CPU's GEMM paths and kernels
+    # (hrm/hardware/stand_in.py), packed ones native: its layers stream, and a streamed run packs
+    # nothing
     phases = _phase_ops(setting, b)  # the same ops, priced on each device
     cpu = _on_device(setting, b, phases, "cpu", hw.cpu, setting.cpu_gemm_choice)
-    gpu_gemm = setting.cpu_gemm_choice if hw.stand_in else None
+    gpu_gemm = setting.cpu_gemm_choice.unpacked() if hw.stand_in else None
     gpu = _on_device(setting, b, phases, "gpu", hw.gpu, gpu_gemm)
     cpu_overhead = hw.cpu.launch_overhead_for(dtype)
     b_pre, b_dec = _sizes(b)

@@ -187,6 +187,7 @@ class CpuGemmChoice:
     # id(rates) -> (rates, {(tokens, shape): FLOP/s}): a search asks for the same few row counts
     # hundreds of thousands of times; holding `rates` keeps its id from being reused
     _memo: dict = field(default_factory=dict, init=False, compare=False, repr=False)
+    _unpacked: list = field(default_factory=list, init=False, compare=False, repr=False)
 
     def path_at(self, tokens: float) -> str:
         return _path_of(self.buckets, tokens)
@@ -201,6 +202,24 @@ class CpuGemmChoice:
     @property
     def paths(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(path for _, path in self.buckets))
+
+    def unpacked(self) -> CpuGemmChoice:
+        """This choice with `packed` run native: the GEMMs of a run whose layers a store hands
+        over a page at a time, where nothing is packed (executor/runtime.py builds that model
+        with packs=False: a page is never reordered for oneDNN). Kept, with its rates' memo,
+        for the next call."""
+        if "packed" not in self.paths:
+            return self
+        if not self._unpacked:
+            buckets: list[tuple[float, str]] = []
+            for start, path in self.buckets:
+                path = "native" if path == "packed" else path
+                if not buckets or buckets[-1][1] != path:
+                    buckets.append((start, path))
+            self._unpacked.append(dataclasses.replace(
+                self, buckets=tuple(buckets), source=f"{self.source}, pages unpacked"
+            ))  # fmt: skip
+        return self._unpacked[0]
 
     def describe(self) -> str:
         parts = []

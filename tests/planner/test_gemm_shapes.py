@@ -115,3 +115,25 @@ def test_a_stand_in_gpu_takes_the_cpus_gemm_paths(arch, make_cpu_profile, worklo
     assert mb.gpu_ffn == pytest.approx(mb.cpu_ffn)
     assert mb.gpu_dense == pytest.approx(mb.cpu_dense)
     assert mb.head_gpu == pytest.approx(mb.head_cpu)
+
+
+def test_a_stand_in_gpu_runs_its_streamed_pages_native(arch, make_cpu_profile, workload):
+    """A run whose layers stream packs nothing (a page a store hands over is never reordered for
+    oneDNN), so where the CPU's choice is packed the stand-in's GEMMs are priced native and the
+    CPU's own packed."""
+    hw = make_cpu_profile(flops=1e10, bandwidth=1e18)
+    cpu = dataclasses.replace(
+        hw.cpu,
+        peak_flops_per_s={"float32": 1e10, "bfloat16": 1e8, "bfloat16_widened": 1e8,
+                          "bfloat16_packed": 1e10},
+        matmul_curves={"bfloat16": flat(1e8), "bfloat16_widened": flat(1e8),
+                       "bfloat16_packed": flat(1e10)},
+    )  # fmt: skip
+    stand_in = stand_in_profile(dataclasses.replace(hw, cpu=cpu), gpu_memory_bytes=1e9)
+    choice = choose_cpu_gemm(stand_in.cpu, "bfloat16")
+    assert choice.paths == ("packed",) and choice.unpacked().paths == ("native",)
+    assert choice.unpacked() is choice.unpacked()  # kept, with its rates' memo
+    setting = Setting(arch=arch, hardware=stand_in, workload=workload, weight_dtype="bfloat16")
+    mb = micro_batch_seconds(setting, 2)
+    assert mb.gpu_ffn[0] == pytest.approx(100 * mb.cpu_ffn[0], rel=0.05)  # GEMM-bound prefill
+    assert (mb.gpu_dense > 50 * mb.cpu_dense).all() and mb.head_gpu[0] > 50 * mb.head_cpu[0]
