@@ -309,17 +309,13 @@ def _run_batching(args, arch, hardware, plan, device_name, report, out) -> None:
 
 
 def _continuous_limits(arch, hardware, plan, spec, row) -> dict:
-    """The continuous plan of `spec`'s job over `plan`'s pool (planner/continuous.py): its
-    limits for execute, its prediction and running count in `row`."""
-    from hrm.rules.admission import Request as Admitted
-    from planner.continuous import plan_continuous
-    from planner.setting import Setting
+    """The continuous plan of `spec`'s job over `plan`'s pool, as `hrm run --hardware` plans a
+    run's own requests (hrm/cli/plan_continuous.continuous_for_run): its limits for execute,
+    its prediction and running count in `row`."""
+    from hrm.cli.plan_continuous import continuous_for_run
 
-    setting = Setting(arch=arch, hardware=hardware, workload=spec.workload(),
-                      weight_dtype=plan.policy.weight_dtype,
-                      kv_dtype=plan.policy.kv_dtype)  # fmt: skip
-    jobs = [Admitted(i, len(p), spec.max_new(i)) for i, p in enumerate(spec.prompts)]
-    c = plan_continuous(setting, [plan], jobs).continuous
+    lengths = [(len(p), spec.max_new(i)) for i, p in enumerate(spec.prompts)]
+    c = continuous_for_run(arch, hardware, spec.workload(), lengths, [plan]).continuous
     row["predicted_tok_s"], row["max_running"] = c.predicted.throughput_tok_s, c.max_running
     return {"max_running": c.max_running, "token_budget": c.token_budget}
 
