@@ -62,23 +62,11 @@ def last_window(keys, values, mask, window: int | None):
 
 
 DECODE_KERNELS = {"sdpa": sdpa_decode, "matmul": matmul_decode}
-# SDPA, but the batched GEMMs for a 16-bit cache on the CPU of GEMM_BATCH sequences or more and
-# GEMM_KEYS keys a KV head (batch x context) or more. bench/bench_cpu_attention.py on the 2-core
-# AMX VM (Mixtral's 32/8 heads): 2026-12-01, torch of then, SDPA faster in 16 of 18 cases, the
-# two tied in bf16 from 8 x 512 up; 2026-12-06, torch 2.13, three runs: in bf16 from 8
-# sequences and 4096 keys the GEMMs won 18 of 21 (1.04-2.05x; SDPA won the other three by 3-7%),
-# below it SDPA won 12 of 15 (up to 2.8x; the GEMMs won three at batch 1 by 6-25%); float32
-# stays SDPA. docs/decisions.md, 2026-12-06.
+# Kept: SDPA. bench/bench_cpu_attention.py on the 2-core Sapphire Rapids VM (2026-12-01,
+# Mixtral's 32/8 heads, batch 1-32, context 128-2048, bf16 and fp32): SDPA faster in 16 of 18
+# cases (up to 3.3x at batch 1, 1.34x at fp32 32x2048); the batched GEMMs won twice by 3-4%,
+# within the VM's noise. reports/bench_cpu_attention.json has the table.
 DECODE_KERNEL = "sdpa"
-GEMM_BATCH, GEMM_KEYS = 8, 4096
-
-
-def decode_kernel(keys: torch.Tensor) -> str:
-    """The decode-attention kernel for `keys` [B, nkv, S, D] (see GEMM_KEYS)."""
-    wide = keys.dtype in (torch.bfloat16, torch.float16) and keys.device.type == "cpu"
-    batch, keys_each = keys.shape[0], keys.shape[2]
-    many = batch >= GEMM_BATCH and batch * keys_each >= GEMM_KEYS
-    return "matmul" if wide and many else DECODE_KERNEL
 
 
 def attend_one_step(
@@ -86,7 +74,7 @@ def attend_one_step(
     keys: torch.Tensor,
     values: torch.Tensor,
     mask: torch.Tensor | None,
-    kernel: str | None = None,
+    kernel: str = DECODE_KERNEL,
     *,
     window: int | None = None,
     sinks: torch.Tensor | None = None,
@@ -94,14 +82,13 @@ def attend_one_step(
 ) -> torch.Tensor:
     """q [B, nq, D], keys [B, nkv, S, D] and values [B, nkv, S, Dv], mask [B, 1, 1, S] or None
     -> [B, nq*Dv]; a sliding layer's `window`, gpt-oss's `sinks` [nq] and the scores' `scale`
-    (None: 1/sqrt(D)) where the layer has them; `kernel` None: decode_kernel's."""
+    (None: 1/sqrt(D)) where the layer has them."""
     B, nkv, D = q.shape[0], keys.shape[1], q.shape[-1]
     keys, values, mask = last_window(keys, values, mask, window)
     q = q.view(B, nkv, -1, D)
     if sinks is not None:
         out = sink_attention(q, keys, values, mask, sinks.view(nkv, -1), scale)
     else:
-        kernel = kernel or decode_kernel(keys)
         out = DECODE_KERNELS[kernel](q, keys, values, mask, scale)  # [B, nkv, G, Dv]
     return out.reshape(B, -1)
 

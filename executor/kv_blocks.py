@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from executor.attention import DECODE_KERNELS, decode_kernel, sink_attention
+from executor.attention import sink_attention
 from executor.kv_cache import StoredRows
 from hrm.formats import row_bytes
 from hrm.rules.admission import BLOCK_TOKENS
@@ -113,8 +113,6 @@ def attend(q, keys, values, query_pos, batch_idx, local_idx, *, window=None, sin
     if sinks is not None:
         rows = sinks.view(nkv, G, 1).expand(nkv, G, Q).reshape(nkv, G * Q)
         out = sink_attention(q_pad, keys, values, mask, rows, scale)
-    elif Q == 1:  # decode alone: the decode kernel's choice (executor/attention.py)
-        out = DECODE_KERNELS[decode_kernel(keys)](q_pad, keys, values, mask, scale)
     else:
         out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=mask, scale=scale)
     out = out.view(B, nkv, G, Q, -1).permute(0, 3, 1, 2, 4)  # [B, Q, nkv, G, Dv]
