@@ -7,10 +7,12 @@ top-2, random weights). The plan: N=64, mu=16, nothing resident, attention on th
 Static runs batches of N to their longest answer; continuous keeps N running, admitting prompts
 into every pass (at most one micro-batch of the longest prompt beside N decodes). Each round
 runs both, in turn, so that the host's drift falls on both alike; the median of --rounds rounds
-is kept, after one warm-up round. Then one bf16 round of each. Each run is also predicted as
-`hrm run --hardware` predicts it, on this host's bundled profile with its CPU standing in for
-the GPU (static: batch by batch; continuous: pass by pass), or on --hardware (a profile of
-this host from `hrm profile`). Prints a table and writes reports/bench_batching.json.
+is kept, after one warm-up round. Then one bf16 round of each, after a warm-up round of its
+own (a first bf16 run creates oneDNN's kernels for its GEMM shapes: 2.5-3.8x a warm prefill).
+Each run is also predicted as `hrm run --hardware` predicts it, on this host's bundled profile
+with its CPU standing in for the GPU (static: batch by batch; continuous: pass by pass), or on
+--hardware (a profile of this host from `hrm profile`). Prints a table and writes
+reports/bench_batching.json.
     python bench/bench_batching.py [--rounds 3] [--requests 256] [--hardware me.yaml]
 """
 
@@ -108,12 +110,12 @@ def main() -> int:
         policy = parse_policy_text(POLICY, weight_dtype=dtype, kv_dtype=dtype)
         checkpoint = random_checkpoint(arch, dtype)
         runs = {mode: [] for mode in MODES}
-        for r in range(rounds + (dtype == "float32")):  # float32's first round warms up
+        for r in range(rounds + 1):  # the first round warms up
             for mode in MODES:
                 once = run_once(spec, policy, checkpoint, mode, profile)
                 print(f"{dtype} round {r} {mode}: {once['tok_s']:.1f} tok/s", file=sys.stderr)
                 runs[mode].append(once)
-        kept = {m: v[1:] if dtype == "float32" else v for m, v in runs.items()}
+        kept = {m: v[1:] for m, v in runs.items()}
         rows[dtype] = {m: _median(v) for m, v in kept.items()}
     _print(rows)
     ratio = rows["float32"]["continuous"]["tok_s"] / rows["float32"]["static"]["tok_s"]
