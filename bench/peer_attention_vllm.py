@@ -39,7 +39,6 @@ class DecodeCase:
 
     def __init__(self, dtype, seq_lens_list, seed=0, keep_kv=False):
         g = torch.Generator().manual_seed(seed)
-        self.dtype = dtype
         batch = len(seq_lens_list)
         self.batch = batch
         self.isa = _get_attn_isa(dtype, BLOCK_SIZE, HEAD_DIM, "auto")
@@ -50,7 +49,6 @@ class DecodeCase:
         # Fused cache exactly as the CPU backend allocates/uses it.
         kv_cache = torch.zeros(num_blocks, NUM_KV_HEADS, BLOCK_SIZE, 2 * HEAD_DIM, dtype=dtype)
         v = kv_cache.view(num_blocks, NUM_KV_HEADS, 2 * BLOCK_SIZE, HEAD_DIM)
-        self.kv_cache = kv_cache
         self.key_cache, self.value_cache = v.chunk(2, dim=2)
 
         # Blocks handed out in a shuffled order (exercises the block table).
