@@ -35,7 +35,7 @@ from executor.attention import DECODE_KERNEL, DECODE_KERNELS  # noqa: E402
 from hrm.profiling.cpu import host_facts  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_cpu_peers import VLLM_ENV, check_peer, fail  # noqa: E402
+from bench_cpu_peers import check_peer, fail, vllm_environment  # noqa: E402
 
 VLLM_WORKER = Path(__file__).resolve().parent / "peer_attention_vllm.py"
 
@@ -83,7 +83,7 @@ def read_bandwidth() -> float:
     cache = host_facts().last_level_cache_bytes or 64 * 2**20
     array_bytes = min(8 * cache, 4 * 2**30)
     timing, moved = measure_bandwidth(array_bytes=array_bytes, repeats=5, min_sample_s=0.2,
-                                      tick=lambda: None)["read"]  # fmt: skip
+                                      tick=lambda: None, kinds=("read",))["read"]  # fmt: skip
     return timing.rate(moved)
 
 
@@ -96,9 +96,7 @@ def vllm_seconds(args, batches, contexts, repeats) -> dict:
     """{(dtype, batch, context): seconds} of vLLM's kernel (bench/peer_attention_vllm.py), and
     its report without the rows."""
     threads = args.threads or torch.get_num_threads()
-    env = {**os.environ, **VLLM_ENV, "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"}
-    if args.vllm_ld_preload:
-        env["LD_PRELOAD"] = args.vllm_ld_preload
+    env = vllm_environment(dict(os.environ), threads, args.vllm_ld_preload)
     done = subprocess.run(
         [args.vllm_python, VLLM_WORKER, "--batches", ",".join(map(str, batches)), "--contexts",
          ",".join(map(str, contexts)), "--repeats", str(repeats), "--threads", str(threads)],

@@ -39,6 +39,15 @@ WORKERS = Path(__file__).resolve().parent / "peer_workers.py"
 VLLM_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "4"}
 
 
+def vllm_environment(env: dict, threads: int, ld_preload: str | None) -> dict:
+    """vLLM's process environment: VLLM_ENV under `env` (what is set already wins), its OpenMP
+    threads bound to the first `threads` cores, and `ld_preload` for its process alone."""
+    out = {**VLLM_ENV, **env, "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"}
+    if ld_preload:  # tcmalloc and Intel's OpenMP, as vLLM's docs ask
+        out["LD_PRELOAD"] = ld_preload
+    return out
+
+
 def fail(message: str) -> None:
     print(f"{Path(sys.argv[0]).stem}: {message}", file=sys.stderr)  # the bench that was run
     raise SystemExit(2)
@@ -114,9 +123,7 @@ def shape_results(args, shape: str, points, tmp: Path) -> list[dict]:
     """Every engine at every point of one shape, rounds interleaved."""
     checkpoint = save_checkpoint(bench_config(shape, 1024, 3584, args.layers), tmp / shape)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    vllm_env = {**VLLM_ENV, **env, "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}"}
-    if args.vllm_ld_preload:  # tcmalloc and Intel's OpenMP, for vLLM's process alone
-        vllm_env["LD_PRELOAD"] = args.vllm_ld_preload
+    vllm_env = vllm_environment(env, args.threads, args.vllm_ld_preload)
     workers = [Worker(n, sys.executable, checkpoint, args.threads, env)
                for n in ("hrm", "transformers")]  # fmt: skip
     if args.vllm_python:

@@ -373,3 +373,17 @@ def test_presets_leave_no_gap_wider_than_4x_from_16_rows_up():
         for grid in (plan.tokens_grid, plan.shape_tokens_grid):
             upper = [n for n in grid if n >= 16]
             assert all(b <= 4 * a for a, b in itertools.pairwise(upper)), (plan.name, grid)
+
+
+def test_bandwidth_of_one_kind_times_that_kind_alone():
+    """A caller that needs the read rate alone (bench/bench_cpu_attention.py) times only read;
+    by default read, copy and triad each move their own bytes."""
+    from hrm.profiling.cpu import BANDWIDTH_KINDS, measure_bandwidth
+
+    small = dict(array_bytes=4e6, repeats=1, min_sample_s=0.0, tick=lambda: None)
+    read = measure_bandwidth(**small, kinds=("read",))
+    every = measure_bandwidth(**small)
+    assert list(read) == ["read"] and list(every) == list(BANDWIDTH_KINDS)
+    moved = {kind: nbytes for kind, (_, nbytes) in every.items()}
+    assert moved["copy"] == 2 * moved["read"] and moved["triad"] == 3 * moved["read"]
+    assert read["read"][1] == moved["read"]

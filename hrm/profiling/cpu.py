@@ -142,13 +142,22 @@ def others_cpu_share(start: CpuTimes, end: CpuTimes) -> float:
 
 
 def measure_bandwidth(
-    *, array_bytes: float, repeats: int, min_sample_s: float, tick: Callable[[], None]
+    *,
+    array_bytes: float,
+    repeats: int,
+    min_sample_s: float,
+    tick: Callable[[], None],
+    kinds: tuple[str, ...] = BANDWIDTH_KINDS,
 ) -> dict[str, tuple[Timing, float]]:
-    """{kind: (timing of one pass, bytes moved per pass)} for read, copy and triad (fp32)."""
+    """{kind: (timing of one pass, bytes moved per pass)} for read, copy and triad (fp32), or
+    the `kinds` asked for (read alone holds one array, not three)."""
     import torch
 
     rows = max(1, int(array_bytes // (4 * _READ_ROW)))
-    a, b, c = (torch.ones(rows * _READ_ROW) for _ in range(3))  # written once: pages are resident
+    size = rows * _READ_ROW
+    a = torch.ones(size)  # written once: pages are resident
+    others = size if set(kinds) - {"read"} else 0  # copy's and triad's, where they are timed
+    b, c = torch.ones(others), torch.ones(others)
     matrix, vector, row_sums = a.view(rows, _READ_ROW), torch.ones(_READ_ROW), torch.empty(rows)
     element_bytes = 4 * a.numel()
     kernels = {
@@ -157,7 +166,7 @@ def measure_bandwidth(
         "triad": (lambda: torch.add(b, c, alpha=3.0, out=a), 3 * element_bytes),
     }
     results = {}
-    for kind in BANDWIDTH_KINDS:
+    for kind in kinds:
         kernel, moved = kernels[kind]
         timing = time_calls(
             kernel, clock=perf_counter_clock, repeats=repeats, min_sample_s=min_sample_s
