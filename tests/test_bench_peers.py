@@ -68,3 +68,13 @@ def test_the_attention_bench_refuses_a_vllm_that_is_not_one_in_one_line(args, fr
     assert done.returncode == 2 and done.stdout == ""
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and fragment in lines[0], done.stderr
+
+
+def test_the_batching_bench_refuses_a_profile_that_is_not_there_in_one_line(tmp_path):
+    batching = ROOT / "bench" / "bench_batching.py"
+    missing = tmp_path / "none.yaml"
+    done = subprocess.run([sys.executable, batching, "--hardware", missing], capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 2 and done.stdout == ""
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"bench_batching: --hardware: {missing}: no such file" in lines[0]
