@@ -17,9 +17,10 @@
 #   bench/gpu_check.sh              on the GPU machine
 #   bench/gpu_check.sh --dry-run    the same Python steps at tiny sizes, the CPU standing in (CI)
 #   LAYERS=16 GPU_MEM=16GB bench/gpu_check.sh     (the defaults: 16 of Mixtral 8x7B's layers, 22.6 GB)
-# The machine has no network and no pulp. Carry its wheel (here, in the repository's root):
+# The machine has no network, no pulp and no highspy (without it the MILP runs in CBC, slower).
+# Carry their wheels (here, in the repository's root):
 #   echo /.whl/ >> .git/info/exclude
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl pulp
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl pulp highspy
 # then, with .whl carried, start the device command with
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
 #   export PYTHONPATH=/tmp/site && bench/gpu_check.sh
