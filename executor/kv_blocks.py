@@ -16,6 +16,8 @@ latent attention's values are its keys' first columns (nothing stored for V).
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 
@@ -47,6 +49,7 @@ class KVBlocks(StoredRows):
         self.tables: dict[int, list[int]] = {}
         self.peak_held = 0
         self.token_bytes = nkv * (row + v_row) * store_dtype.itemsize  # K and V, a token, a layer
+        self._scratch: dict[tuple, torch.Tensor] = {}  # gathered rows (see gathered)
 
     @property
     def held(self) -> int:
@@ -82,6 +85,22 @@ class KVBlocks(StoredRows):
             table[t // BLOCK_TOKENS] * BLOCK_TOKENS + t % BLOCK_TOKENS for t in range(start, stop)
         ]
 
+    def gathered(self, pool: torch.Tensor, slots: torch.Tensor, part: str) -> torch.Tensor:
+        """A layer's `pool` rows at `slots` [B, S] -> [B, S, nkv, row], copied by index_select
+        into a scratch buffer kept by thread, device and `part` ("k", "v") and grown as needed.
+        Indexing `pool[slots]` instead allocated a new tensor a call, whose pages faulted in
+        each time: 2.6x the whole attention at 16 decodes of 348 keys in bf16 (docs/decisions.md,
+        2026-12-06). A buffer is reused by the next call of its thread, so the rows must be
+        used up before it (attend returns a new tensor)."""
+        key = (threading.get_ident(), pool.device, part)
+        need = slots.numel() * pool[0].numel()
+        scratch = self._scratch.get(key)
+        if scratch is None or scratch.numel() < need or scratch.dtype != pool.dtype:
+            scratch = self._scratch[key] = torch.empty(need, dtype=pool.dtype, device=pool.device)
+        out = scratch[:need].view(slots.numel(), *pool.shape[1:])
+        torch.index_select(pool, 0, slots.reshape(-1), out=out)
+        return out.view(*slots.shape, *pool.shape[1:])
+
     def nbytes(self) -> dict[str, float]:
         out: dict[str, float] = {}
         for t in (*self.k, *self.v):
@@ -100,6 +119,9 @@ def attend(q, keys, values, query_pos, batch_idx, local_idx, *, window=None, sin
     B, nkv, S, D = keys.shape
     T, G = q.shape[0], q.shape[1] // nkv
     Q = int(local_idx.max()) + 1
+    if Q == 1:  # decodes: one query a sequence, in order (executor/passes.py's groups)
+        return _decode(q.view(B, nkv, G, D), keys, values, query_pos.to(keys.device),
+                       window=window, sinks=sinks, scale=scale)  # fmt: skip
     q_pad = q.new_zeros(B, Q, nkv, G, D)
     q_pad[batch_idx, local_idx] = q.view(T, nkv, G, D)
     q_pad = q_pad.permute(0, 2, 3, 1, 4).reshape(B, nkv, G * Q, D)
@@ -117,3 +139,20 @@ def attend(q, keys, values, query_pos, batch_idx, local_idx, *, window=None, sin
         out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=mask, scale=scale)
     out = out.view(B, nkv, G, Q, -1).permute(0, 3, 1, 2, 4)  # [B, Q, nkv, G, Dv]
     return out[batch_idx, local_idx].reshape(T, -1)
+
+
+def _decode(q, keys, values, pos, *, window, sinks, scale) -> torch.Tensor:
+    """attend's decodes, q [B, nkv, G, D], as the static decode step runs them: the G query
+    heads of a K/V head are one matrix's rows, under one mask row a sequence [B, 1, 1, S]
+    (attend's general path pads queries and builds a mask row per head and query)."""
+    B, nkv, G, _ = q.shape
+    slots = torch.arange(keys.shape[2], device=keys.device)
+    allowed = slots[None, :] <= pos[:, None]  # [B, S]
+    if window is not None:
+        allowed &= pos[:, None] - slots[None, :] < window
+    mask = allowed.view(B, 1, 1, -1)
+    if sinks is not None:
+        out = sink_attention(q, keys, values, mask, sinks.view(nkv, G), scale)
+    else:
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    return out.reshape(B, -1)

@@ -90,8 +90,8 @@ class PassTaskBuilder(TaskBuilder):
             pools.stored(v.to(pool_k.device)),
         )
         gather = mb.at("gather_slots", pool_k.device)  # [B, S]
-        out = self._attend(layer, mb, q.to(pool_k.device), pool_k[gather], pool_v[gather])
-        return out
+        keys, values = pools.gathered(pool_k, gather, "k"), pools.gathered(pool_v, gather, "v")
+        return self._attend(layer, mb, q.to(pool_k.device), keys, values)
 
     def _attention(self, a: Action, st: StepState) -> Task:
         mb, layer = st.micro_batch(a), a.layer
