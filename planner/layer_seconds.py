@@ -163,6 +163,10 @@ def _on_device(
         # dtype for this many bytes per call (hrm profile): T = bytes / B_attn(bytes)
         kv = np.asarray(decode["attention"].bytes, dtype=float) * np.ones(steps - 1)
         attention[1:] = kv / curve.at_each(kv)
+    if setting.paged_kv_cache:  # the rows gathered from the pool: read once, written once
+        decode_rows = np.asarray(decode["attention"].kv_bytes) * np.ones(steps - 1)
+        gather = np.concatenate([[prefill["attention"].kv_bytes], decode_rows])
+        attention = attention + 2.0 * gather / device.total_memory_bandwidth_bytes_per_s
     return {
         "dense": sum(both(name, chunk, b_dec) for name in DENSE_OPS),
         "ffn": np.concatenate([[ffn(b_pre * s_pre, chunk)], decode_ffn()]),

@@ -2,10 +2,12 @@
 executor's own rule, replayed), each priced with the static model's terms (planner/cost.py).
 
 A pass's micro-batches are groups of decodes or prompt chunks (executor/passes.py). Each group
-is priced as one micro-batch of the static model at its own shape: a decode group of b
-sequences at their mean context c is a decode step of b at context c; a chunk group of b
-prompts of mean chunk l is a prefill of b prompts of l (a later chunk's attention over its
-prompt's earlier tokens is not counted). The pass then takes what the schedule's overlap gives,
+is priced as one micro-batch of the static model at its own shape. A decode group of b
+sequences whose longest context is c is a decode step of b at context c: the executor gathers
+each sequence's rows from the pool up to the longest, then attends, masked, and the gather's
+read and write are priced too (Setting.paged_kv_cache). A chunk group of b prompts of mean
+chunk l is a prefill of b prompts of l (a later chunk's attention over its prompt's earlier
+tokens is not counted). The pass then takes what the schedule's overlap gives,
 exactly as a static step does: per layer T_layer >= each queue's sum over the groups (and, on a
 CPU standing in for the GPU, their total), the longest group's chain; serial adds the chains
 up; the weights stream once a pass in as many pages as the pass has groups; fill and drain
@@ -15,8 +17,8 @@ Shapes are priced on a grid: chunks at powers of CONTEXT_BUCKET (6% apart), and 
 than 16 sequences between two sizes of that grid, interpolated linearly (a pass's last group is
 of any size, and each new shape is a static model's layer to price). A decode group's context
 is priced exactly: one static model of its size decodes from a 1-token prompt to the longest
-context asked, a step per context (its steps are one vectorised evaluation), and a mean
-context between two integers is interpolated.
+context asked, a step per context (its steps are one vectorised evaluation), and a
+fractional context between two integers is interpolated.
 """
 
 from __future__ import annotations
@@ -191,12 +193,13 @@ def _bucket(length: float) -> float:
 
 
 def pass_groups(p: Pass, micro_batch_size: int) -> list[tuple[str, int, float]]:
-    """The groups of a pass as the executor cuts them: (phase, sequences, mean context or
-    mean chunk)."""
+    """The groups of a pass as the executor cuts them: (phase, sequences, context or mean
+    chunk); a decode group's context is its longest, to which the executor gathers and attends
+    every sequence's rows, masked (executor/kv_blocks.py)."""
     out = []
     for phase, entries in p.groups(micro_batch_size):
         if phase == "decode":
-            out.append((phase, len(entries), 1 + sum(map(itemgetter(1), entries)) / len(entries)))
+            out.append((phase, len(entries), 1 + max(map(itemgetter(1), entries))))
         else:
             out.append((phase, len(entries), sum(c.length for c in entries) / len(entries)))
     return out
@@ -219,7 +222,7 @@ def price_job(
         requests, max_running=max_running or policy.batch_size, token_budget=token_budget,
         total_blocks=kv_blocks(policy.batch_size, context_tokens),
     )  # fmt: skip
-    pricer = PassPricer(setting, policy, shapes)
+    pricer = PassPricer(setting.alike(paged_kv_cache=True), policy, shapes)  # the run's pools
     seconds, prefill, sequences = [], 0.0, 0
     for p, count in spans:
         groups = pass_groups(p, policy.micro_batch_size)

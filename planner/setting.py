@@ -35,6 +35,9 @@ class Setting:
     # the KV cache is left-padded to the longest prompt (the resident executor's), so decode
     # attends over the padded slots even when prefill packs the prompts
     padded_kv_cache: bool = False
+    # the KV cache is continuous batching's pool of blocks (executor/kv_blocks.py): attention
+    # first gathers each sequence's rows out of the pool, a read and a write of them
+    paged_kv_cache: bool = False
     # the routed FFN's seconds per group of tokens, by device role (planner.op_time)
     ffn_memo: dict[str, dict[float, float]] = field(
         default_factory=dict, init=False, compare=False, repr=False

@@ -20,7 +20,7 @@ from hrm.workload import Workload
 from planner import predict
 from planner.continuous import plan_continuous, price_static_job
 from planner.memory import activation_tokens
-from planner.passes import CPU, PassPricer, price_job
+from planner.passes import CPU, GPU, PassPricer, pass_groups, price_job
 from planner.search import search
 from planner.setting import Setting
 from tests.conftest import assert_one_line_error
@@ -66,6 +66,30 @@ def test_a_decode_group_between_two_contexts_is_priced_between_them():
     assert at[300.25] == pytest.approx(0.75 * at[300.0] + 0.25 * at[301.0], rel=1e-12)
     assert (at[300.0] <= at[300.25]).all() and at[300.0][CPU] < at[301.0][CPU]  # CPU attention
     assert at[5000.0][CPU] > at[301.0][CPU] and len(p.shapes["decode", 16]) >= 4999
+
+
+def test_a_paged_decode_group_pays_its_gather_at_the_memory_bandwidth():
+    """Continuous batching's pools: a decode group's CPU attention (attn=cpu) costs the static
+    step's plus the gather, its K/V bytes read and written once at the host's bandwidth; the
+    GPU's terms are unchanged."""
+    p, plan = pricer(*CASES[1])
+    paged = PassPricer(p.setting.alike(paged_kv_cache=True), plan.policy)
+    for context in (100.0, 1000.0):
+        plain, gathered = p.group("decode", 16, context), paged.group("decode", 16, context)
+        keys_read = 16 * context * ARCH.kv_token_bytes("bfloat16")  # one layer's K and V
+        gather = 2 * keys_read / p.setting.hardware.cpu.total_memory_bandwidth_bytes_per_s
+        assert gathered[CPU] - plain[CPU] == pytest.approx(gather, rel=1e-9)
+        assert gathered[GPU] == plain[GPU]
+
+
+def test_a_decode_group_is_priced_at_its_longest_context():
+    """The executor gathers and attends every sequence of a group to its longest: pass_groups
+    gives a decode group that context (position of the token fed + 1), not the mean."""
+    from hrm.rules.admission import Chunk, Pass
+
+    p = Pass(decodes=((0, 10), (1, 300), (2, 40)), chunks=(Chunk(index=3, start=0, length=20,
+                                                                last=True),))  # fmt: skip
+    assert pass_groups(p, 2) == [("decode", 2, 301), ("decode", 1, 41), ("prefill", 1, 20.0)]
 
 
 def test_a_mixed_pass_overlaps_its_groups_and_streams_the_weights_once():
