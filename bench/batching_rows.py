@@ -97,7 +97,10 @@ def batching_markdown(rows: list[dict]) -> str:
         "simulated pass by pass by the executor's admission rule under the continuous plan "
         "(N = its KV pool in sequences of the longest context, R = requests running at most, "
         "T = tokens a pass); bound = T_max of MoE-Lens's stage 1 in generated tokens/s, with "
-        "what binds (memory: PME x M / delta; gpu: T_GPU).",
+        "what binds (memory: PME x M / delta; gpu: T_GPU). A continuous pass's attention "
+        "first gathers each group's rows out of the pool of blocks (read and written once, "
+        "each sequence to the group's longest context): where CPU attention binds, as in the "
+        "long generations, that makes continuous slower than static.",
         "",
         "| model | hardware | weights | job | static tok/s (N, mu) | one batch | continuous "
         "tok/s (N, R, T, mu) | x static | bound tok/s (binds) | share of bound |",
