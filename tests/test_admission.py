@@ -14,6 +14,7 @@ from hrm.errors import HrmError
 from hrm.rules.admission import (
     BLOCK_TOKENS,
     Admission,
+    Pass,
     Request,
     blocks_for,
     expand,
@@ -105,3 +106,20 @@ def test_a_simulations_spans_are_the_passes_one_by_one(lengths, max_running, bud
     assert len(spans) <= len(passes)
     peaks = ("peak_running", "peak_reserved", "peak_held")
     assert [getattr(admission, k) for k in peaks] == [getattr(one_by_one, k) for k in peaks]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 500), min_size=1, max_size=30), st.integers(1, 8),
+       st.integers(0, 50))  # fmt: skip
+def test_decodes_are_grouped_shortest_first_and_stay_so_over_a_span(positions, mu, later):
+    """A pass's decode micro-batches hold like lengths (each attends to its longest): every
+    sequence of a group is at least as long as every one of the group before, each group of mu
+    but the last, and a span's later pass (every decode a token on) is grouped alike."""
+    p = Pass(decodes=tuple(enumerate(positions)), chunks=())
+    groups = [entries for _, entries in p.groups(mu)]
+    assert sorted(x for g in groups for x in g) == sorted(p.decodes)
+    assert all(len(g) == mu for g in groups[:-1])
+    for before, after in zip(groups, groups[1:], strict=False):
+        assert max(pos for _, pos in before) <= min(pos for _, pos in after)
+    shifted = [[i for i, _ in entries] for _, entries in p.shifted(later).groups(mu)]
+    assert shifted == [[i for i, _ in g] for g in groups]

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 
 from hrm.errors import HrmError
 
@@ -69,9 +70,13 @@ class Pass:
 
     def groups(self, micro_batch_size: int) -> list[tuple[str, list]]:
         """The pass cut into micro-batches of at most `micro_batch_size` sequences: decodes
-        ("decode", [(index, position)]), then chunks ("prefill", [Chunk])."""
+        ("decode", [(index, position)]) shortest first, then chunks ("prefill", [Chunk]). A
+        decode micro-batch gathers and attends each sequence to its longest (executor/
+        kv_blocks.py), so sequences of like lengths share one. The order holds over a span:
+        every decode moves on one token a pass."""
         mu = max(1, micro_batch_size)
-        out = [("decode", list(self.decodes[s : s + mu])) for s in range(0, len(self.decodes), mu)]
+        decodes = sorted(self.decodes, key=itemgetter(1))
+        out = [("decode", decodes[s : s + mu]) for s in range(0, len(decodes), mu)]
         out += [("prefill", list(self.chunks[s : s + mu])) for s in range(0, len(self.chunks), mu)]
         return out
 

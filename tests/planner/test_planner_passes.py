@@ -84,12 +84,13 @@ def test_a_paged_decode_group_pays_its_gather_at_the_memory_bandwidth():
 
 def test_a_decode_group_is_priced_at_its_longest_context():
     """The executor gathers and attends every sequence of a group to its longest: pass_groups
-    gives a decode group that context (position of the token fed + 1), not the mean."""
+    gives a decode group that context (position of the token fed + 1), not the mean; decodes
+    are cut shortest first, so that like lengths share a group."""
     from hrm.rules.admission import Chunk, Pass
 
     p = Pass(decodes=((0, 10), (1, 300), (2, 40)), chunks=(Chunk(index=3, start=0, length=20,
                                                                 last=True),))  # fmt: skip
-    assert pass_groups(p, 2) == [("decode", 2, 301), ("decode", 1, 41), ("prefill", 1, 20.0)]
+    assert pass_groups(p, 2) == [("decode", 2, 41), ("decode", 1, 301), ("prefill", 1, 20.0)]
 
 
 def test_a_mixed_pass_overlaps_its_groups_and_streams_the_weights_once():
