@@ -9,6 +9,11 @@ import time
 
 from hrm.plan import Plan
 
+# `hrm run` notes static batches only where they are predicted this much faster or more: a
+# smaller gap is within the model's own error on real runs (hrm validate), no reason to
+# switch
+NOTE_BELOW = 0.95
+
 
 def job_requests(workload, job, batch_size: int) -> list:
     """The requests simulated: the prompts file's (prompt, max_tokens), else 4 N requests of the
@@ -42,6 +47,26 @@ def continuous_for_run(arch, hardware, workload, lengths, static: list[Plan]) ->
 
     requests = [Request(i, p, g) for i, (p, g) in enumerate(lengths)]
     return plan_continuous(_setting(arch, hardware, workload, static[0]), static, requests)
+
+
+def static_faster_note(arch, hardware, workload, lengths, plan: Plan, static: Plan) -> str | None:
+    """A note for `hrm run` where the requests in static batches of the best static plan are
+    predicted faster than the continuous `plan` (long generations where CPU attention binds:
+    continuous attention first gathers each sequence's rows out of the pool); else None."""
+    from hrm.rules.admission import Request
+    from planner.continuous import price_static_job
+
+    requests = [Request(i, p, g) for i, (p, g) in enumerate(lengths)]
+    setting = _setting(arch, hardware, workload, static)
+    batches = price_static_job(setting, static, requests).throughput_tok_s
+    rate = plan.continuous.predicted.throughput_tok_s
+    if rate >= NOTE_BELOW * batches:
+        return None
+    return (
+        f"note: continuous batching is predicted at {rate:.1f} tok/s for these requests, "
+        f"{rate / batches:.2f}x static batches of N={static.policy.batch_size} "
+        f"({batches:.1f} tok/s); --batching static runs them that way"
+    )
 
 
 def _setting(arch, hardware, workload, best: Plan):

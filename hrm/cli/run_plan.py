@@ -92,8 +92,10 @@ def _planned_job(args, hardware, random_arch, warn) -> Job:
         )
     spec = run_spec(args, random_arch, dtype, kv)
     if plan is None:
-        plan = _plan_for(args, spec, hardware)
+        plan, note = _plan_for(args, spec, hardware)
         where = f"the best plan on {hardware.name}"
+        if note:
+            warn(note)
     else:
         where = args.plan
     disk_dir = _disk_dir(args, plan, spec) if plan.policy.weights_disk_fraction else None
@@ -205,7 +207,7 @@ def _plan_for(args, spec, hardware):
     GPU comes out of the host's memory: planned with all of it first, then, where both sides do
     not fit, with what that plan left the host; else refused saying what the run needs and what
     is available. (Taking the whole stand-in GPU out first made a run fail or pass with the
-    moment's free memory.)"""
+    moment's free memory.) Returns the plan and _best_plan's note about it, or None."""
     from hrm.cli.memory_check import host_budget
     from hrm.errors import HrmError
     from hrm.units import format_bytes, parse_bytes
@@ -217,12 +219,12 @@ def _plan_for(args, spec, hardware):
         )
     gpu = parse_bytes(args.gpu_mem, "--gpu-mem") if args.gpu_mem else hardware.gpu.memory_bytes
     host, named = host_budget(parse_bytes(args.cpu_mem, "--cpu-mem") if args.cpu_mem else None)
-    plan = _best_plan(args, spec, hardware, gpu, host)
+    plan, note = _best_plan(args, spec, hardware, gpu, host)
     if spec.device != "cpu":
-        return plan
+        return plan, note
     need = plan.memory.gpu_bytes + plan.memory.cpu_bytes
     if need > host and host > plan.memory.gpu_bytes:
-        plan = _best_plan(args, spec, hardware, gpu, host - plan.memory.gpu_bytes)
+        plan, note = _best_plan(args, spec, hardware, gpu, host - plan.memory.gpu_bytes)
         need = plan.memory.gpu_bytes + plan.memory.cpu_bytes
     if need > host:
         raise HrmError(
@@ -231,7 +233,7 @@ def _plan_for(args, spec, hardware):
             f"on the stand-in GPU, {format_bytes(plan.memory.cpu_bytes, 3)} on the host side) "
             f"and {named}; free memory, or give a smaller --gpu-mem"
         )
-    return plan
+    return plan, note
 
 
 def _best_plan(args, spec, hardware, gpu: float, cpu: float):
@@ -239,8 +241,8 @@ def _best_plan(args, spec, hardware, gpu: float, cpu: float):
     in for a GPU where `hardware` has none); under continuous batching (the default), the
     continuous plan of its requests over the search's top plans, as `hrm plan --batching
     continuous` makes it, so the run admits by that plan's limits and is predicted pass by
-    pass."""
-    from hrm.cli.plan_continuous import continuous_for_run
+    pass. With it, a note where static batches of the best static plan are predicted faster."""
+    from hrm.cli.plan_continuous import continuous_for_run, static_faster_note
     from planner.search import search
 
     if hardware.has_gpu:
@@ -261,9 +263,10 @@ def _best_plan(args, spec, hardware, gpu: float, cpu: float):
         max_batch_size=len(spec.prompts),
     )
     if not continuous:
-        return result.best
+        return result.best, None
     lengths = [(len(p), spec.max_new(i)) for i, p in enumerate(spec.prompts)]
-    return continuous_for_run(spec.arch, hardware, workload, lengths, list(result.top))
+    plan = continuous_for_run(spec.arch, hardware, workload, lengths, list(result.top))
+    return plan, static_faster_note(spec.arch, hardware, workload, lengths, plan, result.best)
 
 
 def prediction_profile(plan, hardware, device: str, warn):

@@ -450,3 +450,17 @@ def test_a_model_with_dense_layers_is_planned_and_run_from_the_plan(
     other = edit_plan(plan, tmp_path, lambda d: d["geometry"].pop("dense_layers"))
     status, _, err = run_cli(*run_args(path, prompts, other))
     assert_one_line_error(status, err, "another model (dense_layers None in the plan")
+
+
+def test_hrm_run_prints_the_note_on_stderr(run_cli, files, monkeypatch):
+    """_best_plan's note about static batches (hrm/cli/plan_continuous.static_faster_note,
+    tested on real plans in tests/planner/test_planner_passes.py) reaches stderr, not the
+    answers."""
+    import hrm.cli.plan_continuous as pc
+
+    monkeypatch.setattr(pc, "static_faster_note", lambda *a: "note: static is faster here")
+    path, prompts, _ = files
+    args = ("--hardware", "l4", "--gpu-mem", "1.2MB", "--prompts", prompts, "--gen-len", "2")
+    status, out, err = run_cli("run", "--checkpoint", path, *args, "--quiet")
+    assert status == 0, err
+    assert "note: static is faster here" in err and "static is faster" not in out
