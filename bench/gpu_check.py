@@ -315,7 +315,7 @@ def _continuous_limits(arch, hardware, plan, spec, row) -> dict:
     from hrm.cli.plan_continuous import continuous_for_run
 
     lengths = [(len(p), spec.max_new(i)) for i, p in enumerate(spec.prompts)]
-    c = continuous_for_run(arch, hardware, spec.workload(), lengths, [plan]).continuous
+    c = continuous_for_run(arch, hardware, spec.workload(), lengths, [plan])["plan"].continuous
     row["predicted_tok_s"], row["max_running"] = c.predicted.throughput_tok_s, c.max_running
     return {"max_running": c.max_running, "token_budget": c.token_budget}
 

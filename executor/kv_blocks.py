@@ -21,7 +21,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from executor.attention import sink_attention
+from executor.attention import attend_one_step, sink_attention
 from executor.kv_cache import StoredRows
 from hrm.formats import row_bytes
 from hrm.rules.admission import BLOCK_TOKENS
@@ -119,19 +119,16 @@ def attend(q, keys, values, query_pos, batch_idx, local_idx, *, window=None, sin
     B, nkv, S, D = keys.shape
     T, G = q.shape[0], q.shape[1] // nkv
     Q = int(local_idx.max()) + 1
-    if Q == 1:  # decodes: one query a sequence, in order (executor/passes.py's groups)
-        return _decode(q.view(B, nkv, G, D), keys, values, query_pos.to(keys.device),
-                       window=window, sinks=sinks, scale=scale)  # fmt: skip
+    if Q == 1:  # decodes: one query a sequence, in order (executor/passes.py's groups), run as
+        # the static decode step runs them: one mask row a sequence, not one a head and query
+        mask = _allowed(query_pos.to(keys.device)[:, None], S, window).view(B, 1, 1, S)
+        return attend_one_step(q, keys, values, mask, sinks=sinks, scale=scale)
     q_pad = q.new_zeros(B, Q, nkv, G, D)
     q_pad[batch_idx, local_idx] = q.view(T, nkv, G, D)
     q_pad = q_pad.permute(0, 2, 3, 1, 4).reshape(B, nkv, G * Q, D)
     pos = torch.zeros(B, Q, dtype=torch.long, device=keys.device)
     pos[batch_idx.to(keys.device), local_idx.to(keys.device)] = query_pos.to(keys.device)
-    slots = torch.arange(S, device=keys.device)
-    allowed = slots[None, None, :] <= pos[:, :, None]  # [B, Q, S]
-    if window is not None:
-        allowed &= pos[:, :, None] - slots[None, None, :] < window
-    mask = allowed[:, None].expand(B, G, Q, S).reshape(B, 1, G * Q, S)
+    mask = _allowed(pos, S, window)[:, None].expand(B, G, Q, S).reshape(B, 1, G * Q, S)
     if sinks is not None:
         rows = sinks.view(nkv, G, 1).expand(nkv, G, Q).reshape(nkv, G * Q)
         out = sink_attention(q_pad, keys, values, mask, rows, scale)
@@ -141,18 +138,11 @@ def attend(q, keys, values, query_pos, batch_idx, local_idx, *, window=None, sin
     return out[batch_idx, local_idx].reshape(T, -1)
 
 
-def _decode(q, keys, values, pos, *, window, sinks, scale) -> torch.Tensor:
-    """attend's decodes, q [B, nkv, G, D], as the static decode step runs them: the G query
-    heads of a K/V head are one matrix's rows, under one mask row a sequence [B, 1, 1, S]
-    (attend's general path pads queries and builds a mask row per head and query)."""
-    B, nkv, G, _ = q.shape
-    slots = torch.arange(keys.shape[2], device=keys.device)
-    allowed = slots[None, :] <= pos[:, None]  # [B, S]
+def _allowed(pos: torch.Tensor, slots: int, window: int | None) -> torch.Tensor:
+    """[B, Q, slots]: the keys each query at `pos` [B, Q] sees, those at or before it (within the
+    last `window`)."""
+    at = torch.arange(slots, device=pos.device)
+    allowed = at[None, None, :] <= pos[:, :, None]
     if window is not None:
-        allowed &= pos[:, None] - slots[None, :] < window
-    mask = allowed.view(B, 1, 1, -1)
-    if sinks is not None:
-        out = sink_attention(q, keys, values, mask, sinks.view(nkv, G), scale)
-    else:
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
-    return out.reshape(B, -1)
+        allowed &= pos[:, :, None] - at[None, None, :] < window
+    return allowed

@@ -27,44 +27,48 @@ def job_requests(workload, job, batch_size: int) -> list:
 
 
 def continuous_plan(arch, hardware, workload, job, static: list[Plan]) -> dict:
-    """The continuous plan over the `static` plans (best first), the same job run as static
-    batches of the best, and the seconds both took."""
+    """The continuous plan of the job over the `static` plans (best first), beside the same job
+    in static batches of the best (_beside_static)."""
+    requests = job_requests(workload, job, static[0].policy.batch_size)
+    return _beside_static(arch, hardware, workload, requests, static)
+
+
+def continuous_for_run(arch, hardware, workload, lengths, static: list[Plan]) -> dict:
+    """The continuous plan of a run's own requests ((prompt length, max new tokens) each) over
+    the `static` plans, what `hrm run --hardware` runs when it plans (continuous batching),
+    beside the same requests in static batches of the best (_beside_static)."""
+    from hrm.rules.admission import Request
+
+    requests = [Request(i, p, g) for i, (p, g) in enumerate(lengths)]
+    return _beside_static(arch, hardware, workload, requests, static)
+
+
+def _beside_static(arch, hardware, workload, requests, static: list[Plan]) -> dict:
+    """{"plan": the continuous plan of `requests` over the `static` plans (best first),
+    "static_job": the same requests in static batches of the best, "static_plan": that best,
+    "seconds": what both took}."""
     from planner.continuous import plan_continuous, price_static_job
 
     started = time.perf_counter()
     setting = _setting(arch, hardware, workload, static[0])
-    requests = job_requests(workload, job, static[0].policy.batch_size)
     plan = plan_continuous(setting, static, requests)
     batches = price_static_job(setting, static[0], requests)
-    return {"plan": plan, "static_job": batches, "seconds": time.perf_counter() - started}
+    return {"plan": plan, "static_job": batches, "static_plan": static[0],
+            "seconds": time.perf_counter() - started}  # fmt: skip
 
 
-def continuous_for_run(arch, hardware, workload, lengths, static: list[Plan]) -> Plan:
-    """The continuous plan of a run's own requests ((prompt length, max new tokens) each) over
-    the `static` plans: what `hrm run --hardware` runs when it plans (continuous batching)."""
-    from hrm.rules.admission import Request
-    from planner.continuous import plan_continuous
-
-    requests = [Request(i, p, g) for i, (p, g) in enumerate(lengths)]
-    return plan_continuous(_setting(arch, hardware, workload, static[0]), static, requests)
-
-
-def static_faster_note(arch, hardware, workload, lengths, plan: Plan, static: Plan) -> str | None:
+def static_faster_note(planned: dict) -> str | None:
     """A note for `hrm run` where the requests in static batches of the best static plan are
-    predicted faster than the continuous `plan` (long generations where CPU attention binds:
-    continuous attention first gathers each sequence's rows out of the pool); else None."""
-    from hrm.rules.admission import Request
-    from planner.continuous import price_static_job
-
-    requests = [Request(i, p, g) for i, (p, g) in enumerate(lengths)]
-    setting = _setting(arch, hardware, workload, static)
-    batches = price_static_job(setting, static, requests).throughput_tok_s
-    rate = plan.continuous.predicted.throughput_tok_s
+    predicted faster than the continuous plan (long generations where CPU attention binds:
+    continuous attention first gathers each sequence's rows out of the pool); else None.
+    `planned`: continuous_for_run's."""
+    batches = planned["static_job"].throughput_tok_s
+    rate = planned["plan"].continuous.predicted.throughput_tok_s
     if rate >= NOTE_BELOW * batches:
         return None
     return (
         f"note: continuous batching is predicted at {rate:.1f} tok/s for these requests, "
-        f"{rate / batches:.2f}x static batches of N={static.policy.batch_size} "
+        f"{rate / batches:.2f}x static batches of N={planned['static_plan'].policy.batch_size} "
         f"({batches:.1f} tok/s); --batching static runs them that way"
     )
 

@@ -265,8 +265,8 @@ def _best_plan(args, spec, hardware, gpu: float, cpu: float):
     if not continuous:
         return result.best, None
     lengths = [(len(p), spec.max_new(i)) for i, p in enumerate(spec.prompts)]
-    plan = continuous_for_run(spec.arch, hardware, workload, lengths, list(result.top))
-    return plan, static_faster_note(spec.arch, hardware, workload, lengths, plan, result.best)
+    planned = continuous_for_run(spec.arch, hardware, workload, lengths, list(result.top))
+    return planned["plan"], static_faster_note(planned)
 
 
 def prediction_profile(plan, hardware, device: str, warn):

@@ -226,8 +226,8 @@ def test_a_run_is_told_where_static_batches_are_predicted_faster():
         workload = Workload.from_prompt_lens([p for p, _ in lengths], max(g for _, g in lengths),
                                              False, [g for _, g in lengths])  # fmt: skip
         result = search(ARCH, hw, workload, top_k=5, max_batch_size=len(lengths))
-        plan = continuous_for_run(ARCH, hw, workload, lengths, list(result.top))
-        notes[name] = static_faster_note(ARCH, hw, workload, lengths, plan, result.best)
+        planned = continuous_for_run(ARCH, hw, workload, lengths, list(result.top))
+        notes[name] = static_faster_note(planned)
     assert notes["mixed"] is None
     rate = re.search(r"(\d\.\d\d)x static batches of N=256", notes["long"])
     assert rate and float(rate[1]) < 0.95 and "--batching static" in notes["long"]
