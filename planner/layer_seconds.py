@@ -109,7 +109,8 @@ def _phase_ops(setting: Setting, b) -> tuple[dict, dict]:
 
     s_pre = setting.workload.prefill_len
     chunk = min(b_pre * s_pre, PREFILL_CHUNK_TOKENS)
-    return ops(b_pre, s_pre, s_pre, chunk), ops(b_dec, 1, setting.decode_contexts, b_dec)
+    prefill = ops(b_pre, s_pre, s_pre + setting.prefill_prefix, chunk)
+    return prefill, ops(b_dec, 1, setting.decode_contexts, b_dec)
 
 
 def _on_device(
@@ -155,7 +156,12 @@ def _on_device(
         # prefill attention on the CPU at the executor's measured rate for the FLOPs it
         # computes, the micro-batch padded to the longest prompt (hrm profile):
         # T = F_exec / R(F_exec)
-        flops = prefill_attention_flops(arch, batch=b_pre, length=wl.prompt_len_max)
+        flops = prefill_attention_flops(
+            arch,
+            batch=b_pre,
+            length=wl.prompt_len_max,
+            keys=wl.prompt_len_max + setting.prefill_prefix,
+        )
         attention[0] = flops / prefill_curve.at(flops)
     curve = device.attention_curves.get(setting.kv_dtype) if on_cpu else None
     if curve is not None and steps > 1:

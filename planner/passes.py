@@ -6,18 +6,22 @@ is priced as one micro-batch of the static model at its own shape. A decode grou
 sequences whose longest context is c is a decode step of b at context c: the executor gathers
 each sequence's rows from the pool up to the longest, then attends, masked, and the gather's
 read and write are priced too (Setting.paged_kv_cache). A chunk group of b prompts of mean
-chunk l is a prefill of b prompts of l (a later chunk's attention over its prompt's earlier
-tokens is not counted). The pass then takes what the schedule's overlap gives,
-exactly as a static step does: per layer T_layer >= each queue's sum over the groups (and, on a
-CPU standing in for the GPU, their total), the longest group's chain; serial adds the chains
-up; the weights stream once a pass in as many pages as the pass has groups; fill and drain
-when there are two groups or more, and each sampling group's LM head.
+chunk l is a prefill of b prompts of l; where the chunks start s tokens into their prompts on
+average (a prompt cut across passes), its queries also attend over those s earlier tokens,
+which are gathered from the pool with the chunk's own (Setting.prefill_prefix). The pass then
+takes what the schedule's overlap gives, exactly as a static step does: per layer T_layer >=
+each queue's sum over the groups (and, on a CPU standing in for the GPU, their total), the
+longest group's chain; serial adds the chains up; the weights stream once a pass in as many
+pages as the pass has groups; fill and drain when there are two groups or more, and each
+sampling group's LM head.
 
-Shapes are priced on a grid: chunks at powers of CONTEXT_BUCKET (6% apart), and groups of more
-than 16 sequences between two sizes of that grid, interpolated linearly (a pass's last group is
-of any size, and each new shape is a static model's layer to price). A decode group's context
-is priced exactly: one static model of its size decodes from a 1-token prompt to the longest
-context asked, a step per context (its steps are one vectorised evaluation), and a
+Shapes are priced on a grid: chunks at powers of CONTEXT_BUCKET (6% apart), a later chunk's
+start at powers of START_BUCKET (25%: few chunks start late; in the 2000-request job of issue
+51, 28 of 2028), and groups of more than 16 sequences between two sizes of that grid,
+interpolated linearly (a pass's last group is of any size, and each new shape is a static
+model's layer to price). A decode group's context is priced exactly: one static model of its
+size decodes from a 1-token prompt to the longest context asked, a step per context (its steps
+are one vectorised evaluation), and a
 fractional context between two integers is interpolated.
 """
 
@@ -39,6 +43,7 @@ from planner.layer_seconds import micro_batch_seconds
 from planner.setting import Setting
 
 CONTEXT_BUCKET = 1.0625  # chunks priced at the next power of this, group sizes between two
+START_BUCKET = 1.25  # a later chunk's start priced at the next power of this (a few chunks a job)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,37 +82,37 @@ class PassPricer:
         self.setting = setting
         self.v = policy_vector(policy)
         self.shapes: dict[tuple, np.ndarray] = {} if shapes is None else shapes
-        self._groups: dict[tuple[str, int, float], np.ndarray] = {}
+        self._groups: dict[tuple[str, int, float, float], np.ndarray] = {}
         self._decodes: dict[int, np.ndarray] = {}  # a size's table at this policy
         self._streams: dict[int, float] = {}  # the weights' stream in m pages, per share streamed
         self.busy_s = dict.fromkeys(("gpu", "cpu", "h2d", "d2h"), 0.0)  # over the passes priced
 
-    def group(self, phase: str, b: int, length: float) -> np.ndarray:
+    def group(self, phase: str, b: int, length: float, before: float = 0.0) -> np.ndarray:
         """One group's per-layer seconds on each queue, its chain, fill and head (TERMS): decode
-        at context `length`, or prefill of chunks of `length` tokens."""
+        at context `length`, or prefill of chunks of `length` tokens that start `before` tokens
+        into their prompts."""
         if phase == "decode":
             length = max(length, 2.0)  # a decode attends over its prompt and itself at least
-        else:  # chunks from 16 tokens at the bucket above (a pass's prompts are of every length)
-            length = float(max(1, round(length)))
-            if length > 16:
-                length = round(_bucket(length))
-        key = (phase, b, length)
+        else:  # chunks and starts from 16 tokens at the bucket above (prompts of every length)
+            length = _on_grid(max(1.0, length), CONTEXT_BUCKET)
+            before = _on_grid(before, START_BUCKET)
+        key = (phase, b, length, before)
         if key not in self._groups:
             lo, hi = _sizes_around(b)
             share = (b - lo) / (hi - lo) if hi > lo else 0.0
-            terms = self._values(phase, lo, length)
+            terms = self._values(phase, lo, length, before)
             if share:
-                terms = (1 - share) * terms + share * self._values(phase, hi, length)
+                terms = (1 - share) * terms + share * self._values(phase, hi, length, before)
             self._groups[key] = terms
         return self._groups[key]
 
-    def _values(self, phase: str, b: int, length: float) -> np.ndarray:
+    def _values(self, phase: str, b: int, length: float, before: float) -> np.ndarray:
         """A group's terms of b at this policy: a chunk's, or a decode's at context `length`
         (row c - 2 of its size's table, a fractional context between the rows either side)."""
         if phase != "decode":
-            key = (phase, b, length)
+            key = (phase, b, length, before)
             if key not in self.shapes:
-                self.shapes[key] = self._group_terms(b, prompt=length, steps=1)
+                self.shapes[key] = self._group_terms(b, prompt=length, steps=1, before=before)
             return self.shapes[key][0] @ self.v
         low = math.floor(length)
         rows = self._decodes.get(b)
@@ -122,13 +127,13 @@ class PassPricer:
             return rows[low - 2]
         return (1 - share) * rows[low - 2] + share * rows[low - 1]
 
-    def _group_terms(self, b: int, *, prompt: float, steps: int) -> np.ndarray:
+    def _group_terms(self, b: int, *, prompt: float, steps: int, before: float = 0.0) -> np.ndarray:
         """[rows, TERMS, basis] of a group of b over a static model's steps: its prefill of
-        `prompt` tokens (steps=1), or its decode steps at contexts prompt + 1 .. prompt + steps
-        - 1."""
+        `prompt` tokens after `before` in the pool (steps=1), or its decode steps at contexts
+        prompt + 1 .. prompt + steps - 1."""
         workload = Workload(prompt_len_mean=prompt, prompt_len_max=math.ceil(prompt),
                             gen_len=max(2, steps))  # fmt: skip
-        setting = self.setting.alike(workload=workload)
+        setting = self.setting.alike(workload=workload, prefill_prefix=before)
         object.__setattr__(setting, "ffn_memo", self.setting.ffn_memo)  # by rows: any workload
         q = queue_terms(setting, micro_batch_seconds(setting, b))
         rows = slice(0, 1) if steps == 1 else slice(1, None)
@@ -143,8 +148,8 @@ class PassPricer:
                                          out["chain"].shape)  # fmt: skip
         return np.stack([out[name] for name in TERMS], axis=1)
 
-    def price(self, groups: Sequence[tuple[str, int, float]]) -> float:
-        """Seconds of a pass cut into `groups` (phase, sequences, context or chunk)."""
+    def price(self, groups: Sequence[tuple]) -> float:
+        """Seconds of a pass cut into `groups` (phase, sequences, context or chunk[, start])."""
         s, hw = self.setting, self.setting.hardware
         priced = np.array([self.group(*g) for g in groups])
         m = len(priced)
@@ -187,21 +192,30 @@ def _sizes_around(b: int) -> tuple[int, int]:
     return max(16, min(lo, b)), max(hi, b)
 
 
-def _bucket(length: float) -> float:
-    """The next power of CONTEXT_BUCKET at or above `length`."""
-    return CONTEXT_BUCKET ** math.ceil(math.log(length, CONTEXT_BUCKET))
+def _on_grid(tokens: float, bucket: float) -> float:
+    """A chunk's length or start as priced: whole tokens to 16, then the next power of
+    `bucket`."""
+    tokens = float(max(0, round(tokens)))
+    return float(round(_bucket(tokens, bucket))) if tokens > 16 else tokens
 
 
-def pass_groups(p: Pass, micro_batch_size: int) -> list[tuple[str, int, float]]:
-    """The groups of a pass as the executor cuts them: (phase, sequences, context or mean
-    chunk); a decode group's context is its longest, to which the executor gathers and attends
-    every sequence's rows, masked (executor/kv_blocks.py)."""
-    out = []
+def _bucket(length: float, bucket: float = CONTEXT_BUCKET) -> float:
+    """The next power of `bucket` at or above `length`."""
+    return bucket ** math.ceil(math.log(length, bucket))
+
+
+def pass_groups(p: Pass, micro_batch_size: int) -> list[tuple]:
+    """The groups of a pass as the executor cuts them: (decode, sequences, context), a decode
+    group's context its longest, to which the executor gathers and attends every sequence's
+    rows, masked (executor/kv_blocks.py); (prefill, sequences, mean chunk, mean start)."""
+    out: list[tuple] = []
     for phase, entries in p.groups(micro_batch_size):
+        n = len(entries)
         if phase == "decode":
-            out.append((phase, len(entries), 1 + max(map(itemgetter(1), entries))))
+            out.append((phase, n, 1 + max(map(itemgetter(1), entries))))
         else:
-            out.append((phase, len(entries), sum(c.length for c in entries) / len(entries)))
+            out.append((phase, n, sum(c.length for c in entries) / n,
+                        sum(c.start for c in entries) / n))  # fmt: skip
     return out
 
 
@@ -227,7 +241,7 @@ def price_job(
     for p, count in spans:
         groups = pass_groups(p, policy.micro_batch_size)
         for later in range(count):  # a span's decodes each a token further, pass by pass
-            seconds.append(pricer.price([(ph, b, c + later) for ph, b, c in groups]))
+            seconds.append(pricer.price([(ph, b, c + later, *r) for ph, b, c, *r in groups]))
         if p.chunks:
             prefill += seconds[-1]
         sequences += count * (len(p.decodes) + len(p.chunks))

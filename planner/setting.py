@@ -38,6 +38,9 @@ class Setting:
     # the KV cache is continuous batching's pool of blocks (executor/kv_blocks.py): attention
     # first gathers each sequence's rows out of the pool, a read and a write of them
     paged_kv_cache: bool = False
+    # tokens of each prompt already in the pool when its prefill runs: a later chunk of a prompt
+    # that continuous batching cut across passes attends over them too (planner/passes.py)
+    prefill_prefix: float = 0.0
     # the routed FFN's seconds per group of tokens, by device role (planner.op_time)
     ffn_memo: dict[str, dict[float, float]] = field(
         default_factory=dict, init=False, compare=False, repr=False

@@ -21,6 +21,7 @@ from hrm.roofline.ops import (
     expert_ffn_op,
     layer_ops,
     lm_head_op,
+    prefill_attention_flops,
 )
 from hrm.rules.cpu_gemm import choose_cpu_gemm
 
@@ -38,6 +39,25 @@ def test_decode_attention_intensity_mixtral_context_512_fp16():
     assert op.intensity == pytest.approx(4.0, rel=0.01)
     # The paper's "about 2" counts the two matmuls in multiply-accumulates (reference, section 1).
     assert (op.flops / 2) / op.bytes == pytest.approx(2.0, rel=0.01)
+
+
+def test_a_later_chunk_attends_over_its_prompts_earlier_tokens():
+    """A chunk of 20 tokens starting 100 into its prompt: query i sees the 100 earlier keys and
+    i + 1 of its own (100 * 20 + 20 * 21 / 2 pairs a sequence), reads K and V of all 120; a
+    whole prompt (context = new tokens) keeps the causal (s + 1) / 2 keys a query."""
+    nq, d, kv = 32, 128, 2 * 8 * 128 * 2
+    pairs = 3 * (100 * 20 + 20 * 21 / 2)
+    chunk = attention_op(MIXTRAL, batch=3, new_tokens=20, context=120, kv_dtype="bfloat16")
+    assert chunk.flops == pytest.approx(2 * pairs * nq * 2 * d + 5 * pairs * nq, rel=1e-12)
+    assert chunk.kv_bytes == 3 * 120 * kv
+    whole = attention_op(MIXTRAL, batch=3, new_tokens=20, context=20, kv_dtype="bfloat16")
+    assert whole.flops == pytest.approx(2 * 3 * 20 * 10.5 * nq * (2 * d + 2.5), rel=1e-12)
+    # the executor's masked rectangle: 20 queries by 120 keys
+    rect = prefill_attention_flops(MIXTRAL, batch=3, length=20, keys=120)
+    assert rect == 2 * 3 * 20 * 120 * nq * 2 * d + 5 * 3 * 20 * 120 * nq
+    assert prefill_attention_flops(MIXTRAL, batch=3, length=20) == prefill_attention_flops(
+        MIXTRAL, batch=3, length=20, keys=20
+    )
 
 
 def test_latent_attention_reads_one_row_a_key_for_every_head():

@@ -94,7 +94,9 @@ def attention_op(
     Decode (s = 1): FLOPs = 4*b*c*nq*d (QK^T and PV, 2 per MAC) + 5*b*c*nq (softmax);
     bytes = dt*(2*b*nq*d) for q and the output + dt*(2*b*c*nkv*d) for K and V (reference, section 1;
     the paper's formula counts the two matmuls in MACs, i.e. half these FLOPs).
-    Prefill (s = c, causal): each of the s queries sees on average (s+1)/2 keys.
+    Prefill (s <= c, causal): query i of the s sees the c - s keys before the chunk and i + 1 of
+    its own, c - (s-1)/2 on average ((s+1)/2 for a whole prompt, s = c; more for a later chunk
+    of a prompt cut across passes, whose earlier tokens are in the cache).
     A sliding layer's query reads at most its window: decode's c is the mean over the layers of
     the keys each reads (ModelArch.mean_keys), what the executor's decode attention reads.
     """
@@ -104,7 +106,7 @@ def attention_op(
     nq, d, dv = arch.num_attention_heads, arch.head_dim, arch.value_dim
     # keys a query reads in decode; a prefill reads and writes every slot of its prompts
     keys = arch.mean_keys(context) if new_tokens == 1 else context
-    keys_per_query = keys if new_tokens == 1 else (new_tokens + 1) / 2.0
+    keys_per_query = keys if new_tokens == 1 else context - (new_tokens - 1) / 2.0
     pairs = batch * new_tokens * keys_per_query  # (query, key) pairs per head
     return Op(
         name="attention",
@@ -114,14 +116,18 @@ def attention_op(
     )
 
 
-def prefill_attention_flops(arch: ModelArch, *, batch: float, length: float) -> float:
+def prefill_attention_flops(
+    arch: ModelArch, *, batch: float, length: float, keys: float | None = None
+) -> float:
     """FLOPs the executor's prefill attention computes for `batch` prompts padded to `length`:
     with an explicit causal-and-padding mask SDPA computes every (query, key) pair of the L x L
     square (executor/attention.py, store_and_attend_prompts), 4*b*L^2*nq*d for QK^T and PV (2
     per MAC) + 5*b*L^2*nq for the softmax, as attention_op counts a pair. The causal count
     attention_op gives is about half of this at uniform prompts, and a ragged batch pads to its
-    longest prompt."""
-    pairs, nq = batch * length * length, arch.num_attention_heads
+    longest prompt. `keys`: a later chunk's L queries over the keys before it and its own
+    (default L), the L x keys rectangle its masked attention computes."""
+    keys = length if keys is None else keys
+    pairs, nq = batch * length * keys, arch.num_attention_heads
     return 2.0 * pairs * nq * (arch.head_dim + arch.value_dim) + 5.0 * pairs * nq
 
 
@@ -190,7 +196,8 @@ def layer_ops(
 ) -> list[Op]:
     """One transformer layer for `batch` sequences adding `new_tokens` each at `context` keys.
 
-    Decode: new_tokens = 1, context = current length. Prefill: new_tokens = context = prompt length.
+    Decode: new_tokens = 1, context = current length. Prefill: new_tokens = context = prompt length,
+    or for a later chunk of a prompt, context = the chunk's end.
     """
     if arch.dense_layers and not arch.ffn_is_dense:
         raise ValueError(f"{arch.name}: layer_ops takes one kind of layer (layer_kinds)")

@@ -20,7 +20,16 @@ from hrm.workload import Workload
 from planner import predict
 from planner.continuous import plan_continuous, price_static_job
 from planner.memory import activation_tokens
-from planner.passes import CPU, GPU, PassPricer, pass_groups, price_job
+from planner.passes import (
+    CONTEXT_BUCKET,
+    CPU,
+    GPU,
+    START_BUCKET,
+    PassPricer,
+    _on_grid,
+    pass_groups,
+    price_job,
+)
 from planner.search import search
 from planner.setting import Setting
 from tests.conftest import assert_one_line_error
@@ -90,7 +99,34 @@ def test_a_decode_group_is_priced_at_its_longest_context():
 
     p = Pass(decodes=((0, 10), (1, 300), (2, 40)), chunks=(Chunk(index=3, start=0, length=20,
                                                                 last=True),))  # fmt: skip
-    assert pass_groups(p, 2) == [("decode", 2, 41), ("decode", 1, 301), ("prefill", 1, 20.0)]
+    assert pass_groups(p, 2) == [("decode", 2, 41), ("decode", 1, 301), ("prefill", 1, 20.0, 0.0)]
+
+
+def test_a_later_chunk_is_priced_with_its_attention_over_the_prompts_earlier_tokens():
+    """A prompt cut across passes: pass_groups gives a chunk group its chunks' mean start, and
+    its price adds, where prefill attention runs (here the GPU, with the layers), the attention
+    of its queries over those earlier keys: the roofline's attention at context start + chunk
+    less at the chunk alone (both on the pricer's grid), and nothing on the other queues."""
+    from hrm.roofline.ops import attention_op
+    from hrm.rules.admission import Chunk, Pass
+    from planner.op_time import op_seconds
+
+    chunks = (Chunk(index=0, start=0, length=60, last=False),
+              Chunk(index=1, start=200, length=68, last=True))  # fmt: skip
+    assert pass_groups(Pass(decodes=(), chunks=chunks), 2) == [("prefill", 2, 64.0, 100.0)]
+    p, _ = pricer(*CASES[1])
+    first, later = p.group("prefill", 16, 64.0), p.group("prefill", 16, 64.0, 100.0)
+    gpu = p.setting.hardware.gpu
+
+    def attention(context):
+        op = attention_op(ARCH, batch=16, new_tokens=64, context=context, kv_dtype="bfloat16")
+        return op_seconds(op, gpu, "bfloat16", 16 * 64)
+
+    chunk, start = _on_grid(64.0, CONTEXT_BUCKET), _on_grid(100.0, START_BUCKET)  # as priced
+    extra = attention(start + chunk) - attention(chunk)
+    assert later[GPU] - first[GPU] == pytest.approx(extra, rel=1e-9)
+    assert later[GPU] > first[GPU] and later[CPU] == first[CPU]
+    assert p.group("prefill", 16, 64.0, 0.0) is first
 
 
 def test_a_mixed_pass_overlaps_its_groups_and_streams_the_weights_once():
