@@ -171,7 +171,7 @@ def _validate(args, checkpoint: Path, hardware) -> int:
     with torch_threads(args.threads):
         hardware = hardware or _profile_host(checkpoint, args.quiet, sweep)
         speed = HostSpeedCheck.for_profile(resolve_model(checkpoint), hardware, SWEEP_DTYPES[sweep])
-        warm = len(_warmed(settings, None, sweep)) + len(_warmed(offloaded, None, sweep))
+        warm = len(_warmed(settings, None, sweep)) + len(_warmed(offloaded, None, sweep, _mode))
         total = repeats * (len(settings) + len(offloaded)) + warm
         bar = progress_bar(total=total, desc="validate", quiet=args.quiet)
         with bar:
@@ -186,7 +186,7 @@ def _validate(args, checkpoint: Path, hardware) -> int:
                     name = _setting_name(*setting)
                     check_speed(name, rep, setting[0])
                     keep(name, rep, _resident_run(checkpoint, setting, hardware))
-                for dtype, schedule, batching in _warmed(offloaded, rep, sweep):
+                for dtype, schedule, batching in _warmed(offloaded, rep, sweep, _mode):
                     shape = OFFLOADED[sweep]
                     how = schedule if batching == "static" else f"{schedule}-{batching}"
                     name = f"{dtype}-{how}-b{shape[0]}-m{shape[1]}-p{shape[2]}r-g{shape[3]}"
@@ -260,13 +260,26 @@ def _offloaded_cases(sweep: str, schedules) -> list[tuple[str, str, str]]:
     return cases + [(d, "cgopipe", "continuous") for d in dtypes if schedules]
 
 
-def _warmed(runs: list, rep: int | None, sweep: str) -> list:
+def _warmed(runs: list, rep: int | None, sweep: str, kind=None) -> list:
     """The runs of pass `rep`: all of them in a timed pass; in the untimed warm-up pass (rep
-    None) all of them in the full sweep, the first of each kind with --quick (its one-off costs,
-    the first touch of a run's memory and the kernels of its GEMM shapes, are those of every
-    setting of its kind; the whole pass took about a minute of the quick sweep at Mixtral 8x7B's
-    shape)."""
-    return runs[:1] if rep is None and sweep == "quick" else runs
+    None) all of them in the full sweep, and with --quick the first of each `kind` (a function
+    of a run; None: each run its own kind). A run's one-off costs, the first touch of its
+    memory and oneDNN's kernels for its GEMM row counts, are those of the runs of its kind. The
+    offloaded runs of one batching mode share them, and their warm-up took about a minute of
+    the quick sweep at Mixtral 8x7B's shape. A resident setting meets row counts of its own
+    (its batch and prompts): warmed by the first alone, later ones' first runs prefilled
+    2.5-3.8x slower than their repeats (docs/decisions.md, 2026-12-06)."""
+    if rep is not None or sweep != "quick" or kind is None:
+        return runs
+    first: dict = {}
+    for run in runs:
+        first.setdefault(kind(run), run)
+    return list(first.values())
+
+
+def _mode(run: tuple) -> str:
+    """An offloaded run's kind for the warm-up: its batching mode (static or continuous)."""
+    return run[2]
 
 
 def _resident_run(checkpoint: Path, setting, hardware) -> dict:
@@ -462,8 +475,8 @@ def _spread_notes(
     if slowdown:
         worst = max(slowdown, key=slowdown.get)
         notes += [
-            "The untimed warm-up pass (each setting's first run; with --quick, the first "
-            "setting of each kind) was slower than the timed "
+            "The untimed warm-up pass (each setting's first run; with --quick, every resident "
+            "setting and the first offloaded one of each batching mode) was slower than the timed "
             f"passes by {statistics.median(slowdown.values()):.1%} at the median, at most "
             f"{slowdown[worst]:.1%} ({worst}): the one-off costs a long job does not repeat "
             "(kernel creation per new GEMM shape, first touch of memory).",

@@ -362,3 +362,18 @@ def test_validates_random_checkpoint_is_a_real_checkpoint_of_the_model(checkpoin
     assert float(weights.lm_head.std()) == pytest.approx(0.02, rel=0.1)
     if name == "qwen2_moe":
         assert not layer.bq.any() and float(layer.shared_gate.std()) > 0
+
+
+def test_the_quick_warm_up_runs_every_resident_setting_and_each_batching_modes_first():
+    """oneDNN builds a kernel per GEMM row count, and each resident setting meets its own: the
+    quick sweep's warm-up runs all of them; offloaded runs share theirs within a batching mode,
+    so the first of each mode. The full sweep warms every run; a timed pass runs every run."""
+    from hrm.cli.validate import _mode, _warmed
+
+    resident = [(1, 16), (1, 64), (16, 16), (16, 64)]
+    offloaded = [("bfloat16", "cgopipe", "static"), ("bfloat16", "cgopipe", "continuous"),
+                 ("bfloat16", "serial", "static"), ("bfloat16", "overlap", "static")]  # fmt: skip
+    assert _warmed(resident, None, "quick") == resident
+    assert _warmed(offloaded, None, "quick", _mode) == offloaded[:2]
+    assert _warmed(offloaded, None, "full", _mode) == offloaded
+    assert _warmed(offloaded, 0, "quick", _mode) == offloaded
