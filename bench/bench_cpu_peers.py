@@ -124,8 +124,9 @@ def shape_results(args, shape: str, points, tmp: Path) -> list[dict]:
     checkpoint = save_checkpoint(bench_config(shape, 1024, 3584, args.layers), tmp / shape)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     vllm_env = vllm_environment(env, args.threads, args.vllm_ld_preload)
+    ours = ["hrm" if how == "loop" else f"hrm-{how}" for how in args.hrm_experts.split(",")]
     workers = [Worker(n, sys.executable, checkpoint, args.threads, env)
-               for n in ("hrm", "transformers")]  # fmt: skip
+               for n in (*ours, "transformers")]  # fmt: skip
     if args.vllm_python:
         workers.append(Worker("vllm", args.vllm_python, checkpoint, args.threads, vllm_env))
     gguf = None
@@ -161,17 +162,21 @@ def summary(shape: str, engine: str, point, runs: list[dict]) -> dict:
 
 
 def print_table(rows: list[dict]) -> None:
+    """Each engine at each point, and each hrm engine's throughput over it (hrm/it: the loop,
+    fused/it: hrm-fused)."""
+    mine = [e for e in ("hrm", "hrm-fused") if any(r["engine"] == e for r in rows)]
+    names = {"hrm": "hrm/it", "hrm-fused": "fused/it"}
     print(f"{'shape':<10} {'B':>3} {'G':>4} {'engine':<13} {'tok/s':>8} {'min':>8} {'max':>8} "
-          f"{'hrm/it':>7}")  # fmt: skip
+          + " ".join(f"{names[e]:>8}" for e in mine))  # fmt: skip
 
     def point(r):
         return r["shape"], r["batch"], r["gen_len"]
 
-    ours = {point(r): r["tok_s"] for r in rows if r["engine"] == "hrm"}
+    ours = {(r["engine"], point(r)): r["tok_s"] for r in rows if r["engine"] in mine}
     for r in rows:
-        ratio = ours[point(r)] / r["tok_s"]
+        ratios = " ".join(f"{ours[e, point(r)] / r['tok_s']:>7.2f}x" for e in mine)
         print(f"{r['shape']:<10} {r['batch']:>3} {r['gen_len']:>4} {r['engine']:<13} "
-              f"{r['tok_s']:>8.1f} {r['min']:>8.1f} {r['max']:>8.1f} {ratio:>6.2f}x")  # fmt: skip
+              f"{r['tok_s']:>8.1f} {r['min']:>8.1f} {r['max']:>8.1f} {ratios}")  # fmt: skip
 
 
 def main() -> None:
@@ -184,6 +189,9 @@ def main() -> None:
                         help="Python with gguf-py's needs (numpy, sentencepiece, transformers, "
                         "torch) that runs the tree's convert_hf_to_gguf.py")  # fmt: skip
     parser.add_argument("--shapes", default="mixtral,qwen3_moe")
+    parser.add_argument("--hrm-experts", default="loop,fused",
+                        help="hrm's routed experts, each its own engine: loop (hrm), fused "
+                             "(hrm-fused, --cpu-moe fused) (loop,fused)")  # fmt: skip
     parser.add_argument("--points", default="64x128,1x64", help="BATCHxGEN pairs")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
@@ -195,6 +203,8 @@ def main() -> None:
     shapes = args.shapes.split(",")
     if unknown := [s for s in shapes if s not in ("mixtral", "qwen3_moe")]:
         fail(f"--shapes: unknown {', '.join(unknown)}; use mixtral, qwen3_moe")
+    if unknown := [h for h in args.hrm_experts.split(",") if h not in ("loop", "fused")]:
+        fail(f"--hrm-experts: unknown {', '.join(unknown)}; use loop, fused")
     version = "import vllm; print('vllm', vllm.__version__)"
     check_peer("--vllm-python", args.vllm_python, ["-c", version], "vllm ")
     check_peer("--llama-batched-bench", args.llama_batched_bench, ["--help"], "-npl")

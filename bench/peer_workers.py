@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def hrm_engine(checkpoint: str):
+def hrm_engine(checkpoint: str, cpu_moe: str = "loop"):
     sys.path.insert(0, str(ROOT))
     from executor.checkpoint import open_checkpoint
     from executor.generate import generate
@@ -32,7 +32,7 @@ def hrm_engine(checkpoint: str):
     choice = cpu_gemm_for_run(opened.arch, "bfloat16", mode="auto", hardware=None,
                               weights=opened.expert_gate_weights, warn=lambda m: None)  # fmt: skip
     print(f"hrm: {choice.describe()}", file=sys.stderr)
-    model = MoEModel(opened, choice, take_over=True)
+    model = MoEModel(opened, choice, take_over=True, cpu_moe=cpu_moe)
 
     def run(prompts, gen_len):
         return generate(model, prompts, gen_len).output_token_ids
@@ -73,7 +73,13 @@ def vllm_engine(checkpoint: str):
     return run
 
 
-ENGINES = {"hrm": hrm_engine, "transformers": transformers_engine, "vllm": vllm_engine}
+ENGINES = {
+    "hrm": hrm_engine,
+    # its routed experts' GEMMs one native call each (executor/fused_moe.py, --cpu-moe fused)
+    "hrm-fused": lambda checkpoint: hrm_engine(checkpoint, "fused"),
+    "transformers": transformers_engine,
+    "vllm": vllm_engine,
+}
 
 
 def main() -> None:

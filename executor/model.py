@@ -21,8 +21,10 @@ from collections import Counter
 import torch
 import torch.nn.functional as F
 
+from executor import fused_moe
 from executor.attention import append_and_attend, store_and_attend_prompts
 from executor.checkpoint import Checkpoint, LayerWeights
+from executor.fused_moe import fused_experts
 from executor.kv_cache import KVCache
 from executor.latent_attention import latent_queries_and_keys, latent_values
 from executor.layer_math import NORMS, apply_rotary, inverse_frequencies, rms_norm, rotary_tables
@@ -53,6 +55,7 @@ class MoEModel:
         gather=None,
         packs: bool = True,
         take_over: bool = False,
+        cpu_moe: str = "loop",
     ):
         """kv_format: a compact format its KV caches store (hrm/formats.py; None: the model's
         dtype). device: where the layers run (default: where the checkpoint's weights are; a placed
@@ -64,7 +67,9 @@ class MoEModel:
         pack the weights held here once (executor/packed_weights.py); False where a store hands
         the layers over, whose pages then run native. take_over: the checkpoint's weights are
         released as they are packed (loaded for this model only; the caller must not read them
-        again)."""
+        again). cpu_moe: where the weights are packed, how the routed experts run: `loop`, an
+        expert at a time, or `fused`, each of their GEMMs one native call over every expert
+        (executor/fused_moe.py; refused in one line where it cannot run)."""
         keep_freed_host_memory()  # large temporaries reuse freed memory, not fresh pages
         self.arch = checkpoint.arch
         self.kv_format = kv_format
@@ -90,11 +95,14 @@ class MoEModel:
         elif cpu_gemm.dtype != dtype_name:
             raise HrmError(f"the CPU GEMM choice is for {cpu_gemm.dtype}, the run is {dtype_name}")
         self.cpu_gemm = cpu_gemm
-        if packs and cpu_gemm is not None and "packed" in cpu_gemm.paths:
+        packed = packs and cpu_gemm is not None and "packed" in cpu_gemm.paths
+        self.fused = fused_experts(self.arch, dtype_name, cpu_moe, packed=packed)
+        if packed:
             router_linear = self.arch.routing not in GROUP_ROUTINGS
             self.weights = packed_weights(
-                self.weights, router_linear=router_linear, take_over=take_over
-            )
+                self.weights, router_linear=router_linear, take_over=take_over,
+                fused=fused_moe.pack if self.fused else None,
+            )  # fmt: skip
         self.reduce = reduce if reduce is not None else (lambda t: t)
         self.gather = gather if gather is not None else (lambda t: t)
         self.gemm_calls: Counter[str] = Counter()  # GEMMs run per path: what the record reports
@@ -308,17 +316,20 @@ class MoEModel:
         order = torch.argsort(top_i.flatten(), stable=True)  # [A] assignments sorted by expert
         counts = torch.bincount(top_i.flatten(), minlength=len(w.experts)).tolist()  # [E]
         xs = x[order // K]  # [A, H]
-        ys = torch.empty_like(xs)  # [A, H]
         scale = top_w.flatten()[order, None]  # [A, 1] fp32
-        start = 0
         # transformers scales each expert's output by its fp32 weight, rounds to the model dtype
         # and adds the experts to zeros in index order; the scaling is per expert here, so no
         # fp32 copy of all A rows exists at once (planner/memory.py counts the workspace).
-        for e, n in enumerate(counts):
-            if n:
-                rows = slice(start, start + n)
-                ys[rows] = self.expert(w.experts[e], xs[rows]) * scale[rows]  # [n, H], rounded
-                start += n
+        if self.fused and w.router is not None:  # every expert's GEMMs in one call each
+            ys = (self._fused_experts(w, xs, counts) * scale).to(xs.dtype)  # rounded as below
+        else:
+            ys = torch.empty_like(xs)  # [A, H]
+            start = 0
+            for e, n in enumerate(counts):
+                if n:
+                    rows = slice(start, start + n)
+                    ys[rows] = self.expert(w.experts[e], xs[rows]) * scale[rows]  # [n, H]
+                    start += n
         del xs
         # index_add_ would add in index order on a CPU, but on CUDA it adds with atomics in any
         # order (top-k >= 3 rounds differently run to run), so each token's K outputs are put in
@@ -331,6 +342,14 @@ class MoEModel:
         for k in range(1, K):
             out = out + by_token[:, k]
         return out  # [T, H]
+
+    def _fused_experts(self, w: LayerWeights, xs: torch.Tensor, counts: list[int]):
+        """The routed experts' SwiGLU over xs [A, H] sorted by expert, as `expert` computes it,
+        each of its two GEMMs one grouped call over every expert (executor/fused_moe.py)."""
+        self.gemm_calls["fused"] += 2
+        i, h = self.arch.intermediate_size, self.arch.hidden_size
+        gate, up = fused_moe.grouped(xs, counts, [e.w1 for e in w.experts], 2 * i).chunk(2, -1)
+        return fused_moe.grouped(F.silu(gate) * up, counts, [e.w2 for e in w.experts], h)
 
     def expert(self, ex, x: torch.Tensor) -> torch.Tensor:
         """One expert's MLP on its rows: SwiGLU, or gpt-oss's clamped GLU with biases."""

@@ -30,12 +30,14 @@ _EXPERT = ("w1", "w3", "w2")
 
 
 def packed_weights(
-    weights: ModelWeights, *, router_linear: bool, take_over: bool = False
+    weights: ModelWeights, *, router_linear: bool, take_over: bool = False, fused=None
 ) -> ModelWeights:
     """`weights` with each matrix MoEModel.linear multiplies by packed (router_linear: the
     router is one of them; grouped routers run in float32 on their own); take_over: each
     original storage released once the last matrix in it is packed (the caller must not read
-    them again; one that a tensor left as it is shares is kept)."""
+    them again; one that a tensor left as it is shares is kept); fused: the routed experts'
+    packing for the fused kernel (executor/fused_moe.py's pack; a dense layer's MLP stays
+    oneDNN's)."""
     names = _LINEAR + (("router",) if router_linear else ())
     tied = weights.lm_head is weights.embed
     originals = [t for w in weights.layers for t in _matrices(w, names)]
@@ -44,10 +46,12 @@ def packed_weights(
     layers = []
     for w in weights.layers:
         packed = {n: packer.pack(getattr(w, n)) for n in names if getattr(w, n) is not None}
+        how = pack_weight if fused is None or w.router is None else fused
         experts = tuple(
-            dataclasses.replace(e, w1=packer.pack(e.w1, e.w3), w3=None, w2=packer.pack(e.w2))
+            dataclasses.replace(e, w1=packer.pack(e.w1, e.w3, how=how), w3=None,
+                                w2=packer.pack(e.w2, how=how))
             for e in w.experts
-        )
+        )  # fmt: skip
         layers.append(dataclasses.replace(w, experts=experts, **packed))
     lm_head = weights.lm_head if tied else packer.pack(weights.lm_head)
     return dataclasses.replace(weights, layers=tuple(layers), lm_head=lm_head)
@@ -62,9 +66,9 @@ class _Packer:
         packed = {id(t) for t in originals}
         self.kept = set() if weights is None else {_storage(t) for t in _left(weights, packed)}
 
-    def pack(self, *tensors):
-        """The tensors stacked (by rows) and packed as one matrix."""
-        packed = pack_weight(tensors[0] if len(tensors) == 1 else torch.cat(tensors))
+    def pack(self, *tensors, how=pack_weight):
+        """The tensors stacked (by rows) and packed as one matrix (by `how`)."""
+        packed = how(tensors[0] if len(tensors) == 1 else torch.cat(tensors))
         for t in tensors:
             key = _storage(t)
             if key in self.pending:

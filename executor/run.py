@@ -146,6 +146,7 @@ def execute(
     kv_context: int | None = None,
     max_running: int | None = None,
     disk: tuple[str, bool] | None = None,
+    cpu_moe: str = "loop",
 ) -> RunResult:
     """Run every pending batch of `spec`'s prompts under `policy` and `schedule` on its device.
 
@@ -160,11 +161,12 @@ def execute(
     batching: "static" (batches of N, each to its longest answer) or "continuous"
     (executor/passes.py, at most token_budget tokens a pass and max_running requests at once
     (default N), KV for N sequences of kv_context). disk: (directory, O_DIRECT) of the disk
-    tier's file where the policy keeps weights on disk (default: the temp directory, O_DIRECT)."""
+    tier's file where the policy keeps weights on disk (default: the temp directory, O_DIRECT).
+    cpu_moe: how a packed CPU model runs its routed experts (MoEModel)."""
     share = share or Share()
     continuous = batching == "continuous"
     runtime = _placed(spec, policy, schedule, checkpoint, cpu_gemm, staged, quiet, share,
-                      continuous, disk)  # fmt: skip
+                      continuous, disk, cpu_moe)  # fmt: skip
     if runtime.store is not None and runtime.store.disk is not None and not quiet:
         print(f"hrm: {runtime.store.disk.describe()}", file=sys.stderr)
     job = _Job(spec=spec, policy=policy, schedule=schedule, runtime=runtime, partial=partial,
@@ -321,7 +323,7 @@ def _generate_batch(spec: RunSpec, runtime, batch, sampling, stop_token_ids, on_
 
 
 def _placed(spec: RunSpec, policy: Policy, schedule: str, checkpoint, cpu_gemm, staged, quiet,
-            share: Share, continuous: bool = False, disk=None):  # fmt: skip
+            share: Share, continuous: bool = False, disk=None, cpu_moe: str = "loop"):  # fmt: skip
     """The run's runtime: its weights loaded for it unless given (onto a GPU that holds
     everything, else into host memory, the store taking them over as it places them), this
     rank's share of them where it runs tensor-parallel, the CPU GEMM path chosen once they have
@@ -339,7 +341,7 @@ def _placed(spec: RunSpec, policy: Policy, schedule: str, checkpoint, cpu_gemm, 
     return placed_runtime(
         checkpoint, policy, schedule, device, cpu_gemm, staged=staged, take_over=take_over,
         quiet=quiet, collectives=(share.reduce, share.gather), continuous=continuous,
-        disk=disk,
+        disk=disk, cpu_moe=cpu_moe,
     )  # fmt: skip
 
 
@@ -437,7 +439,11 @@ def _environment(spec: RunSpec, policy: Policy, schedule, runtime, wall, busy) -
         "busy_s": busy,
         "cpu_gemm": None
         if cpu_gemm is None
-        else {**cpu_gemm.to_dict(), "calls": dict(runtime.model.gemm_calls)},
+        else {
+            **cpu_gemm.to_dict(),
+            "calls": dict(runtime.model.gemm_calls),
+            "experts": "fused" if runtime.model.fused else "loop",
+        },
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "host": platform.node(),

@@ -342,6 +342,7 @@ def placed_runtime(
     collectives=(None, None),
     continuous: bool = False,
     disk=None,
+    cpu_moe: str = "loop",
 ) -> Runtime:
     """A host-loaded checkpoint placed as `policy` says, on `device` (CUDA, or the CPU standing
     in for a GPU): the weights hrm.rules.placement makes resident copied there, the rest packed into
@@ -353,7 +354,8 @@ def placed_runtime(
     weight format (hrm/formats.py) streams its pages compact, and weights that never stream
     are computed with the format's values; quiet: no progress bar while quantizing;
     collectives: a tensor-parallel rank's (reduce, gather) over its group (MoEModel); disk:
-    (directory, direct) of the disk tier when the policy keeps weights on disk."""
+    (directory, direct) of the disk tier when the policy keeps weights on disk; cpu_moe: how
+    a packed CPU model runs its routed experts (MoEModel)."""
     on_gpu_already = device.type == "cuda" == checkpoint.weights.embed.device.type
     streams = policy.ffn_on_gpu and not (policy.all_on_gpu and on_gpu_already)
     fmt = policy.weight_dtype if is_compact(policy.weight_dtype) else None
@@ -364,6 +366,7 @@ def placed_runtime(
     model = MoEModel(
         checkpoint, cpu_gemm, device=device if policy.ffn_on_gpu else None, kv_format=kv_format,
         reduce=collectives[0], gather=collectives[1], packs=not streams, take_over=take_over,
+        cpu_moe=cpu_moe,
     )  # fmt: skip
     store = None
     if streams:

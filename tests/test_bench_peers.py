@@ -23,7 +23,7 @@ def bench(*args) -> subprocess.CompletedProcess:
 def test_hrm_and_transformers_run_the_same_prompts_and_the_table_says_so(tmp_path):
     out = tmp_path / "peers.json"
     done = bench("--shapes", "qwen3_moe", "--points", "2x3", "--rounds", "2", "--layers", "1",
-                 "--threads", "2", "--output", out)  # fmt: skip
+                 "--threads", "2", "--hrm-experts", "loop", "--output", out)  # fmt: skip
     assert done.returncode == 0, done.stderr
     report = json.loads(out.read_text())
     rows = {r["engine"]: r for r in report["rows"]}
@@ -45,6 +45,7 @@ def test_hrm_and_transformers_run_the_same_prompts_and_the_table_says_so(tmp_pat
         (["--points", "64x"], "--points '64x': give BATCHxGEN pairs"),
         (["--points", "0x5"], "each point is BATCHxGEN with both at least 1"),
         (["--shapes", "llama"], "--shapes: unknown llama"),
+        (["--hrm-experts", "loop,grouped"], "--hrm-experts: unknown grouped"),
     ],
 )
 def test_a_peer_or_point_that_is_not_what_it_says_is_refused_in_one_line(args, fragment):

@@ -14,8 +14,8 @@ import json
 import os
 import tempfile
 
+from hrm.cli.run_arguments import add_prompt_arguments, add_run_arguments
 from hrm.plan import SCHEDULES
-from hrm.policy import RUN_DTYPES
 
 BATCHINGS = ("static", "continuous")
 
@@ -57,87 +57,9 @@ def add_parser(subparsers) -> None:
         action="store_true",
         help="start over, discarding an OUTPUT.partial a killed run left (needs --output)",
     )
-    _add_prompt_arguments(p)
-    _add_run_arguments(p)
+    add_prompt_arguments(p)
+    add_run_arguments(p, BATCHINGS)
     p.set_defaults(run=run)
-
-
-def _add_prompt_arguments(p) -> None:
-    prompts = p.add_mutually_exclusive_group(required=True)
-    prompts.add_argument(
-        "--prompts",
-        help='JSONL: {"prompt_token_ids": [...]} or {"prompt": "text"} per line, or OpenAI batch '
-        "requests (/v1/chat/completions, /v1/completions)",
-    )
-    prompts.add_argument("--prompt-len", type=int, help="random prompts of this many tokens")
-    p.add_argument("--batch", type=int, help="number of random prompts (with --prompt-len)")
-    p.add_argument("--seed", type=int, default=0, help="seed of random prompts and sampling (0)")
-    p.add_argument(
-        "--gen-len",
-        type=int,
-        help="tokens to generate per prompt: the default, and the cap, of a request's max_tokens "
-        "(default: the largest max_tokens in --prompts)",
-    )
-
-
-def _add_run_arguments(p) -> None:
-    p.add_argument("--device", default="cpu", help="cpu or cuda (cpu)")
-    p.add_argument(
-        "--dtype",
-        choices=RUN_DTYPES,
-        help="weight dtype, or int8 or int4: the weights quantized at load (docs/running.md) "
-        "and computed in 16 bits (default: the checkpoint's)",
-    )
-    p.add_argument(
-        "--kv-dtype",
-        choices=RUN_DTYPES,
-        help="KV cache: int8 or int4 quantizes it in groups along head_dim (default: the dtype "
-        "the layers compute in)",
-    )
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (0)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0)")
-    p.add_argument(
-        "--ignore-eos", action="store_true", help="always generate --gen-len tokens per prompt"
-    )
-    p.add_argument(
-        "--hardware",
-        help="profile (bundled name or YAML): with a GPU (or --gpu-mem, --schedule) plan for it "
-        "and run the best plan; a CPU-only profile adds the prediction of this resident run",
-    )
-    p.add_argument(
-        "--cpu-gemm",
-        default="auto",
-        help="CPU GEMM path for 16-bit weights: auto (the faster per token count, from the "
-        "--hardware profile of this host or a one-second probe), native, widened, or packed "
-        "(oneDNN over weights reordered once at load; needs AVX-512) (auto)",
-    )
-    p.add_argument(
-        "--batching",
-        choices=BATCHINGS,
-        default="continuous",
-        help="continuous: every pass carries the running answers and newly admitted prompts, a "
-        "finished request's KV memory goes to the next; static: batches of N, each run to its "
-        "longest answer (MoE-Lightning's) (continuous)",
-    )
-    p.add_argument(
-        "--max-tokens-per-pass",
-        type=int,
-        help="continuous batching: tokens a pass carries at most, decodes and prompt chunks "
-        "(default: the plan's, from hrm plan --batching continuous; else the largest: one "
-        "micro-batch of the longest prompt beside a decode of each request running)",
-    )
-    p.add_argument("--threads", type=int, help="CPU threads the run uses (default: torch's)")
-    p.add_argument("--disk-dir", metavar="DIR", help="where a plan with weights on disk "
-                   "writes its disk tier's file (removed after; default: temp dir)")  # fmt: skip
-    p.add_argument("--disk-buffered", action="store_true", help="read the disk tier "
-                   "through the page cache where --disk-dir refuses O_DIRECT")  # fmt: skip
-    p.add_argument(
-        "--output",
-        help="JSONL of outputs, one line per prompt in input order (default: stdout, with the "
-        "summary on stderr)",
-    )
-    p.add_argument("--json", action="store_true", help="print the RunRecord as JSON")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -380,6 +302,13 @@ def _execute(args, job, hardware, partial, warn, world):
     to_stdout = partial is None and not args.json and getattr(args, "requests", None) is None
     to_stdout = to_stdout and not world.distributed  # rank 0 writes a data-parallel run's
     stream = InOrder(sys.stdout) if to_stdout else None
+    if args.cpu_moe == "fused":  # the model's and host's part, before a probe speaks
+        from executor.fused_moe import missing
+        from hrm.errors import HrmError
+
+        why = missing(spec.arch, spec.compute_dtype)
+        if why is not None:
+            raise HrmError(f"--cpu-moe fused: this run lacks {why}; use --cpu-moe loop")
     choose = cpu_gemm_chooser(
         spec.arch,
         spec.compute_dtype,
@@ -394,6 +323,7 @@ def _execute(args, job, hardware, partial, warn, world):
             job.policy,
             job.schedule,
             cpu_gemm=choose,
+            cpu_moe=args.cpu_moe,
             staged=job.staged,
             disk=(job.disk_dir or tempfile.gettempdir(), not args.disk_buffered),
             partial=partial,
@@ -421,6 +351,7 @@ def _max_running(job) -> int:
 def _check_flags(args) -> list[str]:
     """Flags that contradict each other or lack their partner, refused one line at a time;
     returns the planning flags given (gpu_mem, cpu_mem, schedule)."""
+    from executor.fused_moe import check_mode as check_cpu_moe
     from hrm.errors import HrmError
     from hrm.rules.cpu_gemm import MODES
 
@@ -430,6 +361,7 @@ def _check_flags(args) -> list[str]:
         raise HrmError("--batch goes with --prompt-len; a --prompts file sets its own batch")
     if args.cpu_gemm not in MODES:
         raise HrmError(f"--cpu-gemm: unknown path {args.cpu_gemm!r}; use one of {', '.join(MODES)}")
+    check_cpu_moe(args.cpu_moe)
     if args.threads is not None and args.threads < 1:
         raise HrmError(f"--threads must be at least 1, got {args.threads}")
     if args.resume and not args.output:

@@ -249,13 +249,13 @@ class CpuGemmChoice:
     @classmethod
     def from_dict(cls, data: Any, where: str = "cpu_gemm") -> CpuGemmChoice:
         """The choice as to_dict wrote it (a RunRecord's environment); extra keys (the run's
-        `calls`) are not the choice's and are left to the caller."""
+        `calls`, how its `experts` ran) are not the choice's and are left to the caller."""
         # records made before small_pads existed ran without it
         data = check_keys(
             data,
             where=where,
             required={f.name for f in dataclasses.fields(cls) if f.init} - {"small_pads"},
-            optional={"calls", "small_pads"},
+            optional={"calls", "experts", "small_pads"},
         )
         buckets = data["buckets"]
         if (

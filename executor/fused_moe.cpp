@@ -1,0 +1,95 @@
+// The CPU's routed experts' GEMMs in one call each: every expert's rows times its weight, the
+// work cut into (expert, column block) tiles that torch's intra-op threads share, each row
+// block of a tile one batch-reduce GEMM of torch's own (at::native::cpublas::brgemm: oneDNN's
+// AMX / AVX-512-BF16 micro-kernels) over weights packed once into its VNNI blocks. Why
+// (executor/fused_moe.py): a loop of one oneDNN call per expert streams each small expert at
+// 12-16 GB/s and pays a call's setup per expert; tiles of all experts at once keep both cores
+// streaming. Outputs are rounded to bf16 as a GEMM's are; the SwiGLU between the two GEMMs and
+// the routing scale stay torch's, so the rounding is the executor's loop's.
+#include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
+#include <c10/util/BFloat16.h>
+#include <torch/extension.h>
+
+#include <array>
+#include <cmath>
+#include <vector>
+
+using at::BFloat16;
+constexpr int64_t BLOCK_N = 64;  // columns a tile computes (a packed block of the weight)
+constexpr int64_t BLOCK_M = 64;  // rows a tile computes
+
+// w [N, K] (a linear's [out, in]) -> [N / BLOCK_N, K * BLOCK_N]: each column block of w^T
+// packed as brgemm reads it (pairs of K interleaved, VNNI).
+torch::Tensor pack(torch::Tensor w) {
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2, "pack: a bf16 matrix");
+  const int64_t n = w.size(0), k = w.size(1);
+  TORCH_CHECK(n % BLOCK_N == 0 && k % 2 == 0, "pack: rows a multiple of 64, columns even");
+  auto wt = w.t().contiguous();  // [K, N]
+  auto out = torch::empty({n / BLOCK_N, k * BLOCK_N}, w.options());
+  for (int64_t b = 0; b < n / BLOCK_N; ++b) {
+    at::native::cpublas::pack(k, BLOCK_N, n, BLOCK_N, at::kBFloat16, at::kBFloat16,
+                              wt.data_ptr<BFloat16>() + b * BLOCK_N,
+                              out.data_ptr<BFloat16>() + b * k * BLOCK_N);
+  }
+  return out;
+}
+
+bool available() { return at::native::cpublas::could_pack(at::kBFloat16); }
+
+// A tile: an expert hit and one column block of its weight, over all the expert's rows (the
+// block, 64 x K, stays in cache while its row blocks pass; a prefill's many rows would
+// otherwise stream the whole weight once per row block).
+using Tile = std::array<int64_t, 2>;
+
+static std::vector<Tile> tiles(const std::vector<int64_t>& start, int64_t blocks) {
+  std::vector<Tile> out;
+  for (int64_t e = 0; e + 1 < static_cast<int64_t>(start.size()); ++e)
+    if (start[e + 1] > start[e])
+      for (int64_t b = 0; b < blocks; ++b) out.push_back({e, b});
+  return out;
+}
+
+// xs [A, K] bf16, its rows sorted by expert, counts[e] of them expert e's; w[e] expert e's
+// [N, K] weight packed by pack(). Returns [A, N] bf16: each row times its expert's weight^T,
+// rounded to bf16 as a GEMM's output is.
+torch::Tensor grouped(torch::Tensor xs, const std::vector<int64_t>& counts,
+                      const std::vector<torch::Tensor>& w, int64_t n_out) {
+  TORCH_CHECK(xs.scalar_type() == at::kBFloat16 && xs.is_contiguous() && xs.dim() == 2,
+              "grouped: xs a contiguous bf16 matrix");
+  TORCH_CHECK(counts.size() == w.size() && n_out % BLOCK_N == 0, "grouped: counts and weights");
+  const int64_t rows = xs.size(0), k = xs.size(1);
+  std::vector<int64_t> start(counts.size() + 1, 0);
+  for (size_t e = 0; e < counts.size(); ++e) start[e + 1] = start[e] + counts[e];
+  TORCH_CHECK(start.back() == rows, "grouped: counts do not add up to the rows");
+  for (size_t e = 0; e < w.size(); ++e)
+    TORCH_CHECK(!counts[e] || w[e].numel() == n_out * k, "grouped: a weight of another shape");
+  auto ys = torch::empty({rows, n_out}, xs.options());
+  const BFloat16* x = xs.data_ptr<BFloat16>();
+  BFloat16* y = ys.data_ptr<BFloat16>();
+  const auto work = tiles(start, n_out / BLOCK_N);
+  at::parallel_for(0, work.size(), 1, [&](int64_t first, int64_t last) {
+    alignas(64) float acc[BLOCK_M * BLOCK_N];
+    for (int64_t i = first; i < last; ++i) {
+      const auto [e, b] = work[i];
+      const BFloat16* wb = w[e].data_ptr<BFloat16>() + b * k * BLOCK_N;
+      for (int64_t m = start[e]; m < start[e + 1]; m += BLOCK_M) {
+        const int64_t n = std::min(BLOCK_M, start[e + 1] - m);
+        at::native::cpublas::brgemm(n, BLOCK_N, k, k, BLOCK_N, BLOCK_N, false, x + m * k, wb,
+                                    acc);
+        for (int64_t r = 0; r < n; ++r) {
+          BFloat16* out = y + (m + r) * n_out + b * BLOCK_N;
+          for (int64_t c = 0; c < BLOCK_N; ++c) out[c] = BFloat16(acc[r * BLOCK_N + c]);
+        }
+      }
+    }
+    at::native::cpublas::brgemm_release();
+  });
+  return ys;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("pack", &pack);
+  m.def("available", &available);
+  m.def("grouped", &grouped);
+}

@@ -1,0 +1,135 @@
+"""The CPU's fused experts (executor/fused_moe.py, `--cpu-moe fused`): the grouped GEMM
+against a float32 reference, every family it serves against transformers in bf16, and the runs
+it cannot serve refused in one line. Skipped where the kernel cannot be had (no compiler, no
+bf16 micro-kernel): the loop then runs, as CI's other tests check."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from executor import fused_moe
+from executor.checkpoint import open_checkpoint
+from executor.generate import generate
+from executor.model import MoEModel
+from tests.conftest import assert_one_line_error
+from tests.executor.conftest import (
+    _deepseek_config,
+    _mixtral_config,
+    _qwen_family_config,
+    ragged_prompts,
+    reference_model,
+    save_model,
+    save_with_random_extras,
+)
+from tests.executor.test_matches_transformers import (
+    TOLERANCE,
+    can_pack,
+    forced,
+    reference_generate,
+    relative_error,
+)
+
+
+def _kernel_missing() -> str | None:
+    built = fused_moe._built()
+    return built if isinstance(built, str) else None
+
+
+pytestmark = [
+    can_pack("bfloat16", "packed"),
+    pytest.mark.skipif(_kernel_missing() is not None, reason=str(_kernel_missing())),
+]
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """Tiny checkpoints whose expert widths are multiples of the kernel's 64: Mixtral, Qwen3-MoE
+    and DeepSeek-V3 (grouped routing, a shared expert, a dense first layer)."""
+    root = tmp_path_factory.mktemp("fused")
+    return {
+        "mixtral": save_model(_mixtral_config(intermediate_size=128), root / "mixtral", seed=21),
+        "qwen3_moe": save_model(
+            _qwen_family_config("qwen3_moe", moe_intermediate_size=64), root / "qwen3", seed=22
+        ),
+        "deepseek_v3": save_with_random_extras(
+            _deepseek_config("deepseek_v3", moe_intermediate_size=64), root / "v3", seed=23
+        ),
+    }
+
+
+def test_the_grouped_gemm_is_each_experts_gemm_rounded_to_bf16():
+    """Rows sorted by expert, counts with an expert unhit and one past a row block (64): each
+    row is its expert's x @ w.T, within a bf16 rounding of the float32 product."""
+    torch.manual_seed(0)
+    counts, k, n = [0, 70, 3, 1], 128, 192
+    weights = [torch.randn(n, k, dtype=torch.bfloat16) * 0.1 for _ in counts]
+    xs = torch.randn(sum(counts), k, dtype=torch.bfloat16)
+    out = fused_moe.grouped(xs, counts, [fused_moe.pack(w) for w in weights], n)
+    assert out.shape == (sum(counts), n) and out.dtype == torch.bfloat16
+    start = 0
+    for w, c in zip(weights, counts, strict=True):
+        exact = xs[start : start + c].float() @ w.float().T
+        got = out[start : start + c].float()
+        assert torch.allclose(got, exact, rtol=2**-7, atol=1e-3), (got - exact).abs().max()
+        start += c
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "deepseek_v3"])
+def test_fused_experts_match_transformers_in_bf16(wide, name):
+    """As the packed path's own check (test_matches_transformers): our bf16 logits within
+    TOLERANCE of transformers' bf16 ones while both runs chose the same tokens, and the fused
+    call is what ran every routed layer."""
+    path = wide[name]
+    prompts = ragged_prompts((5, 9, 12), seed=5)
+    model = MoEModel(open_checkpoint(path, "bfloat16"), forced("bfloat16", "packed", False),
+                     cpu_moe="fused")  # fmt: skip
+    ours = generate(model, prompts, 8, keep_logits=True)
+    sparse = sum(w.router is not None for w in model.weights.layers)
+    assert model.fused and model.gemm_calls["fused"] == 2 * sparse * 8
+    theirs_tokens, theirs = reference_generate(reference_model(path, torch.bfloat16), prompts, 8)
+    for step in range(8):
+        a, b = ours.step_logits[step], theirs[step]
+        assert relative_error(a, b) <= TOLERANCE["bfloat16"], f"step {step}"
+        if [t[: step + 1] for t in ours.output_token_ids] != [t[: step + 1] for t in theirs_tokens]:
+            break
+
+
+def test_fused_and_loop_agree_and_the_record_says_which_ran(wide, run_cli, tmp_path):
+    """The same run by loop and fused: the same greedy tokens on these peaked checkpoints; the
+    record names the experts' path."""
+    outputs = {}
+    for mode in ("loop", "fused"):
+        out = tmp_path / f"{mode}.jsonl"
+        status, stdout, err = run_cli(
+            "run", "--checkpoint", wide["qwen3_moe"], "--prompt-len", "7", "--batch", "3",
+            "--gen-len", "5", "--dtype", "bfloat16", "--cpu-gemm", "packed", "--cpu-moe", mode,
+            "--output", out, "--json", "--quiet",
+        )  # fmt: skip
+        assert status == 0, err
+        lines = out.read_text().splitlines()
+        outputs[mode] = [json.loads(line)["output_token_ids"] for line in lines]
+        record = json.loads(stdout)
+        assert record["environment"]["cpu_gemm"]["experts"] == mode
+    assert outputs["fused"] == outputs["loop"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (("--cpu-moe", "bogus"), "--cpu-moe: unknown 'bogus'"),
+        (("--cpu-moe", "fused", "--dtype", "float32"), "bfloat16 weights"),
+        (("--cpu-moe", "fused", "--dtype", "bfloat16"), "a multiple of 64 (it is 96)"),
+    ],
+)
+def test_a_fused_run_it_cannot_serve_is_one_line(checkpoints, run_cli, tmp_path, flags, says):
+    """conftest's Mixtral has experts 96 wide; float32 has no fused kernel."""
+    out = tmp_path / "out.jsonl"
+    status, stdout, err = run_cli(
+        "run", "--checkpoint", checkpoints["mixtral-single"], "--prompt-len", "4", "--batch",
+        "2", "--gen-len", "2", "--cpu-gemm", "auto", *flags, "--output", out,
+    )  # fmt: skip
+    assert_one_line_error(status, err, says)
+    assert not out.exists() and stdout == ""
