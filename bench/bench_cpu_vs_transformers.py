@@ -186,12 +186,13 @@ def host_description() -> str:
     return f"{facts.cpu_model}, {facts.cores} cores, {' '.join(facts.matrix_features)}"
 
 
-def time_executor(path: Path, prompts: list[list[int]], gen_len: int, repeats: int, cpu_gemm):
+def time_executor(path: Path, prompts: list[list[int]], gen_len: int, repeats: int, cpu_gemm,
+                  cpu_moe: str = "loop"):  # fmt: skip
     from executor.checkpoint import open_checkpoint
     from executor.generate import generate
     from executor.model import MoEModel
 
-    model = MoEModel(open_checkpoint(path, "bfloat16"), cpu_gemm)
+    model = MoEModel(open_checkpoint(path, "bfloat16"), cpu_gemm, cpu_moe=cpu_moe)
     generate(model, prompts[:2], 2)  # warm-up
     outputs = {}
 
@@ -287,10 +288,14 @@ def main() -> None:
         default="mixtral",
         help="model family",
     )
+    parser.add_argument("--cpu-moe", choices=("loop", "fused"), default="loop",
+                        help="hrm's routed experts (hrm run --cpu-moe; the prediction prices the "
+                             "loop) (loop)")  # fmt: skip
     parser.add_argument("--output", help="JSON to write (reports/bench_cpu_vs_transformers.json)")
     args = parser.parse_args()
     name = "bench_cpu_vs_transformers" + ("_quick" if args.quick else "")
     name += "" if args.family == "mixtral" else f"_{args.family}"
+    name += "" if args.cpu_moe == "loop" else f"_{args.cpu_moe}"
     output = Path(args.output or ROOT / "reports" / f"{name}.json")
     shape = QUICK if args.quick else FULL
     repeats = args.repeats or (1 if args.quick else 3)
@@ -303,7 +308,8 @@ def main() -> None:
         params = sum(p.stat().st_size for p in path.glob("*.safetensors")) / 2
         hardware = args.hardware or str(profile_host(path / "config.json", Path(tmp) / "host.yaml"))
         profile, cpu_gemm = host_cpu_gemm(path, hardware, "bfloat16")
-        ex_s, ex_times, ex_tokens = time_executor(path, prompts, gen_len, repeats, cpu_gemm)
+        ex_s, ex_times, ex_tokens = time_executor(path, prompts, gen_len, repeats, cpu_gemm,
+                                                  args.cpu_moe)  # fmt: skip
         hf_s, hf_times, hf_tokens = time_transformers(path, prompts, gen_len, repeats)
         model = model_figures(path, profile, cpu_gemm, batch, prompt_len, gen_len)
         load = None if args.quick or args.skip_load_check else load_peak_rss(Path(tmp))
@@ -316,6 +322,7 @@ def main() -> None:
             "family": args.family,
             "params": params,
             "dtype": "bfloat16",
+            "cpu_moe": args.cpu_moe,
             "experts": getattr(config, "num_local_experts", None) or config.num_experts,
             "top_k": config.num_experts_per_tok,
         },

@@ -309,8 +309,9 @@ class MoEModel:
         return top_w * a.routed_scaling_factor, top_i
 
     def experts(self, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        """MoE FFN grouped by expert: sort assignments by expert, one GEMM chain per expert hit
-        (a dense layer: its MLP, the one expert every token takes)."""
+        """MoE FFN grouped by expert: sort assignments by expert, one GEMM chain per expert hit,
+        or each GEMM one call over all of them where fused (a dense layer: its MLP, the one
+        expert every token takes, by the loop)."""
         top_w, top_i = self.route(w, x)  # [T, K]
         T, K = top_i.shape
         order = torch.argsort(top_i.flatten(), stable=True)  # [A] assignments sorted by expert
@@ -321,7 +322,8 @@ class MoEModel:
         # and adds the experts to zeros in index order; the scaling is per expert here, so no
         # fp32 copy of all A rows exists at once (planner/memory.py counts the workspace).
         if self.fused and w.router is not None:  # every expert's GEMMs in one call each
-            ys = (self._fused_experts(w, xs, counts) * scale).to(xs.dtype)  # rounded as below
+            ys = self._fused_experts(w, xs, counts)
+            torch.mul(ys, scale, out=ys)  # rounded as below, with no fp32 copy of the rows
         else:
             ys = torch.empty_like(xs)  # [A, H]
             start = 0
