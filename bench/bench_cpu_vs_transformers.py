@@ -274,7 +274,7 @@ def load_peak_rss(workdir: Path) -> dict:
     return {"checkpoint_bytes": size, "peak_rss_bytes": peak, "peak_rss_ratio": peak / size}
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller run, under 60 s")
     parser.add_argument("--repeats", type=int, help="timed runs per side (3; 1 with --quick)")
@@ -292,7 +292,11 @@ def main() -> None:
                         help="hrm's routed experts (hrm run --cpu-moe; the prediction prices the "
                              "loop) (loop)")  # fmt: skip
     parser.add_argument("--output", help="JSON to write (reports/bench_cpu_vs_transformers.json)")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     name = "bench_cpu_vs_transformers" + ("_quick" if args.quick else "")
     name += "" if args.family == "mixtral" else f"_{args.family}"
     name += "" if args.cpu_moe == "loop" else f"_{args.cpu_moe}"
