@@ -12,7 +12,6 @@
 #include <torch/extension.h>
 
 #include <array>
-#include <cmath>
 #include <vector>
 
 using at::BFloat16;

@@ -8,11 +8,12 @@ pays its setup and Python's per expert: 64 small experts x 2 GEMMs x every layer
 backend, 1.8x ahead at batch 64 with 64 experts of 384, runs one kernel over all experts. This
 one cuts every expert's GEMMs into tiles that torch's threads share, each tile one call of
 torch's own batch-reduce GEMM (at::native::cpublas::brgemm, oneDNN's AMX or AVX-512-BF16
-micro-kernel) over weights packed once at load. Measured on the AMX VM (bf16, 2 threads, 64
-experts of 384, top-8): 1.8-1.95x the loop at 1-64 tokens, 1.4x at 256 (docs/decisions.md,
+micro-kernel) over weights packed once at load. Measured on the AMX VM (bf16, 2 threads, whole
+runs at batch 64): 1.3-1.6x the loop at the Qwen3-MoE bench shape, 1.1-1.2x at Mixtral's; it
+loses at long prefills of few wide experts (0.8x at 2048 tokens; docs/decisions.md,
 2026-12-06).
 
-It is compiled on first use by torch.utils.cpp_extension (about 25 s, then cached by torch
+It is compiled on first use by torch.utils.cpp_extension (about 30 s, then cached by torch
 under ~/.cache/torch_extensions); where that fails, or the host has no bf16 micro-kernel, or
 the family's experts are not a plain SwiGLU of 64-multiple widths, `missing` says why and the
 executor runs its loop. bf16 only.
@@ -67,15 +68,24 @@ def fused_experts(arch: ModelArch, dtype: str, mode: str, *, packed: bool) -> bo
     check_mode(mode)
     if mode == "loop":
         return False
-    why = missing(arch, dtype)
-    if why is None and not packed:
-        why = (
+    require(arch, dtype)
+    if not packed:
+        _refuse(
             "weights packed at load (a resident CPU run on --cpu-gemm packed, or auto where it "
             "picks packed; a GPU's layers and a store's pages are not)"
         )
-    if why is not None:
-        raise HrmError(f"--cpu-moe fused: this run lacks {why}; use --cpu-moe loop")
     return True
+
+
+def require(arch: ModelArch, dtype: str) -> None:
+    """Refuse `--cpu-moe fused` in one line where the model or this host cannot run it."""
+    why = missing(arch, dtype)
+    if why is not None:
+        _refuse(why)
+
+
+def _refuse(why: str) -> None:
+    raise HrmError(f"--cpu-moe fused: this run lacks {why}; use --cpu-moe loop")
 
 
 def check_mode(mode: str) -> None:

@@ -303,12 +303,9 @@ def _execute(args, job, hardware, partial, warn, world):
     to_stdout = to_stdout and not world.distributed  # rank 0 writes a data-parallel run's
     stream = InOrder(sys.stdout) if to_stdout else None
     if args.cpu_moe == "fused":  # the model's and host's part, before a probe speaks
-        from executor.fused_moe import missing
-        from hrm.errors import HrmError
+        from executor.fused_moe import require
 
-        why = missing(spec.arch, spec.compute_dtype)
-        if why is not None:
-            raise HrmError(f"--cpu-moe fused: this run lacks {why}; use --cpu-moe loop")
+        require(spec.arch, spec.compute_dtype)
     choose = cpu_gemm_chooser(
         spec.arch,
         spec.compute_dtype,
