@@ -200,7 +200,7 @@ def time_executor(path: Path, prompts: list[list[int]], gen_len: int, repeats: i
         outputs["tokens"] = generate(model, prompts, gen_len).output_token_ids
 
     median, times = median_time(run, repeats)
-    return median, times, outputs["tokens"]
+    return median, times, outputs["tokens"], model.cpu_gemm  # the choice, as the run took it
 
 
 def time_transformers(path: Path, prompts: list[list[int]], gen_len: int, repeats: int):
@@ -288,9 +288,9 @@ def parse_args() -> argparse.Namespace:
         default="mixtral",
         help="model family",
     )
-    parser.add_argument("--cpu-moe", choices=("loop", "fused"), default="loop",
-                        help="hrm's routed experts (hrm run --cpu-moe; the prediction prices the "
-                             "loop) (loop)")  # fmt: skip
+    parser.add_argument("--cpu-moe", choices=("loop", "fused", "auto"), default="loop",
+                        help="hrm's routed experts (hrm run --cpu-moe; the prediction prices "
+                             "what ran, fused by the profile's fused curves) (loop)")  # fmt: skip
     parser.add_argument("--output", help="JSON to write (reports/bench_cpu_vs_transformers.json)")
     return parser.parse_args()
 
@@ -312,10 +312,10 @@ def main() -> None:
         params = sum(p.stat().st_size for p in path.glob("*.safetensors")) / 2
         hardware = args.hardware or str(profile_host(path / "config.json", Path(tmp) / "host.yaml"))
         profile, cpu_gemm = host_cpu_gemm(path, hardware, "bfloat16")
-        ex_s, ex_times, ex_tokens = time_executor(path, prompts, gen_len, repeats, cpu_gemm,
-                                                  args.cpu_moe)  # fmt: skip
+        ex_s, ex_times, ex_tokens, ran = time_executor(path, prompts, gen_len, repeats, cpu_gemm,
+                                                       args.cpu_moe)  # fmt: skip
         hf_s, hf_times, hf_tokens = time_transformers(path, prompts, gen_len, repeats)
-        model = model_figures(path, profile, cpu_gemm, batch, prompt_len, gen_len)
+        model = model_figures(path, profile, ran, batch, prompt_len, gen_len)
         load = None if args.quick or args.skip_load_check else load_peak_rss(Path(tmp))
 
     tokens = batch * gen_len

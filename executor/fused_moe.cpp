@@ -12,6 +12,7 @@
 #include <torch/extension.h>
 
 #include <array>
+#include <cstdint>
 #include <vector>
 
 using at::BFloat16;
@@ -49,20 +50,27 @@ static std::vector<Tile> tiles(const std::vector<int64_t>& start, int64_t blocks
   return out;
 }
 
+// The first row of each expert's in xs (and one past the last), the arguments checked.
+static std::vector<int64_t> starts(const torch::Tensor& xs, const std::vector<int64_t>& counts,
+                                   const std::vector<torch::Tensor>& w, int64_t n_out) {
+  TORCH_CHECK(xs.scalar_type() == at::kBFloat16 && xs.is_contiguous() && xs.dim() == 2,
+              "grouped: xs a contiguous bf16 matrix");
+  TORCH_CHECK(counts.size() == w.size() && n_out % BLOCK_N == 0, "grouped: counts and weights");
+  std::vector<int64_t> start(counts.size() + 1, 0);
+  for (size_t e = 0; e < counts.size(); ++e) start[e + 1] = start[e] + counts[e];
+  TORCH_CHECK(start.back() == xs.size(0), "grouped: counts do not add up to the rows");
+  for (size_t e = 0; e < w.size(); ++e)
+    TORCH_CHECK(!counts[e] || w[e].numel() == n_out * xs.size(1), "grouped: a weight's shape");
+  return start;
+}
+
 // xs [A, K] bf16, its rows sorted by expert, counts[e] of them expert e's; w[e] expert e's
 // [N, K] weight packed by pack(). Returns [A, N] bf16: each row times its expert's weight^T,
 // rounded to bf16 as a GEMM's output is.
 torch::Tensor grouped(torch::Tensor xs, const std::vector<int64_t>& counts,
                       const std::vector<torch::Tensor>& w, int64_t n_out) {
-  TORCH_CHECK(xs.scalar_type() == at::kBFloat16 && xs.is_contiguous() && xs.dim() == 2,
-              "grouped: xs a contiguous bf16 matrix");
-  TORCH_CHECK(counts.size() == w.size() && n_out % BLOCK_N == 0, "grouped: counts and weights");
   const int64_t rows = xs.size(0), k = xs.size(1);
-  std::vector<int64_t> start(counts.size() + 1, 0);
-  for (size_t e = 0; e < counts.size(); ++e) start[e + 1] = start[e] + counts[e];
-  TORCH_CHECK(start.back() == rows, "grouped: counts do not add up to the rows");
-  for (size_t e = 0; e < w.size(); ++e)
-    TORCH_CHECK(!counts[e] || w[e].numel() == n_out * k, "grouped: a weight of another shape");
+  const auto start = starts(xs, counts, w, n_out);
   auto ys = torch::empty({rows, n_out}, xs.options());
   const BFloat16* x = xs.data_ptr<BFloat16>();
   BFloat16* y = ys.data_ptr<BFloat16>();
@@ -87,8 +95,61 @@ torch::Tensor grouped(torch::Tensor xs, const std::vector<int64_t>& counts,
   return ys;
 }
 
+// Where the host has no bf16 micro-kernel (AVX2, AVX-512 without AMX): w [N, K] bf16 ->
+// [N / BLOCK_N, K, BLOCK_N], each column block of w^T contiguous, still bf16.
+torch::Tensor pack_blocks(torch::Tensor w) {
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2, "pack_blocks: a bf16 matrix");
+  const int64_t n = w.size(0), k = w.size(1);
+  TORCH_CHECK(n % BLOCK_N == 0, "pack_blocks: rows a multiple of 64");
+  return w.view({n / BLOCK_N, BLOCK_N, k}).transpose(1, 2).contiguous();
+}
+
+constexpr int64_t K_CHUNK = 256;  // weight rows widened at once: 64 KB of fp32, in L2
+
+// grouped() over pack_blocks' weights: each tile widens its block K_CHUNK rows at a time into
+// fp32 and multiplies the expert's rows (fp32, widened once a call) by it with torch's fp32
+// brgemm (oneDNN's ukernel, or its sgemm), the sums in fp32 across chunks, rounded to bf16 at
+// the end as a GEMM's output is.
+torch::Tensor grouped_widened(torch::Tensor xs, const std::vector<int64_t>& counts,
+                              const std::vector<torch::Tensor>& w, int64_t n_out) {
+  const int64_t rows = xs.size(0), k = xs.size(1);
+  const auto start = starts(xs, counts, w, n_out);
+  auto x32 = xs.to(at::kFloat).contiguous();
+  auto ys = torch::empty({rows, n_out}, xs.options());
+  const float* x = x32.data_ptr<float>();
+  BFloat16* y = ys.data_ptr<BFloat16>();
+  const auto work = tiles(start, n_out / BLOCK_N);
+  at::parallel_for(0, work.size(), 1, [&](int64_t first, int64_t last) {
+    std::vector<float> wide(K_CHUNK * BLOCK_N), acc;
+    for (int64_t i = first; i < last; ++i) {
+      const auto [e, b] = work[i];
+      const int64_t m0 = start[e], m = start[e + 1] - m0;
+      acc.assign(m * BLOCK_N, 0.0f);
+      const uint16_t* wb =
+          reinterpret_cast<const uint16_t*>(w[e].data_ptr<BFloat16>()) + b * k * BLOCK_N;
+      for (int64_t k0 = 0; k0 < k; k0 += K_CHUNK) {
+        const int64_t kc = std::min(K_CHUNK, k - k0);
+        const uint16_t* src = wb + k0 * BLOCK_N;
+        uint32_t* dst = reinterpret_cast<uint32_t*>(wide.data());
+        for (int64_t j = 0; j < kc * BLOCK_N; ++j) dst[j] = uint32_t(src[j]) << 16;
+        for (int64_t r = 0; r < m; r += BLOCK_M)
+          at::native::cpublas::brgemm(std::min(BLOCK_M, m - r), BLOCK_N, kc, k, BLOCK_N, BLOCK_N,
+                                      true, x + (m0 + r) * k + k0, wide.data(),
+                                      acc.data() + r * BLOCK_N, false);
+      }
+      for (int64_t r = 0; r < m; ++r) {
+        BFloat16* out = y + (m0 + r) * n_out + b * BLOCK_N;
+        for (int64_t c = 0; c < BLOCK_N; ++c) out[c] = BFloat16(acc[r * BLOCK_N + c]);
+      }
+    }
+  });
+  return ys;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack);
   m.def("available", &available);
   m.def("grouped", &grouped);
+  m.def("pack_blocks", &pack_blocks);
+  m.def("grouped_widened", &grouped_widened);
 }

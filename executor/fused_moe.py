@@ -2,34 +2,39 @@
 host and the model allow it; the SwiGLU between them and the routing scale stay the executor's
 torch ops, so a token's arithmetic is the loop's.
 
-Why: the executor's loop runs each expert as its own oneDNN GEMMs. At decode's few rows a
-call streams its expert at 12-16 GB/s (a lone 1.5 MB matrix; 22-24 GB/s for one large one) and
-pays its setup and Python's per expert: 64 small experts x 2 GEMMs x every layer. vLLM's CPU
-backend, 1.8x ahead at batch 64 with 64 experts of 384, runs one kernel over all experts. This
-one cuts every expert's GEMMs into tiles that torch's threads share, each tile one call of
-torch's own batch-reduce GEMM (at::native::cpublas::brgemm, oneDNN's AMX or AVX-512-BF16
-micro-kernel) over weights packed once at load. Measured on the AMX VM (bf16, 2 threads, whole
-runs at batch 64): 1.3-1.6x the loop at the Qwen3-MoE bench shape, 1.1-1.2x at Mixtral's; it
-loses at long prefills of few wide experts (0.8x at 2048 tokens; docs/decisions.md,
-2026-12-06).
+Why: the executor's loop runs each expert as its own GEMMs. At decode's few rows a call streams
+its expert cold and pays its setup and Python's per expert: 64 small experts x 2 GEMMs x every
+layer. vLLM's CPU backend, 1.8x ahead at batch 64 with 64 experts of 384, runs one kernel over
+all experts. This one cuts every expert's GEMMs into tiles that torch's threads share, in one of
+two forms (`variant`), chosen by what the host's bf16 GEMMs run on:
+- `brgemm` (AMX): each tile one call of torch's own batch-reduce GEMM (at::native::cpublas::
+  brgemm, oneDNN's AMX micro-kernel) over weights packed once at load into its VNNI blocks.
+  On the AMX VM (whole runs at batch 64): 1.3-1.6x the loop at the Qwen3-MoE bench shape,
+  1.1-1.2x at Mixtral's; 0.8x at 2048-token prefills of Mixtral's few wide experts.
+- `widened` (AVX2, AVX-512 without AMX, where bf16 GEMMs run widened to float32): weights
+  laid out at load as contiguous column blocks, still bf16; each tile widens its block 256 rows
+  at a time into an L2-sized float32 buffer and multiplies by torch's float32 brgemm. On an AVX2
+  EPYC, one layer's experts: 2.1-3.4x the widened loop at 1-256 tokens (Qwen3-MoE bench
+  shape), 1.5-3.3x (Mixtral's), even at 1024 (docs/decisions.md, 2026-12-07).
 
-It is compiled on first use by torch.utils.cpp_extension (about 30 s, then cached by torch
-under ~/.cache/torch_extensions); where that fails, or the host has no bf16 micro-kernel, or
-the family's experts are not a plain SwiGLU of 64-multiple widths, `missing` says why and the
-executor runs its loop. bf16 only.
+It is compiled on first use by torch.utils.cpp_extension (about 30-60 s, then cached by torch
+under ~/.cache/torch_extensions); where that fails, or the family's experts are not a plain
+SwiGLU of 64-multiple widths, `missing` says why and the executor runs its loop. bf16 only.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from pathlib import Path
 
 from hrm.arch import ModelArch
 from hrm.errors import HrmError
+from hrm.hardware.parts import Curve
+from hrm.rules.cpu_moe import check_mode, model_missing
 
-MODES = ("loop", "fused")
 SOURCE = Path(__file__).with_name("fused_moe.cpp")
-BLOCK = 64  # the kernel's column block: widths must be multiples of it
+GROUP = 8  # experts in one timed call of the profile's sweep (fused_curves)
 
 
 @functools.cache
@@ -41,39 +46,38 @@ def _built():
         module = load(name="hrm_fused_moe", sources=[str(SOURCE)], extra_cflags=["-O3", "-fopenmp"])
     except Exception as exc:  # noqa: BLE001 -- a compiler's failure takes many forms
         return f"the fused MoE kernel did not build ({type(exc).__name__}: {str(exc)[:200]})"
-    if not module.available():
-        return "a bf16 micro-kernel for torch's brgemm (AMX-BF16 or AVX512-BF16)"
     return module
 
 
 def missing(arch: ModelArch, dtype: str) -> str | None:
     """Why the fused kernel cannot run `arch`'s experts in `dtype` here (None: it can). Checks
     the model before the host, so that a model it never serves costs no build."""
-    if dtype != "bfloat16":
-        return f"bfloat16 weights (the fused kernel is bfloat16 only; this run is {dtype})"
-    if arch.swiglu_limit is not None or arch.expert_bias:
-        return f"plain SwiGLU experts ({arch.name}'s have biases or a clamped GLU)"
-    widths = {"hidden size": arch.hidden_size, "expert width": arch.intermediate_size}
-    for name, width in widths.items():
-        if width % BLOCK:
-            return f"a {name} that is a multiple of {BLOCK} (it is {width})"
+    return model_missing(arch, dtype) or host_missing()
+
+
+def host_missing() -> str | None:
+    """Why this host cannot run the kernel (None: it can): it did not build."""
     built = _built()
     return built if isinstance(built, str) else None
 
 
-def fused_experts(arch: ModelArch, dtype: str, mode: str, *, packed: bool) -> bool:
-    """Whether a CPU model of `arch` in `dtype` (packed: its weights packed at load) runs its
-    routed experts fused under `mode` (MODES): fused, or refused in one line where it cannot;
-    loop never."""
+@functools.cache
+def variant() -> str:
+    """`brgemm` where torch's brgemm has a bf16 micro-kernel to pack for (AMX), else
+    `widened`."""
+    return "brgemm" if _built().available() else "widened"
+
+
+def fused_experts(arch: ModelArch, dtype: str, mode: str, *, held: bool) -> bool:
+    """Whether a CPU model of `arch` in `dtype` (held: its weights held and laid out by it at
+    load) runs its routed experts fused under `mode` (hrm.rules.cpu_moe.MODES): auto wherever it
+    can; fused, or refused in one line where it cannot; loop never."""
     check_mode(mode)
-    if mode == "loop":
+    if mode == "loop" or (mode == "auto" and (not held or missing(arch, dtype) is not None)):
         return False
     require(arch, dtype)
-    if not packed:
-        _refuse(
-            "weights packed at load (a resident CPU run on --cpu-gemm packed, or auto where it "
-            "picks packed; a GPU's layers and a store's pages are not)"
-        )
+    if not held:
+        _refuse("weights held by the CPU's model (a GPU's layers and a store's pages are not)")
     return True
 
 
@@ -85,21 +89,72 @@ def require(arch: ModelArch, dtype: str) -> None:
 
 
 def _refuse(why: str) -> None:
-    raise HrmError(f"--cpu-moe fused: this run lacks {why}; use --cpu-moe loop")
-
-
-def check_mode(mode: str) -> None:
-    if mode not in MODES:
-        raise HrmError(f"--cpu-moe: unknown {mode!r}; use one of {', '.join(MODES)}")
+    raise HrmError(f"--cpu-moe fused: this run lacks {why}; use --cpu-moe loop or auto")
 
 
 def pack(w):
-    """w [out, in] bf16 packed for the kernel ([out / 64, in * 64]; out a multiple of 64)."""
-    return _built().pack(w.contiguous())
+    """w [out, in] bf16 laid out for the kernel's variant (out a multiple of 64): brgemm's VNNI
+    blocks [out / 64, in * 64], or widened's column blocks [out / 64, in, 64]."""
+    module = _built()
+    return (module.pack if variant() == "brgemm" else module.pack_blocks)(w.contiguous())
 
 
 def grouped(xs, counts: list[int], weights: list, n_out: int):
     """xs [A, K] sorted by expert (counts[e] rows each), each row times its expert's weight
-    (weights[e]: packed by pack() from [n_out, K]): [A, n_out] bf16, each output rounded as a
+    (weights[e]: laid out by pack() from [n_out, K]): [A, n_out] bf16, each output rounded as a
     GEMM's."""
-    return _built().grouped(xs.contiguous(), counts, weights, n_out)
+    module = _built()
+    run = module.grouped if variant() == "brgemm" else module.grouped_widened
+    return run(xs.contiguous(), counts, weights, n_out)
+
+
+def fused_curves(
+    shapes, *, rows: tuple[int, ...], streamed_bytes: float, repeats: int, min_sample_s: float
+) -> dict[str, Curve]:
+    """{gemm_shape_key: Curve} of the fused kernel's FLOP/s per expert at each count of rows an
+    expert, for each (d_in, d_out) in `shapes`: one call takes GROUP experts' next weights of
+    copies packed once (enough to span `streamed_bytes`, so they stream from memory as a model's
+    layers do), `rows` rows each. The planner prices an expert at n rows by these curves
+    (planner/op_time.py), as the loop's by the packed GEMM's. A shape's points are timed in
+    rounds, one sample of each a round, each the median of its `repeats` (the profile's sweeps'
+    way); its copies are freed before the next shape's are made."""
+    import torch
+
+    from hrm.hardware.parts import gemm_shape_key
+
+    curves = {}
+    for d_in, d_out in shapes:
+        weight = torch.randn(d_out, d_in).to(torch.bfloat16)
+        copies = max(GROUP, math.ceil(streamed_bytes / weight.nbytes))
+        packed = [pack(weight) for _ in range(copies)]
+        curves[gemm_shape_key(d_in, d_out)] = _timed_rows(packed, d_in, d_out, rows, repeats,
+                                                          min_sample_s)  # fmt: skip
+        del packed
+    return curves
+
+
+def _timed_rows(packed: list, d_in: int, d_out: int, rows, repeats: int, min_sample_s: float):
+    """fused_curves' curve of one shape over its packed copies."""
+    import statistics
+
+    import torch
+
+    from hrm.profiling.timing import perf_counter_clock, time_calls
+
+    turn, points = [0], []
+    for n in rows:
+        x = torch.randn(GROUP * n, d_in).to(torch.bfloat16)
+
+        def call(x=x, n=n):
+            first = turn[0] % (len(packed) - GROUP + 1)
+            turn[0] += GROUP
+            return grouped(x, [n] * GROUP, packed[first : first + GROUP], d_out)
+
+        first = time_calls(call, clock=perf_counter_clock, repeats=1, min_sample_s=min_sample_s)
+        points.append((n, call, first.calls_per_sample, [first.samples_s[0]]))
+    for _ in range(repeats - 1):
+        for _, call, calls, samples in points:
+            samples.append(perf_counter_clock(call, calls) / calls)
+    flops = 2.0 * GROUP * d_in * d_out  # a row's
+    return Curve(points=tuple((float(n), n * flops / statistics.median(s))
+                              for n, _, _, s in points))  # fmt: skip

@@ -15,6 +15,7 @@ E = experts, K = experts per token, I = expert width, A = token-expert assignmen
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter
 
@@ -67,9 +68,10 @@ class MoEModel:
         pack the weights held here once (executor/packed_weights.py); False where a store hands
         the layers over, whose pages then run native. take_over: the checkpoint's weights are
         released as they are packed (loaded for this model only; the caller must not read them
-        again). cpu_moe: where the weights are packed, how the routed experts run: `loop`, an
-        expert at a time, or `fused`, each of their GEMMs one native call over every expert
-        (executor/fused_moe.py; refused in one line where it cannot run)."""
+        again). cpu_moe: where a CPU model holds its weights, how the routed experts run: `loop`, an
+        expert at a time, `fused`, each of their GEMMs one native call over every expert
+        (executor/fused_moe.py; refused in one line where it cannot run), or `auto`, fused
+        wherever it can run (hrm.rules.cpu_moe)."""
         keep_freed_host_memory()  # large temporaries reuse freed memory, not fresh pages
         self.arch = checkpoint.arch
         self.kv_format = kv_format
@@ -94,14 +96,17 @@ class MoEModel:
             cpu_gemm = probe_cpu_gemm(self.arch, dtype_name, checkpoint.expert_gate_weights)
         elif cpu_gemm.dtype != dtype_name:
             raise HrmError(f"the CPU GEMM choice is for {cpu_gemm.dtype}, the run is {dtype_name}")
+        held = packs and cpu_gemm is not None  # a CPU model laying out its own weights
+        packed = held and "packed" in cpu_gemm.paths
+        self.fused = fused_experts(self.arch, dtype_name, cpu_moe, held=held)
+        if cpu_gemm is not None:  # what the record reports and a prediction prices
+            cpu_gemm = dataclasses.replace(cpu_gemm, experts="fused" if self.fused else "loop")
         self.cpu_gemm = cpu_gemm
-        packed = packs and cpu_gemm is not None and "packed" in cpu_gemm.paths
-        self.fused = fused_experts(self.arch, dtype_name, cpu_moe, packed=packed)
-        if packed:
-            router_linear = self.arch.routing not in GROUP_ROUTINGS
+        if packed or self.fused:
             self.weights = packed_weights(
-                self.weights, router_linear=router_linear, take_over=take_over,
-                fused=fused_moe.pack if self.fused else None,
+                self.weights, router_linear=self.arch.routing not in GROUP_ROUTINGS,
+                take_over=take_over, fused=fused_moe.pack if self.fused else None,
+                linears=packed,
             )  # fmt: skip
         self.reduce = reduce if reduce is not None else (lambda t: t)
         self.gather = gather if gather is not None else (lambda t: t)

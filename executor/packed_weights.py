@@ -30,14 +30,22 @@ _EXPERT = ("w1", "w3", "w2")
 
 
 def packed_weights(
-    weights: ModelWeights, *, router_linear: bool, take_over: bool = False, fused=None
+    weights: ModelWeights,
+    *,
+    router_linear: bool,
+    take_over: bool = False,
+    fused=None,
+    linears: bool = True,
 ) -> ModelWeights:
     """`weights` with each matrix MoEModel.linear multiplies by packed (router_linear: the
     router is one of them; grouped routers run in float32 on their own); take_over: each
     original storage released once the last matrix in it is packed (the caller must not read
     them again; one that a tensor left as it is shares is kept); fused: the routed experts'
     packing for the fused kernel (executor/fused_moe.py's pack; a dense layer's MLP stays
-    oneDNN's)."""
+    oneDNN's). linears=False: the routed experts alone, for the fused kernel (a path that does
+    not pack: the other matrices, a dense layer's MLP included, stay as they are)."""
+    if not linears:
+        return _experts_only(weights, fused, take_over)
     names = _LINEAR + (("router",) if router_linear else ())
     tied = weights.lm_head is weights.embed
     originals = [t for w in weights.layers for t in _matrices(w, names)]
@@ -55,6 +63,21 @@ def packed_weights(
         layers.append(dataclasses.replace(w, experts=experts, **packed))
     lm_head = weights.lm_head if tied else packer.pack(weights.lm_head)
     return dataclasses.replace(weights, layers=tuple(layers), lm_head=lm_head)
+
+
+def _experts_only(weights: ModelWeights, fused, take_over: bool) -> ModelWeights:
+    """packed_weights' routed experts laid out by `fused`, the rest untouched."""
+    routed = [w for w in weights.layers if w.router is not None]
+    originals = [t for w in routed for e in w.experts for t in (e.w1, e.w3, e.w2) if t is not None]
+    packer = _Packer(originals, weights) if take_over else _Packer([], None)
+    layers = tuple(
+        w if w.router is None else dataclasses.replace(w, experts=tuple(
+            dataclasses.replace(e, w1=packer.pack(e.w1, e.w3, how=fused), w3=None,
+                                w2=packer.pack(e.w2, how=fused))
+            for e in w.experts))
+        for w in weights.layers
+    )  # fmt: skip
+    return dataclasses.replace(weights, layers=layers)
 
 
 class _Packer:

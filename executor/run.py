@@ -439,11 +439,7 @@ def _environment(spec: RunSpec, policy: Policy, schedule, runtime, wall, busy) -
         "busy_s": busy,
         "cpu_gemm": None
         if cpu_gemm is None
-        else {
-            **cpu_gemm.to_dict(),
-            "calls": dict(runtime.model.gemm_calls),
-            "experts": "fused" if runtime.model.fused else "loop",
-        },
+        else {**cpu_gemm.to_dict(), "calls": dict(runtime.model.gemm_calls)},
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "host": platform.node(),

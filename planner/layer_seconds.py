@@ -14,7 +14,7 @@ from hrm.policy import dtype_bytes
 from hrm.roofline.ops import ACTIVATION_DTYPE, layer_ops, lm_head_op, prefill_attention_flops
 from hrm.rules.cpu_gemm import CpuGemmChoice
 from planner.memory import PREFILL_CHUNK_TOKENS
-from planner.op_time import expert_ffn_seconds, op_seconds
+from planner.op_time import expert_ffn_seconds, op_seconds, runs_fused
 from planner.overheads import launch_seconds, step_seconds, unhidden_gpu_launch
 from planner.setting import Setting
 from planner.transfers import all_reduce_seconds, link_seconds
@@ -228,7 +228,13 @@ def _kind_seconds(setting: Setting, b) -> MicroBatchSeconds:
         # projection and after the expert FFN), prefill over all its prompt tokens
         gpu_all_reduce=2 * steps_of(all_reduce, hidden_page, b_dec * arch.hidden_size * adt),
         cpu_launch=launch_seconds(
-            cpu_overhead, arch, steps, min(b_pre * s_pre, PREFILL_CHUNK_TOKENS), b_dec
+            cpu_overhead,
+            arch,
+            steps,
+            min(b_pre * s_pre, PREFILL_CHUNK_TOKENS),
+            b_dec,
+            # a stand-in's experts run the loop over unpacked pages, whatever the CPU's choice
+            fused=not hw.stand_in and runs_fused(hw.cpu, dtype, setting.cpu_gemm_choice),
         ),
         gpu_launch=unhidden_gpu_launch(
             hw.gpu.launch_overhead_for(dtype) if hw.gpu is not None else None, gpu["dense"], steps

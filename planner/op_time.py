@@ -17,6 +17,7 @@ from hrm.roofline.ops import (
     routed_expert_op,
 )
 from hrm.rules.cpu_gemm import CpuGemmChoice, gemm_flops_per_s, gemm_flops_per_s_each
+from hrm.rules.cpu_moe import fused_timed
 
 
 def op_seconds(
@@ -117,9 +118,18 @@ def _experts_seconds(
     """E * sum_n P(n) * T_expert(n) for one group of `group` tokens: n ~ Binomial(group, k/E),
     n = 0 costs nothing."""
     counts, weights = _binomial(group, arch.experts_per_token / arch.num_experts)
-    expert = routed_expert_op(arch, rows=counts, weight_dtype=weight_dtype)
+    fused = runs_fused(device, dtype, cpu_gemm)
+    expert = routed_expert_op(arch, rows=counts, weight_dtype=weight_dtype, fused=fused)
+    if fused:  # each expert at its rows on the kernel's curves (hrm profile)
+        cpu_gemm = cpu_gemm.fused_experts()
     seconds = op_seconds(expert, device, dtype, counts, cpu_gemm=cpu_gemm)
     return arch.num_experts * float(weights @ seconds)
+
+
+def runs_fused(device: DeviceSpec, dtype: str, cpu_gemm: CpuGemmChoice | None) -> bool:
+    """The CPU's routed experts priced fused: the run fuses them and the profile timed the
+    kernel (hrm.rules.cpu_moe; else the loop's price, the closest measured)."""
+    return cpu_gemm is not None and cpu_gemm.experts == "fused" and fused_timed(device, dtype)
 
 
 def _binomial(trials: int, p: float) -> tuple[np.ndarray, np.ndarray]:

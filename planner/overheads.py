@@ -25,16 +25,18 @@ def launch_seconds(
     steps: int,
     prefill_tokens: float,
     b: float,
+    *,
+    fused: bool = False,
 ) -> np.ndarray:
     """T_launch = per_layer + E_touched(tokens) * per_expert, at prefill's tokens then each
-    decode step's b; 0 where the profile has no measurement."""
+    decode step's b; 0 where the profile has no measurement. Fused experts (hrm.rules.cpu_moe)
+    pay no per-expert cost here: the kernel's calls, setup included, are timed in its curves."""
     if overhead is None:
         return np.zeros(steps)
+    per_expert = 0.0 if fused else overhead.per_expert_s
 
     def per_layer(tokens: float) -> float:
-        return (
-            overhead.per_layer_s + expected_distinct_experts(arch, tokens) * overhead.per_expert_s
-        )
+        return overhead.per_layer_s + expected_distinct_experts(arch, tokens) * per_expert
 
     return np.concatenate([[per_layer(prefill_tokens)], per_layer(b) * np.ones(steps - 1)])
 

@@ -111,6 +111,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+# the fused kernel's curves stop here: a prefill's experts see a few hundred rows each, and a
+# Mixtral 8x7B-sized call of GROUP experts at 1024 rows would take seconds a sample
+FUSED_MAX_ROWS = 256
+
+
 def with_launch_overhead(
     profile: HardwareProfile, arch, *, quick: bool = False, timed=None
 ) -> HardwareProfile:
@@ -174,6 +179,7 @@ def with_launch_overhead(
         elementwise_rate=elementwise,
         dequantize_rates={f: measure_dequantize_rate(arch, f) for f in WEIGHT_FORMATS},
     )
+    cpu = released(with_fused_curves)(cpu, arch, PRESETS[preset]) if "bfloat16" in dtypes else cpu
     gpu = profile.gpu
     if gpu is not None:
         plan = PRESETS[preset]
@@ -190,6 +196,32 @@ def with_launch_overhead(
             dequantize_rates={f: measure_dequantize_rate(arch, f, "cuda") for f in WEIGHT_FORMATS},
         )
     return dataclasses.replace(profile, cpu=cpu, gpu=gpu)
+
+
+def with_fused_curves(cpu, arch, plan):
+    """The CPU with the fused expert kernel's curves (executor/fused_moe.py) beside its GEMM
+    shapes' (`bfloat16_fused`), at the model's two fused calls where its widths allow and at the
+    generic shapes, over the preset's shape grid up to FUSED_MAX_ROWS rows an expert: what a
+    fused run is priced by (hrm.rules.cpu_moe). Unchanged where the kernel cannot run here."""
+    from executor.fused_moe import fused_curves, host_missing
+    from hrm.hardware.parts import FUSED_KEYS
+    from hrm.profiling import GENERIC_SHAPES
+    from hrm.profiling.cpu import host_facts
+    from hrm.roofline.ops import fused_expert_gemm_shapes
+    from hrm.rules.cpu_moe import BLOCK
+
+    if host_missing() is not None:
+        return cpu
+    own = fused_expert_gemm_shapes(arch)
+    shapes = [s for s in (*own, *GENERIC_SHAPES) if s[0] % 2 == 0 and s[1] % BLOCK == 0]
+    cache = host_facts().last_level_cache_bytes or 64e6
+    rows = tuple(r for r in plan.shape_tokens_grid if r <= FUSED_MAX_ROWS)
+    curves = fused_curves(dict.fromkeys(shapes), rows=rows, streamed_bytes=2 * cache,
+                          repeats=plan.repeats, min_sample_s=plan.min_sample_s)  # fmt: skip
+    merged = {name: dict(by_key) for name, by_key in cpu.gemm_shape_curves.items()}
+    for name, curve in curves.items():
+        merged.setdefault(name, {})[FUSED_KEYS["bfloat16"]] = curve
+    return dataclasses.replace(cpu, gemm_shape_curves=merged)
 
 
 def _command_line(args: argparse.Namespace) -> str:

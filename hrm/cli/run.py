@@ -100,7 +100,8 @@ def run_job(args: argparse.Namespace, warn):
     random_arch = _random_arch(args)
     output = _output_path(args)
     hardware = resolve_hardware(args.hardware) if args.hardware else None
-    job = settle_job(args, hardware, random_arch, planner_args, warn)
+    notes: list[str] = []  # said once the job is sure to run: bad input gets its one line alone
+    job = settle_job(args, hardware, random_arch, planner_args, notes.append)
     _check_batching(args, job)
     tp = job.plan.tensor_parallel if job.plan is not None else 1
     if tp > 1 and "WORLD_SIZE" not in os.environ:
@@ -119,6 +120,8 @@ def run_job(args: argparse.Namespace, warn):
     try:
         lock = _lock(output, world)
         partial = _partial(args, output, digest, world)
+        for note in notes:
+            warn(note)
         result = _run_shard(args, job, hardware, partial, warn, world)
     finally:
         if lock is not None:
@@ -348,9 +351,9 @@ def _max_running(job) -> int:
 def _check_flags(args) -> list[str]:
     """Flags that contradict each other or lack their partner, refused one line at a time;
     returns the planning flags given (gpu_mem, cpu_mem, schedule)."""
-    from executor.fused_moe import check_mode as check_cpu_moe
     from hrm.errors import HrmError
     from hrm.rules.cpu_gemm import MODES
+    from hrm.rules.cpu_moe import check_mode as check_cpu_moe
 
     if args.prompt_len is not None and args.batch is None:
         raise HrmError("--prompt-len needs --batch (the number of random prompts)")

@@ -60,9 +60,10 @@ def add_run_arguments(p, batchings: tuple[str, ...]) -> None:
         "--cpu-moe",
         default="loop",
         help="how a CPU run with packed bf16 weights runs its routed experts: loop (one oneDNN "
-        "GEMM per expert) or fused (each of the experts' two GEMMs one native call over all of "
-        "them, compiled on first use; plain SwiGLU experts of widths a multiple of 64). Plans "
-        "and predictions price the loop (loop)",
+        "GEMM per expert), fused (each of the experts' two GEMMs one native call over all of "
+        "them, compiled on first use; plain SwiGLU experts of widths a multiple of 64), or auto "
+        "(fused where it can run). --hardware prices a fused run by the kernel's curves where "
+        "hrm profile timed them, else as the loop (loop)",
     )
     p.add_argument(
         "--batching",

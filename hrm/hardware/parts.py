@@ -71,7 +71,9 @@ HALF_DTYPES = ("bfloat16", "float16")
 WIDENED_KEYS = {dtype: f"{dtype}_widened" for dtype in HALF_DTYPES}
 # ... and the path over weights prepacked once for oneDNN (hrm.rules.gemm_paths), under these.
 PACKED_KEYS = {dtype: f"{dtype}_packed" for dtype in HALF_DTYPES}
-CPU_PATH_KEYS = {"widened": WIDENED_KEYS, "packed": PACKED_KEYS}  # the paths beside native
+# ... and the routed experts' fused kernel (hrm.rules.cpu_moe), bfloat16 only, under these.
+FUSED_KEYS = {"bfloat16": "bfloat16_fused"}
+CPU_PATH_KEYS = {"widened": WIDENED_KEYS, "packed": PACKED_KEYS, "fused": FUSED_KEYS}
 
 
 def path_key(dtype: str, path: str) -> str:

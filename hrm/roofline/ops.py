@@ -162,8 +162,16 @@ def expert_gemm_shapes(arch: ModelArch) -> tuple[tuple[int, int], ...]:
     return ((h, i), (h, i), (i, h))
 
 
-def routed_expert_op(arch: ModelArch, *, rows: float, weight_dtype: str) -> Op:
-    """One expert over the `rows` tokens routed to it: its three GEMMs at those rows, its whole
+def fused_expert_gemm_shapes(arch: ModelArch) -> tuple[tuple[int, int], ...]:
+    """(d_in, d_out) of the fused kernel's two calls (executor/fused_moe.py): w1 and w3
+    stacked, then w2."""
+    h, i = arch.hidden_size, arch.intermediate_size
+    return ((h, 2 * i), (i, h))
+
+
+def routed_expert_op(arch: ModelArch, *, rows: float, weight_dtype: str, fused: bool = False) -> Op:
+    """One expert over the `rows` tokens routed to it: its three GEMMs at those rows (fused: as
+    the fused kernel's two calls run them, gate and up stacked; hrm.rules.cpu_moe), its whole
     weight read once, and the elementwise passes of the executor's grouped FFN per assignment:
     the gate silu(a)*b, 5*i (2 for silu, 3 for the product); the gather of inputs, the copy of
     outputs, the scale by the router weight and its rounding, 2*h each; index_add_'s read, h."""
@@ -175,7 +183,7 @@ def routed_expert_op(arch: ModelArch, *, rows: float, weight_dtype: str) -> Op:
         weight_bytes=arch.expert_params * wdt,
         activation_bytes=rows * (2 * h + 3 * i) * adt,
         elementwise_elements=rows * (5 * i + 9 * h),
-        gemm_shapes=expert_gemm_shapes(arch),
+        gemm_shapes=fused_expert_gemm_shapes(arch) if fused else expert_gemm_shapes(arch),
     )
 
 

@@ -69,9 +69,13 @@ class MeasuredRates:
 def rate_key(rates: GemmRates, dtype: str, path: str) -> str:
     """The profile key of a path's rates: the dtype itself when native; `<dtype>_widened` when
     widened, or float32 where the profile has no widened rate (the widened GEMM is an fp32 one);
-    `<dtype>_packed` when packed, or the native rate where the profile has no packed one."""
+    `<dtype>_packed` when packed, or the native rate where the profile has no packed one;
+    `<dtype>_fused` when the experts run fused (CpuGemmChoice.fused_experts: priced only where the
+    profile timed it, hrm.rules.cpu_moe)."""
     if path == "native":
         return dtype
+    if path == "fused":
+        return path_key(dtype, path)
     key = path_key(dtype, path)
     if key in rates.peak_flops_per_s:
         return key
@@ -184,10 +188,14 @@ class CpuGemmChoice:
     # path -> shape key (or ANY_SHAPE) -> {tokens: rows run} up to SMALL_PAD_LIMIT
     small_pads: Mapping[str, Mapping[str, Mapping[int, int]]] = field(default_factory=dict)
     source: str
+    # how the routed experts run (hrm.rules.cpu_moe): `loop`, each expert its GEMMs along the
+    # buckets' paths, or `fused`, each of their GEMMs one call over all of them
+    experts: str = "loop"
     # id(rates) -> (rates, {(tokens, shape): FLOP/s}): a search asks for the same few row counts
     # hundreds of thousands of times; holding `rates` keeps its id from being reused
     _memo: dict = field(default_factory=dict, init=False, compare=False, repr=False)
     _unpacked: list = field(default_factory=list, init=False, compare=False, repr=False)
+    _fused: list = field(default_factory=list, init=False, compare=False, repr=False)
 
     def path_at(self, tokens: float) -> str:
         return _path_of(self.buckets, tokens)
@@ -208,7 +216,7 @@ class CpuGemmChoice:
         over a page at a time, where nothing is packed (executor/runtime.py builds that model
         with packs=False: a page is never reordered for oneDNN). Kept, with its rates' memo,
         for the next call."""
-        if "packed" not in self.paths:
+        if "packed" not in self.paths and self.experts == "loop":
             return self
         if not self._unpacked:
             buckets: list[tuple[float, str]] = []
@@ -217,9 +225,21 @@ class CpuGemmChoice:
                 if not buckets or buckets[-1][1] != path:
                     buckets.append((start, path))
             self._unpacked.append(dataclasses.replace(
-                self, buckets=tuple(buckets), source=f"{self.source}, pages unpacked"
+                self, buckets=tuple(buckets), source=f"{self.source}, pages unpacked",
+                experts="loop",
             ))  # fmt: skip
         return self._unpacked[0]
+
+    def fused_experts(self) -> CpuGemmChoice:
+        """The choice the routed experts' GEMMs are priced by where they run fused: every row
+        count on the `fused` rate key (`<dtype>_fused`, hrm profile's curves of the kernel),
+        unpadded. Kept, with its rates' memo, for the next call."""
+        if not self._fused:
+            self._fused.append(dataclasses.replace(
+                self, buckets=((0.0, "fused"),), padded=(), small_pads={},
+                source=f"{self.source}, experts fused",
+            ))  # fmt: skip
+        return self._fused[0]
 
     def describe(self) -> str:
         parts = []
@@ -232,7 +252,8 @@ class CpuGemmChoice:
             if small:
                 notes.append("rows " + ", ".join(f"{t}->{r}" for t, r in sorted(small.items())))
             parts.append(f"{path} at {span} tokens" + (f" ({'; '.join(notes)})" if notes else ""))
-        return f"{self.dtype}: " + ", ".join(parts) + f" [{self.source}]"
+        experts = "; experts fused" if self.experts == "fused" else ""
+        return f"{self.dtype}: " + ", ".join(parts) + f"{experts} [{self.source}]"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -244,19 +265,20 @@ class CpuGemmChoice:
                 for path, by in self.small_pads.items()
             },
             "source": self.source,
+            "experts": self.experts,
         }
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "cpu_gemm") -> CpuGemmChoice:
-        """The choice as to_dict wrote it (a RunRecord's environment); extra keys (the run's
-        `calls`, how its `experts` ran) are not the choice's and are left to the caller."""
-        # records made before small_pads existed ran without it
-        data = check_keys(
-            data,
-            where=where,
-            required={f.name for f in dataclasses.fields(cls) if f.init} - {"small_pads"},
-            optional={"calls", "experts", "small_pads"},
-        )
+        """The choice as to_dict wrote it (a RunRecord's environment); an extra key (the run's
+        `calls`) is not the choice's and is left to the caller."""
+        # records made before small_pads or experts existed ran without them (the loop)
+        optional = {"calls", "experts", "small_pads"}
+        required = {f.name for f in dataclasses.fields(cls) if f.init} - optional
+        data = check_keys(data, where=where, required=required, optional=optional)
+        experts = data.get("experts", "loop")
+        if experts not in ("loop", "fused"):
+            raise HrmError(f"{where}: experts must be loop or fused, not {experts!r}")
         buckets = data["buckets"]
         if (
             not isinstance(buckets, list)
@@ -270,6 +292,7 @@ class CpuGemmChoice:
             padded=tuple(data["padded"]),
             small_pads=_small_pads_from(data.get("small_pads", {}), where),
             source=str(data["source"]),
+            experts=experts,
         )
 
 

@@ -41,8 +41,10 @@ TOLERANCE = {"bfloat16": 2e-2, "float16": 3e-3}
 # DeepSeek's latent attention is absorbed here and decompressed there (executor/
 # latent_attention.py), so bf16 rounds in another order: on the 2026-12-05 checkpoint ours is as
 # close to float32 as theirs at prefill (2.2e-2 against 2.6e-2) and every row within 2.5e-2 of
-# theirs but one a step, where an expert choice flips (7.5e-2 at step 2, 0.17 at step 6)
-TOLERANCE_BY_NAME = {("gpt_oss", "bfloat16"): 3e-2, ("deepseek_v2", "bfloat16"): 0.2}
+# theirs but one a step, where an expert choice flips (7.5e-2 at step 2, 0.17 at step 6). On an
+# AVX2 EPYC (2026-12-07), where torch's native bf16 GEMM rounds otherwise, the flips reach 0.20
+# at step 4 (one row; 0.12 and 0.09 in two rows at step 2), the other rows within 2.9e-2
+TOLERANCE_BY_NAME = {("gpt_oss", "bfloat16"): 3e-2, ("deepseek_v2", "bfloat16"): 0.25}
 
 
 def reference_generate(model, prompts, steps):
