@@ -99,14 +99,22 @@ def add_memory_constraints(prob, x: _Vars, model: BatchModel) -> None:
 
 
 def add_time_constraints(prob, x: _Vars, model: BatchModel) -> list[pulp.LpVariable]:
-    """T_s >= every bound on the layer time at step s (schedule_terms in planner/cost.py)."""
+    """T_s >= every bound on the layer time at step s (schedule_terms in planner/cost.py).
+
+    Each row is built as the constraint T_s - (c_0 + c . x) >= 0 directly: a long generation has
+    thousands of them, and PuLP's operators copy an expression at each step of `>=`."""
     rows = model.layer_coefficients()
     steps = next(iter(rows.values())).shape[0]
     t = [_variable(prob, f"T_{s}", 0, None) for s in range(steps)]
+    names = (ATT, x.att), (FFN, x.ffn), (RW, x.rw), (RC, x.rc), (RD, x.rd)
     for name, coef in rows.items():
-        for s in range(steps):
-            # T_layer(s) >= term(s)   (paper Eq 12: max over queues, as an epigraph)
-            prob += t[s] >= x.affine(coef[s]), f"{name}_{s}"
+        # T_layer(s) >= term(s)   (paper Eq 12: max over queues, as an epigraph)
+        used = [(k, var) for k, var in names if coef[:, k].any()]
+        cols = coef[:, [k for k, _ in used]].tolist()
+        for s, (c, row) in enumerate(zip(coef[:, ONE].tolist(), cols, strict=True)):
+            terms = [(t[s], 1.0)] + [(var, -v) for (_, var), v in zip(used, row, strict=True) if v]
+            expr = pulp.LpAffineExpression(terms, constant=-c)
+            prob.addConstraint(pulp.LpConstraint(expr, pulp.LpConstraintGE), f"{name}_{s}")
     return t
 
 

@@ -15,14 +15,16 @@ longest group's chain; serial adds the chains up; the weights stream once a pass
 pages as the pass has groups; fill and drain when there are two groups or more, and each
 sampling group's LM head.
 
-Shapes are priced on a grid: chunks at powers of CONTEXT_BUCKET (6% apart), a later chunk's
-start at powers of START_BUCKET (25%: few chunks start late; in the 2000-request job of issue
-51, 28 of 2028), and groups of more than 16 sequences between two sizes of that grid,
-interpolated linearly (a pass's last group is of any size, and each new shape is a static
-model's layer to price). A decode group's context is priced exactly: one static model of its
-size decodes from a 1-token prompt to the longest context asked, a step per context (its steps
-are one vectorised evaluation), and a
-fractional context between two integers is interpolated.
+Shapes are priced on grids, each value between the two points either side of it, weighted
+linearly (a pass's last group is of any size, and each new shape is a static model's layer to
+price): groups of more than 16 sequences between two whole powers of SIZE_BUCKET (6% apart);
+chunk lengths and starts from 16 tokens on powers of CHUNK_GRID (26% apart, every power of two
+on it), a start below 16 between none and 16. A start's work is linear in it (its keys), and a
+length's nearly so, so this is within 2% of the exact shape where rounding up to a 6% grid
+was 3.6% over (median; docs/decisions.md, 2026-12-07). A decode group's context is priced
+exactly: one static model of its size decodes from a 1-token prompt to the job's longest
+context, a step per context (its steps are one vectorised evaluation), and a fractional context
+between two integers is interpolated.
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from operator import itemgetter
 
 import numpy as np
 
@@ -42,8 +43,10 @@ from planner.evaluate import policy_vector
 from planner.layer_seconds import micro_batch_seconds
 from planner.setting import Setting
 
-CONTEXT_BUCKET = 1.0625  # chunks priced at the next power of this, group sizes between two
-START_BUCKET = 1.25  # a later chunk's start priced at the next power of this (a few chunks a job)
+SIZE_BUCKET = 1.0625  # groups of more than 16 priced between two whole powers of this
+# chunk lengths and starts from 16 tokens priced at 16 x CHUNK_GRID^k either side, interpolated
+# (every power of 2 is on it: 32, 64, 128, ...); a start below 16 between none and 16
+CHUNK_GRID = 2 ** (1 / 3)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,18 +96,26 @@ class PassPricer:
         into their prompts."""
         if phase == "decode":
             length = max(length, 2.0)  # a decode attends over its prompt and itself at least
-        else:  # chunks and starts from 16 tokens at the bucket above (prompts of every length)
-            length = _on_grid(max(1.0, length), CONTEXT_BUCKET)
-            before = _on_grid(before, START_BUCKET)
+        else:  # whole tokens: a group's mean chunk and start
+            length, before = float(max(1, round(length))), float(max(0, round(before)))
         key = (phase, b, length, before)
         if key not in self._groups:
-            lo, hi = _sizes_around(b)
-            share = (b - lo) / (hi - lo) if hi > lo else 0.0
-            terms = self._values(phase, lo, length, before)
-            if share:
-                terms = (1 - share) * terms + share * self._values(phase, hi, length, before)
-            self._groups[key] = terms
+            self._groups[key] = self._interpolated(phase, b, length, before)
         return self._groups[key]
+
+    def _interpolated(self, phase: str, b: int, length: float, before: float) -> np.ndarray:
+        """A group's terms from the priced shapes about it: sizes (_sizes_around), and for a
+        chunk group its length and start (_chunk_points), weighted linearly in each."""
+        lo, hi = _sizes_around(b)
+        share = (b - lo) / (hi - lo) if hi > lo else 0.0
+        sizes = ((lo, 1.0 - share), (hi, share)) if share else ((lo, 1.0),)
+        if phase == "decode":
+            shapes = [(size, w, length, 0.0) for size, w in sizes]
+        else:
+            shapes = [(size, ws * wl * wb, at, start) for size, ws in sizes
+                      for at, wl in _chunk_points(length, 16)
+                      for start, wb in _chunk_points(before, 0)]  # fmt: skip
+        return sum(w * self._values(phase, size, at, start) for size, w, at, start in shapes)
 
     def _values(self, phase: str, b: int, length: float, before: float) -> np.ndarray:
         """A group's terms of b at this policy: a chunk's, or a decode's at context `length`
@@ -118,8 +129,9 @@ class PassPricer:
         rows = self._decodes.get(b)
         if rows is None or len(rows) < low:  # contexts 2..G: G - 1 rows
             table = self.shapes.get(("decode", b))
-            if table is None or len(table) < low:
-                reach = max(64, 1 << math.ceil(math.log2(low + 1)))
+            if table is None or len(table) < low:  # at once to the job's longest context
+                longest = max(low, self.setting.workload.max_context_len)
+                reach = max(64, 1 << math.ceil(math.log2(longest + 1)))
                 table = self.shapes["decode", b] = self._group_terms(b, prompt=1.0, steps=reach)
             rows = self._decodes[b] = table @ self.v
         share = length - low
@@ -183,39 +195,52 @@ class PassPricer:
 
 def _sizes_around(b: int) -> tuple[int, int]:
     """The priced group sizes either side of `b` sequences: every size to 16, then whole powers
-    of CONTEXT_BUCKET (a pass's last group is of any size; a group between two is
+    of SIZE_BUCKET (a pass's last group is of any size; a group between two is
     interpolated)."""
     if b <= 16:
         return b, b
-    k = math.floor(math.log(b, CONTEXT_BUCKET))
-    lo, hi = math.floor(CONTEXT_BUCKET**k), math.ceil(CONTEXT_BUCKET ** (k + 1))
+    k = math.floor(math.log(b, SIZE_BUCKET))
+    lo, hi = math.floor(SIZE_BUCKET**k), math.ceil(SIZE_BUCKET ** (k + 1))
     return max(16, min(lo, b)), max(hi, b)
 
 
-def _on_grid(tokens: float, bucket: float) -> float:
-    """A chunk's length or start as priced: whole tokens to 16, then the next power of
-    `bucket`."""
-    tokens = float(max(0, round(tokens)))
-    return float(round(_bucket(tokens, bucket))) if tokens > 16 else tokens
+def _chunk_points(tokens: float, exact: int) -> tuple[tuple[float, float], ...]:
+    """A chunk length or start (whole tokens) as the priced points either side of it with their
+    weights: itself to `exact`; from there to 16, `exact` and 16; above 16 the whole tokens
+    about 16 x CHUNK_GRID^k either side. Linear between two points, which a start's attention
+    (keys) is, and a length's work nearly (its attention's square term errs by 1.3% at most)."""
+    if tokens <= exact:
+        return ((tokens, 1.0),)
+    if tokens <= 16:
+        lo, hi = float(exact), 16.0
+    else:
+        k = math.floor(math.log(tokens / 16, CHUNK_GRID))
+        k += (_grid_point(k + 1) <= tokens) - (_grid_point(k) > tokens)  # the log's rounding
+        lo, hi = _grid_point(k), _grid_point(k + 1)
+    share = (tokens - lo) / (hi - lo)
+    return tuple((x, w) for x, w in ((lo, 1.0 - share), (hi, share)) if w > 0)
 
 
-def _bucket(length: float, bucket: float = CONTEXT_BUCKET) -> float:
-    """The next power of `bucket` at or above `length`."""
-    return bucket ** math.ceil(math.log(length, bucket))
+def _grid_point(k: int) -> float:
+    return float(round(16 * CHUNK_GRID**k))
 
 
 def pass_groups(p: Pass, micro_batch_size: int) -> list[tuple]:
-    """The groups of a pass as the executor cuts them: (decode, sequences, context), a decode
-    group's context its longest, to which the executor gathers and attends every sequence's
-    rows, masked (executor/kv_blocks.py); (prefill, sequences, mean chunk, mean start)."""
-    out: list[tuple] = []
-    for phase, entries in p.groups(micro_batch_size):
-        n = len(entries)
-        if phase == "decode":
-            out.append((phase, n, 1 + max(map(itemgetter(1), entries))))
-        else:
-            out.append((phase, n, sum(c.length for c in entries) / n,
-                        sum(c.start for c in entries) / n))  # fmt: skip
+    """The groups of a pass as the executor cuts them (Pass.groups): (decode, sequences,
+    context), a decode group's context its longest, to which the executor gathers and attends
+    every sequence's rows, masked (executor/kv_blocks.py); (prefill, sequences, mean chunk,
+    mean start)."""
+    mu, out = max(1, micro_batch_size), []
+    positions = np.sort(p.positions).tolist()  # shortest first: a group's last is its longest
+    n = len(positions)
+    for s in range(0, n, mu):
+        end = min(s + mu, n)
+        out.append(("decode", end - s, 1 + positions[end - 1]))
+    for s in range(0, len(p.chunks), mu):
+        entries = p.chunks[s : s + mu]
+        k = len(entries)
+        out.append(("prefill", k, sum(c.length for c in entries) / k,
+                    sum(c.start for c in entries) / k))  # fmt: skip
     return out
 
 
@@ -244,7 +269,7 @@ def price_job(
             seconds.append(pricer.price([(ph, b, c + later, *r) for ph, b, c, *r in groups]))
         if p.chunks:
             prefill += seconds[-1]
-        sequences += count * (len(p.decodes) + len(p.chunks))
+        sequences += count * (len(p.positions) + len(p.chunks))
     decode = sum(seconds) - prefill
     return JobPrice(
         passes=len(seconds),

@@ -19,7 +19,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from operator import itemgetter
+
+import numpy as np
 
 from hrm.errors import HrmError
 
@@ -44,29 +45,56 @@ class Chunk:
     last: bool
 
 
-@dataclass(frozen=True)
 class Pass:
     """One pass of the weights: the running sequences' decodes (request index, the position of
-    the token fed: its KV length before the pass) and the prompt chunks."""
+    the token fed: its KV length before the pass) and the prompt chunks.
 
-    decodes: tuple[tuple[int, int], ...]
-    chunks: tuple[Chunk, ...]
+    The decodes are held as two arrays (`requests`, `positions`), which a simulation of
+    thousands of sequences a pass makes and reads without a Python object a sequence;
+    `decodes` gives them as (index, position) pairs. Passes are never changed once made."""
+
+    __slots__ = ("requests", "positions", "chunks", "_decodes")
+
+    def __init__(self, decodes=(), chunks=(), *, arrays: tuple | None = None):
+        if arrays is None:
+            pairs = np.array(decodes, dtype=np.int64).reshape(-1, 2)
+            arrays = (pairs[:, 0].copy(), pairs[:, 1].copy())
+        self.requests, self.positions = arrays
+        self.chunks: tuple[Chunk, ...] = tuple(chunks)
+        self._decodes = None
+
+    @property
+    def decodes(self) -> tuple[tuple[int, int], ...]:
+        if self._decodes is None:
+            self._decodes = tuple(zip(self.requests.tolist(), self.positions.tolist(), strict=True))
+        return self._decodes
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, Pass):
+            return NotImplemented
+        return (self.chunks == other.chunks and np.array_equal(self.requests, other.requests)
+                and np.array_equal(self.positions, other.positions))  # fmt: skip
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"Pass(decodes={self.decodes!r}, chunks={self.chunks!r})"
 
     @property
     def tokens(self) -> int:
-        return len(self.decodes) + sum(c.length for c in self.chunks)
+        return len(self.positions) + sum(c.length for c in self.chunks)
 
     @property
     def samples(self) -> tuple[int, ...]:
         """Requests that sample a token in this pass, decodes first."""
-        return tuple(i for i, _ in self.decodes) + tuple(c.index for c in self.chunks if c.last)
+        return tuple(self.requests.tolist()) + tuple(c.index for c in self.chunks if c.last)
 
     def shifted(self, later: int) -> Pass:
         """The decode-only pass `later` passes on in a span (Admission.next_span): the same
         sequences, each `later` tokens further."""
         if not later:
             return self
-        return Pass(decodes=tuple((i, pos + later) for i, pos in self.decodes), chunks=())
+        return Pass(arrays=(self.requests, self.positions + later))
 
     def groups(self, micro_batch_size: int) -> list[tuple[str, list]]:
         """The pass cut into micro-batches of at most `micro_batch_size` sequences: decodes
@@ -75,7 +103,9 @@ class Pass:
         kv_blocks.py), so sequences of like lengths share one. The order holds over a span:
         every decode moves on one token a pass."""
         mu = max(1, micro_batch_size)
-        decodes = sorted(self.decodes, key=itemgetter(1))
+        order = np.argsort(self.positions, kind="stable")  # shortest first, ties in pass order
+        index, positions = self.requests[order].tolist(), self.positions[order].tolist()
+        decodes = list(zip(index, positions, strict=True))
         out = [("decode", decodes[s : s + mu]) for s in range(0, len(decodes), mu)]
         out += [("prefill", list(self.chunks[s : s + mu])) for s in range(0, len(self.chunks), mu)]
         return out
@@ -137,8 +167,10 @@ class Admission:
         self.running: dict[int, Request] = {}  # admitted, in admission order
         self.prefilled: dict[int, int] = {}  # prompt tokens in, per running request
         self.filling: dict[int, None] = {}  # running requests whose prompt is partly in
-        self.decoding: dict[int, int] = {}  # the others: the position of the token they feed
-        self.generated: dict[int, int] = {}  # tokens sampled, per running request
+        # the others, decoding, in the order they began: request index, the position of the
+        # token each feeds next, tokens sampled and max_new. Arrays, since every pass moves all
+        # of them on (the simulation's inner loop, thousands of sequences a pass)
+        self.decoding = _Decoding()
         self.reserved = 0  # blocks of the running requests' whole lives
         # the most at once over the job: requests running, blocks reserved, and blocks holding
         # KV rows (what the executor's pools hand out as tokens are written: KVBlocks.peak_held)
@@ -152,8 +184,8 @@ class Admission:
 
     def next_pass(self) -> Pass:
         """The tokens of the next pass (empty only when the job is done)."""
-        decodes = tuple(self.decoding.items())
-        room = self.token_budget - len(decodes)
+        decodes = self.decoding.arrays()
+        room = self.token_budget - len(decodes[0])
         chunks: list[Chunk] = []
         for i in self.filling:  # prompts partly in, oldest first
             if room <= 0:
@@ -168,13 +200,13 @@ class Admission:
             self.queue.popleft()
             self.running[r.index] = r
             self.filling[r.index] = None
-            self.prefilled[r.index], self.generated[r.index] = 0, 0
+            self.prefilled[r.index] = 0
             self.reserved += need
             chunks.append(self._chunk(r, 0, room))
             room -= chunks[-1].length
         self.peak_running = max(self.peak_running, len(self.running))
         self.peak_reserved = max(self.peak_reserved, self.reserved)
-        return Pass(decodes=decodes, chunks=tuple(chunks))
+        return Pass(chunks=chunks, arrays=decodes)
 
     @staticmethod
     def _chunk(r: Request, start: int, room: int) -> Chunk:
@@ -182,42 +214,11 @@ class Admission:
         return Chunk(index=r.index, start=start, length=length, last=start + length == r.prompt_len)
 
     def complete(self, done: Pass, stopped: Sequence[int] = ()) -> list[int]:
-        """Account for a pass that ran: its chunks are in, its samplers have a token more.
-        Returns the requests that ended (at max_new, or in `stopped`: a stop token or string),
-        whose blocks are free again, in the order they sampled."""
-        bt, stop, ended = self.block_tokens, set(stopped), []
-        for c in done.chunks:
-            self.held += -(-(c.start + c.length) // bt) - (-(-c.start // bt))
-            self.prefilled[c.index] = c.start + c.length
-        # the decodes' loop is the simulation's inner loop: its names bound locally
-        decoding, generated, running, opened = self.decoding, self.generated, self.running, 0
-        for i, pos in done.decodes:  # the token fed went to row `pos`
-            decoding[i] = pos + 1
-            made = generated[i] = generated[i] + 1
-            if pos % bt == 0:
-                opened += 1
-            if made >= running[i].max_new or i in stop:
-                ended.append(i)
-        self.held += opened
-        for c in done.chunks:
-            if c.last:  # its first token is sampled; it decodes from the next pass
-                i = c.index
-                del self.filling[i]
-                self.decoding[i], self.generated[i] = c.start + c.length, 1
-                if i in stop or self.running[i].max_new <= 1:
-                    ended.append(i)
-        self.peak_held = max(self.peak_held, self.held)
-        self._end(ended)
-        return ended
-
-    def _end(self, ended: list[int]) -> None:
-        """Free the blocks of requests that ended: those holding their rows and their lives'."""
-        bt = self.block_tokens
-        for i in ended:
-            self.held -= -(-self._rows(i) // bt)
-            r = self.running.pop(i)
-            del self.prefilled[i], self.generated[i], self.decoding[i]
-            self.reserved -= blocks_for(life_tokens(r), bt)
+        """Account for a pass that ran (the one next_pass gave last): its chunks are in, its
+        samplers have a token more. Returns the requests that ended (at max_new, or in
+        `stopped`: a stop token or string), whose blocks are free again, in the order they
+        sampled."""
+        return self.complete_span(done, 1, stopped)
 
     def next_span(self) -> tuple[Pass, int]:
         """The next pass and how many passes it repeats for: a pass of decodes alone (nothing
@@ -225,32 +226,91 @@ class Admission:
         (Pass.shifted), until the first of its sequences ends, since until then no block, no
         running slot and no token of the budget frees up. complete_span accounts for them."""
         p = self.next_pass()
-        if p.chunks or not p.decodes:
+        if p.chunks or not len(p.positions):
             return p, 1
-        return p, min(self.running[i].max_new - self.generated[i] for i, _ in p.decodes)
+        return p, self.decoding.steps_left()
 
-    def complete_span(self, span: Pass, count: int) -> list[int]:
-        """complete() of `count` passes of a span from next_span (no stop tokens: a simulation
-        runs every request to its max_new); returns the requests that ended."""
-        if count == 1:
-            return self.complete(span)
-        bt, ended, opened = self.block_tokens, [], 0
-        decoding, generated, running = self.decoding, self.generated, self.running
-        for i, pos in span.decodes:  # rows pos .. pos + count - 1 written
-            decoding[i] = pos + count
-            made = generated[i] = generated[i] + count
-            opened += -(-(pos + count) // bt) - (-(-pos // bt))
-            if made >= running[i].max_new:
-                ended.append(i)
-        self.held += opened
+    def complete_span(self, span: Pass, count: int, stopped: Sequence[int] = ()) -> list[int]:
+        """complete() of `count` passes of a span from next_span (a span of more than one pass
+        has no chunks); returns the requests that ended, in the order they sampled."""
+        bt, d = self.block_tokens, self.decoding
+        if len(span.positions) != len(d):
+            raise ValueError("complete() takes the pass that next_pass() gave last")
+        for c in span.chunks:
+            self.held += -(-(c.start + c.length) // bt) - (-(-c.start // bt))
+            self.prefilled[c.index] = c.start + c.length
+        self.held += d.advance(count, bt)  # rows pos .. pos + count - 1 written
+        ends = d.ended(stopped)
+        began = [c for c in span.chunks if c.last]  # first token sampled: decodes from now on
+        if began:
+            news = [(c.index, c.start + c.length, self.running[c.index].max_new) for c in began]
+            for c in began:
+                del self.filling[c.index]
+            d.add(news)
+            ends = np.concatenate([ends, [i in stopped or m <= 1 for i, _, m in news]])
         self.peak_held = max(self.peak_held, self.held)
-        self._end(ended)
+        return self._end(ends)
+
+    def _end(self, ends: np.ndarray) -> list[int]:
+        """Free the blocks of the decoding requests marked in `ends`: those holding their rows
+        (as many as the position each feeds next) and their lives'."""
+        if not ends.any():
+            return []
+        ended, rows = self.decoding.remove(ends)
+        self.held -= int((-(-rows // self.block_tokens)).sum())
+        for i in ended:
+            del self.prefilled[i]
+            self.reserved -= blocks_for(life_tokens(self.running.pop(i)), self.block_tokens)
         return ended
 
-    def _rows(self, i: int) -> int:
-        """KV rows request i has written: its prompt so far and every sampled token fed back
-        (all but the last)."""
-        return self.prefilled[i] + max(0, self.generated[i] - 1)
+
+class _Decoding:
+    """The decoding sequences as arrays, in the order they began (request index, position fed
+    next, tokens sampled, max_new): a pass moves them all on in a few array operations."""
+
+    def __init__(self):
+        self.index, self.pos, self.made, self.max_new = (np.zeros(0, np.int64) for _ in range(4))
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """(request indices, positions): never changed in place, so a Pass may keep them."""
+        return self.index, self.pos
+
+    def steps_left(self) -> int:
+        """Passes until the first of them reaches its max_new."""
+        return int((self.max_new - self.made).min())
+
+    def advance(self, count: int, block_tokens: int) -> int:
+        """Each a `count` tokens further; returns the blocks that opened."""
+        bt = block_tokens
+        opened = int((-(-(self.pos + count) // bt) - (-(-self.pos // bt))).sum())
+        self.pos, self.made = self.pos + count, self.made + count  # new arrays: see arrays()
+        return opened
+
+    def ended(self, stopped: Sequence[int]) -> np.ndarray:
+        """Which are done: at max_new, or in `stopped`."""
+        ends = self.made >= self.max_new
+        if len(stopped):
+            ends |= np.isin(self.index, np.asarray(stopped, dtype=np.int64))
+        return ends
+
+    def add(self, news: list[tuple[int, int, int]]) -> None:
+        """Sequences whose prompts are in, each's first token sampled: (index, pos, max_new)."""
+        index, pos, max_new = np.array(news, dtype=np.int64).reshape(-1, 3).T
+        self.index = np.concatenate([self.index, index])
+        self.pos = np.concatenate([self.pos, pos])
+        self.made = np.concatenate([self.made, np.ones_like(index)])
+        self.max_new = np.concatenate([self.max_new, max_new])
+
+    def remove(self, ends: np.ndarray) -> tuple[list[int], np.ndarray]:
+        """Drop those marked; returns their indices (in order) and the rows each wrote."""
+        ended, rows = self.index[ends].tolist(), self.pos[ends]
+        keep = ~ends
+        self.index, self.pos = self.index[keep], self.pos[keep]
+        self.made, self.max_new = self.made[keep], self.max_new[keep]
+        return ended, rows
 
 
 def simulate(requests: Sequence[Request], **limits) -> tuple[list[tuple[Pass, int]], Admission]:

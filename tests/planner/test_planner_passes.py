@@ -9,6 +9,8 @@ import json
 import re
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hrm.arch import resolve_model
 from hrm.hardware import resolve_hardware
@@ -20,16 +22,7 @@ from hrm.workload import Workload
 from planner import predict
 from planner.continuous import plan_continuous, price_static_job
 from planner.memory import activation_tokens
-from planner.passes import (
-    CONTEXT_BUCKET,
-    CPU,
-    GPU,
-    START_BUCKET,
-    PassPricer,
-    _on_grid,
-    pass_groups,
-    price_job,
-)
+from planner.passes import CPU, GPU, PassPricer, _chunk_points, pass_groups, price_job
 from planner.search import search
 from planner.setting import Setting
 from tests.conftest import assert_one_line_error
@@ -106,7 +99,8 @@ def test_a_later_chunk_is_priced_with_its_attention_over_the_prompts_earlier_tok
     """A prompt cut across passes: pass_groups gives a chunk group its chunks' mean start, and
     its price adds, where prefill attention runs (here the GPU, with the layers), the attention
     of its queries over those earlier keys: the roofline's attention at context start + chunk
-    less at the chunk alone (both on the pricer's grid), and nothing on the other queues."""
+    less at the chunk alone (both between the points of the pricer's grid either side, weighted
+    linearly: 100 between 81 and 102), and nothing on the other queues."""
     from hrm.roofline.ops import attention_op
     from hrm.rules.admission import Chunk, Pass
     from planner.op_time import op_seconds
@@ -122,11 +116,31 @@ def test_a_later_chunk_is_priced_with_its_attention_over_the_prompts_earlier_tok
         op = attention_op(ARCH, batch=16, new_tokens=64, context=context, kv_dtype="bfloat16")
         return op_seconds(op, gpu, "bfloat16", 16 * 64)
 
-    chunk, start = _on_grid(64.0, CONTEXT_BUCKET), _on_grid(100.0, START_BUCKET)  # as priced
-    extra = attention(start + chunk) - attention(chunk)
+    lengths, starts = _chunk_points(64.0, 16), _chunk_points(100.0, 0)  # as priced
+    assert len(lengths) == 1 and len(starts) == 2
+    extra = sum(wl * ws * attention(s + c) for c, wl in lengths for s, ws in starts) - sum(
+        wl * attention(c) for c, wl in lengths
+    )
     assert later[GPU] - first[GPU] == pytest.approx(extra, rel=1e-9)
     assert later[GPU] > first[GPU] and later[CPU] == first[CPU]
     assert p.group("prefill", 16, 64.0, 0.0) is first
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 100_000), st.sampled_from([0, 16]))
+def test_a_chunk_is_priced_between_the_grid_points_either_side(tokens, exact):
+    """_chunk_points: at most two points, the value itself to `exact`, else points of one grid
+    (so groups of nearby shapes share them), with positive weights that add to 1 and give the
+    value back (linear interpolation); every power of two from 16 is a point of its own."""
+    points = _chunk_points(float(tokens), exact)
+    assert 1 <= len(points) <= 2 and all(w > 0 for _, w in points)
+    assert sum(w for _, w in points) == pytest.approx(1.0)
+    assert sum(x * w for x, w in points) == pytest.approx(tokens)
+    grid = {0.0, 16.0} | {float(round(16 * 2 ** (k / 3))) for k in range(60)}
+    if tokens > exact:
+        assert {x for x, _ in points} <= grid
+    if tokens >= 16 and tokens & (tokens - 1) == 0:
+        assert points == ((float(tokens), 1.0),)
 
 
 def test_a_mixed_pass_overlaps_its_groups_and_streams_the_weights_once():
