@@ -95,18 +95,26 @@ class Worker:
         self.proc.wait()
 
 
+# llama.cpp leaves its log thread running at exit, so a line still queued is lost: now and then
+# its result row (its issue 22142); a run that printed none is run again, this many times at most
+LLAMA_TRIES = 3
+
+
 def llama_run(binary: str, gguf: Path, batch: int, prompt_len: int, gen_len: int, threads: int):
     """llama-batched-bench at one point: B sequences of P prompt tokens and G generated each;
     its T (prefill + decode seconds)."""
     ctx = batch * (prompt_len + gen_len) + 64
-    out = subprocess.run(
-        [binary, "-m", str(gguf), "-c", str(ctx), "-b", "2048", "-ub", "512", "-npp",
-         str(prompt_len), "-ntg", str(gen_len), "-npl", str(batch), "-t", str(threads)],
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
-    rows = [r for r in out.stdout.splitlines() if re.match(r"\|\s*\d+\s*\|", r)]
-    cells = [c.strip() for c in rows[-1].strip("|").split("|")]
-    return {"seconds": float(cells[8]), "generated": batch * gen_len, "first": []}
+    for _ in range(LLAMA_TRIES):
+        out = subprocess.run(
+            [binary, "-m", str(gguf), "-c", str(ctx), "-b", "2048", "-ub", "512", "-npp",
+             str(prompt_len), "-ntg", str(gen_len), "-npl", str(batch), "-t", str(threads)],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        rows = [r for r in out.stdout.splitlines() if re.match(r"\|\s*\d+\s*\|", r)]
+        if rows:
+            cells = [c.strip() for c in rows[-1].strip("|").split("|")]
+            return {"seconds": float(cells[8]), "generated": batch * gen_len, "first": []}
+    raise RuntimeError(f"{binary} printed no result row in {LLAMA_TRIES} runs at B={batch}")
 
 
 def parse_points(text: str) -> list[tuple[int, int]]:
