@@ -62,7 +62,7 @@ def expert_ffn_seconds(
     group_tokens: float,
     weight_dtype: str,
     cpu_gemm: CpuGemmChoice | None = None,
-    memo: dict[float, float] | None = None,
+    memo: dict | None = None,
 ) -> float:
     """The routed FFN over `tokens` tokens, run in groups of `group_tokens` (a prefill chunk, a
     decode micro-batch).
@@ -90,20 +90,27 @@ def expert_ffn_seconds(
         return op.flops / (curve.at(float(rows)) * device.count)
     memo = {} if memo is None else memo
     if group_tokens not in memo:
-        memo[group_tokens] = _group_seconds(
-            arch, device, dtype, group_tokens, weight_dtype, cpu_gemm
-        )
+
+        def experts(group: int) -> float:  # kept by whole group too: groups b x active_t share
+            if ("experts", group) not in memo:
+                memo["experts", group] = _experts_seconds(
+                    arch, device, dtype, group, weight_dtype, cpu_gemm
+                )
+            return memo["experts", group]
+
+        memo[group_tokens] = _group_seconds(group_tokens, experts)
     output = ffn_output_elements(arch, tokens) / device.elementwise_elements_per_s(dtype)
     return tokens / group_tokens * memo[group_tokens] + output
 
 
-def _group_seconds(arch, device, dtype, group_tokens: float, weight_dtype, cpu_gemm) -> float:
-    """One group's experts; a fractional group between the integer groups on either side."""
+def _group_seconds(group_tokens: float, experts) -> float:
+    """One group's experts (`experts`: of a whole group); a fractional group between the whole
+    groups on either side."""
     low = max(1, math.floor(group_tokens))
     share = min(1.0, max(0.0, group_tokens - low))
-    seconds = (1 - share) * _experts_seconds(arch, device, dtype, low, weight_dtype, cpu_gemm)
+    seconds = (1 - share) * experts(low)
     if share:
-        seconds += share * _experts_seconds(arch, device, dtype, low + 1, weight_dtype, cpu_gemm)
+        seconds += share * experts(low + 1)
     return seconds
 
 

@@ -15,13 +15,13 @@ longest group's chain; serial adds the chains up; the weights stream once a pass
 pages as the pass has groups; fill and drain when there are two groups or more, and each
 sampling group's LM head.
 
-Shapes are priced on grids, each value between the two points either side of it, weighted
+Shapes are priced on one grid, each value between the two points either side of it, weighted
 linearly (a pass's last group is of any size, and each new shape is a static model's layer to
-price): groups of more than 16 sequences between two whole powers of SIZE_BUCKET (6% apart);
-chunk lengths and starts from 16 tokens on powers of CHUNK_GRID (26% apart, every power of two
-on it), a start below 16 between none and 16. A start's work is linear in it (its keys), and a
-length's nearly so, so this is within 2% of the exact shape where rounding up to a 6% grid
-was 3.6% over (median; docs/decisions.md, 2026-12-07). A decode group's context is priced
+price): group sizes and chunk lengths are exact to 16, then on the whole numbers about 16 x
+GRID^k (26% apart, every power of two on it: a full micro-batch of 64 is priced as itself); a
+chunk's start is exact at none, then between none and 16, then on the grid. A start's work is
+linear in it (its keys), and a size's and a length's nearly so, so a shape so priced is within
+2% of the exact one (docs/decisions.md, 2026-12-07). A decode group's context is priced
 exactly: one static model of its size decodes from a 1-token prompt to the job's longest
 context, a step per context (its steps are one vectorised evaluation), and a fractional context
 between two integers is interpolated.
@@ -43,10 +43,7 @@ from planner.evaluate import policy_vector
 from planner.layer_seconds import micro_batch_seconds
 from planner.setting import Setting
 
-SIZE_BUCKET = 1.0625  # groups of more than 16 priced between two whole powers of this
-# chunk lengths and starts from 16 tokens priced at 16 x CHUNK_GRID^k either side, interpolated
-# (every power of 2 is on it: 32, 64, 128, ...); a start below 16 between none and 16
-CHUNK_GRID = 2 ** (1 / 3)
+GRID = 2 ** (1 / 3)  # group sizes, chunk lengths and starts from 16: points 16 x GRID^k apart
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,18 +101,16 @@ class PassPricer:
         return self._groups[key]
 
     def _interpolated(self, phase: str, b: int, length: float, before: float) -> np.ndarray:
-        """A group's terms from the priced shapes about it: sizes (_sizes_around), and for a
-        chunk group its length and start (_chunk_points), weighted linearly in each."""
-        lo, hi = _sizes_around(b)
-        share = (b - lo) / (hi - lo) if hi > lo else 0.0
-        sizes = ((lo, 1.0 - share), (hi, share)) if share else ((lo, 1.0),)
+        """A group's terms from the priced shapes about it (_grid_points): its size, and for a
+        chunk group its length and start, weighted linearly in each."""
+        sizes = _grid_points(b, 16)
         if phase == "decode":
             shapes = [(size, w, length, 0.0) for size, w in sizes]
         else:
             shapes = [(size, ws * wl * wb, at, start) for size, ws in sizes
-                      for at, wl in _chunk_points(length, 16)
-                      for start, wb in _chunk_points(before, 0)]  # fmt: skip
-        return sum(w * self._values(phase, size, at, start) for size, w, at, start in shapes)
+                      for at, wl in _grid_points(length, 16)
+                      for start, wb in _grid_points(before, 0)]  # fmt: skip
+        return sum(w * self._values(phase, int(size), at, start) for size, w, at, start in shapes)
 
     def _values(self, phase: str, b: int, length: float, before: float) -> np.ndarray:
         """A group's terms of b at this policy: a chunk's, or a decode's at context `length`
@@ -162,67 +157,64 @@ class PassPricer:
 
     def price(self, groups: Sequence[tuple]) -> float:
         """Seconds of a pass cut into `groups` (phase, sequences, context or chunk[, start])."""
+        return float(self.prices([groups])[0])
+
+    def prices(self, passes: Sequence[Sequence[tuple]]) -> np.ndarray:
+        """Seconds of each pass, each cut into its groups (price), as arrays over the passes: a
+        job prices thousands."""
         s, hw = self.setting, self.setting.hardware
-        priced = np.array([self.group(*g) for g in groups])
-        m = len(priced)
-        total, first = priced.sum(axis=0).tolist(), priced[0].tolist()
-        if m not in self._streams:
-            self._streams[m] = float(weight_stream_seconds(s, np.array([m]))[0])
-        stream = self._streams[m] * first[WEIGHTS]
-        queues = dict(zip(QUEUES, total[: D2H + 1], strict=True))
-        queues["gpu"] += first[DEQUANTIZE]
-        queues["h2d"] += stream
-        if first[DISK]:
-            queues["disk"] = first[DISK]
+        m = np.array([len(groups) for groups in passes])
+        starts = np.concatenate([[0], np.cumsum(m)[:-1]])
+        priced = np.array([self.group(*g) for groups in passes for g in groups])
+        total, first = np.add.reduceat(priced, starts, axis=0), priced[starts]
+        for count in set(m.tolist()) - self._streams.keys():
+            self._streams[count] = float(weight_stream_seconds(s, np.array([count]))[0])
+        stream = np.array([self._streams[c] for c in m.tolist()]) * first[:, WEIGHTS]
+        queues = total[:, : D2H + 1].copy()  # QUEUES, then the disk's reads
+        queues[:, GPU] += first[:, DEQUANTIZE]
+        queues[:, H2D] += stream
+        queues = np.column_stack([queues, first[:, DISK]])
         if s.schedule == "serial":
-            layer = max(stream, total[CHAIN])
+            layer = np.maximum(stream, total[:, CHAIN])
         else:
-            layer = max(*queues.values(), float(priced[:, CHAIN].max()))
+            layer = np.maximum(queues.max(axis=1), np.maximum.reduceat(priced[:, CHAIN], starts))
             link = hw.link
             if link is not None and link.bidirectional_bytes_per_s:  # as planner/cost.py
-                both = link.bidirectional_bytes_per_s
-                layer = max(layer, (queues["h2d"] * link.h2d_bytes_per_s
-                                    + queues["d2h"] * link.d2h_bytes_per_s) / both)  # fmt: skip
+                both = (queues[:, H2D] * link.h2d_bytes_per_s
+                        + queues[:, D2H] * link.d2h_bytes_per_s)  # fmt: skip
+                layer = np.maximum(layer, both / link.bidirectional_bytes_per_s)
             if s.schedule == "overlap":
-                layer = max(layer, queues["h2d"] + first[GPU])
+                layer = np.maximum(layer, queues[:, H2D] + first[:, GPU])
         if hw.stand_in:
-            layer = max(layer, sum(queues.values()))
-        fill = first[FILL] if m >= 2 and s.schedule != "serial" else 0.0
-        for q, busy in queues.items():
-            self.busy_s[q] = self.busy_s.get(q, 0.0) + s.arch.num_layers * busy
-        return s.arch.num_layers * layer + fill + total[HEAD]
+            layer = np.maximum(layer, queues.sum(axis=1))
+        fill = first[:, FILL] * ((m >= 2) & (s.schedule != "serial"))
+        busy = s.arch.num_layers * queues.sum(axis=0)
+        for q, seconds in zip((*QUEUES, "disk"), busy.tolist(), strict=True):
+            if q != "disk" or seconds:
+                self.busy_s[q] = self.busy_s.get(q, 0.0) + seconds
+        return s.arch.num_layers * layer + fill + total[:, HEAD]
 
 
-def _sizes_around(b: int) -> tuple[int, int]:
-    """The priced group sizes either side of `b` sequences: every size to 16, then whole powers
-    of SIZE_BUCKET (a pass's last group is of any size; a group between two is
-    interpolated)."""
-    if b <= 16:
-        return b, b
-    k = math.floor(math.log(b, SIZE_BUCKET))
-    lo, hi = math.floor(SIZE_BUCKET**k), math.ceil(SIZE_BUCKET ** (k + 1))
-    return max(16, min(lo, b)), max(hi, b)
-
-
-def _chunk_points(tokens: float, exact: int) -> tuple[tuple[float, float], ...]:
-    """A chunk length or start (whole tokens) as the priced points either side of it with their
-    weights: itself to `exact`; from there to 16, `exact` and 16; above 16 the whole tokens
-    about 16 x CHUNK_GRID^k either side. Linear between two points, which a start's attention
-    (keys) is, and a length's work nearly (its attention's square term errs by 1.3% at most)."""
-    if tokens <= exact:
-        return ((tokens, 1.0),)
-    if tokens <= 16:
+def _grid_points(x: float, exact: int) -> tuple[tuple[float, float], ...]:
+    """A group size, chunk length or start (a whole number) as the priced points either side of
+    it with their weights: itself to `exact`; from there to 16, `exact` and 16; above 16 the
+    whole numbers about 16 x GRID^k either side. Linear between two points, which a start's
+    attention (keys) is, and a size's and a length's work nearly (a length's attention, square
+    in it, errs by 1.3% at most)."""
+    if x <= exact:
+        return ((x, 1.0),)
+    if x <= 16:
         lo, hi = float(exact), 16.0
     else:
-        k = math.floor(math.log(tokens / 16, CHUNK_GRID))
-        k += (_grid_point(k + 1) <= tokens) - (_grid_point(k) > tokens)  # the log's rounding
-        lo, hi = _grid_point(k), _grid_point(k + 1)
-    share = (tokens - lo) / (hi - lo)
-    return tuple((x, w) for x, w in ((lo, 1.0 - share), (hi, share)) if w > 0)
+        k = math.floor(math.log(x / 16, GRID))
+        k += (_grid_node(k + 1) <= x) - (_grid_node(k) > x)  # the log's rounding
+        lo, hi = _grid_node(k), _grid_node(k + 1)
+    share = (x - lo) / (hi - lo)
+    return tuple((at, w) for at, w in ((lo, 1.0 - share), (hi, share)) if w > 0)
 
 
-def _grid_point(k: int) -> float:
-    return float(round(16 * CHUNK_GRID**k))
+def _grid_node(k: int) -> float:
+    return float(round(16 * GRID**k))
 
 
 def pass_groups(p: Pass, micro_batch_size: int) -> list[tuple]:
@@ -262,14 +254,15 @@ def price_job(
         total_blocks=kv_blocks(policy.batch_size, context_tokens),
     )  # fmt: skip
     pricer = PassPricer(setting.alike(paged_kv_cache=True), policy, shapes)  # the run's pools
-    seconds, prefill, sequences = [], 0.0, 0
+    passes, chunked, sequences = [], [], 0
     for p, count in spans:
         groups = pass_groups(p, policy.micro_batch_size)
         for later in range(count):  # a span's decodes each a token further, pass by pass
-            seconds.append(pricer.price([(ph, b, c + later, *r) for ph, b, c, *r in groups]))
-        if p.chunks:
-            prefill += seconds[-1]
+            passes.append([(ph, b, c + later, *r) for ph, b, c, *r in groups])
+        chunked += [bool(p.chunks)] * count
         sequences += count * (len(p.positions) + len(p.chunks))
+    seconds = pricer.prices(passes).tolist() if passes else []
+    prefill = sum(x for x, c in zip(seconds, chunked, strict=True) if c)
     decode = sum(seconds) - prefill
     return JobPrice(
         passes=len(seconds),

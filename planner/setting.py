@@ -41,8 +41,9 @@ class Setting:
     # tokens of each prompt already in the pool when its prefill runs: a later chunk of a prompt
     # that continuous batching cut across passes attends over them too (planner/passes.py)
     prefill_prefix: float = 0.0
-    # the routed FFN's seconds per group of tokens, by device role (planner.op_time)
-    ffn_memo: dict[str, dict[float, float]] = field(
+    # the routed FFN's seconds per group of tokens and per whole group, by device role
+    # (planner.op_time)
+    ffn_memo: dict[str, dict] = field(
         default_factory=dict, init=False, compare=False, repr=False
     )
     # one micro-batch's per-layer seconds by its size b (planner.layer_seconds): a search asks

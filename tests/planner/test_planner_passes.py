@@ -22,7 +22,7 @@ from hrm.workload import Workload
 from planner import predict
 from planner.continuous import plan_continuous, price_static_job
 from planner.memory import activation_tokens
-from planner.passes import CPU, GPU, PassPricer, _chunk_points, pass_groups, price_job
+from planner.passes import CPU, GPU, PassPricer, _grid_points, pass_groups, price_job
 from planner.search import search
 from planner.setting import Setting
 from tests.conftest import assert_one_line_error
@@ -116,7 +116,7 @@ def test_a_later_chunk_is_priced_with_its_attention_over_the_prompts_earlier_tok
         op = attention_op(ARCH, batch=16, new_tokens=64, context=context, kv_dtype="bfloat16")
         return op_seconds(op, gpu, "bfloat16", 16 * 64)
 
-    lengths, starts = _chunk_points(64.0, 16), _chunk_points(100.0, 0)  # as priced
+    lengths, starts = _grid_points(64.0, 16), _grid_points(100.0, 0)  # as priced
     assert len(lengths) == 1 and len(starts) == 2
     extra = sum(wl * ws * attention(s + c) for c, wl in lengths for s, ws in starts) - sum(
         wl * attention(c) for c, wl in lengths
@@ -128,11 +128,11 @@ def test_a_later_chunk_is_priced_with_its_attention_over_the_prompts_earlier_tok
 
 @settings(max_examples=200, deadline=None)
 @given(st.integers(0, 100_000), st.sampled_from([0, 16]))
-def test_a_chunk_is_priced_between_the_grid_points_either_side(tokens, exact):
-    """_chunk_points: at most two points, the value itself to `exact`, else points of one grid
+def test_a_shape_is_priced_between_the_grid_points_either_side(tokens, exact):
+    """_grid_points: at most two points, the value itself to `exact`, else points of one grid
     (so groups of nearby shapes share them), with positive weights that add to 1 and give the
     value back (linear interpolation); every power of two from 16 is a point of its own."""
-    points = _chunk_points(float(tokens), exact)
+    points = _grid_points(float(tokens), exact)
     assert 1 <= len(points) <= 2 and all(w > 0 for _, w in points)
     assert sum(w for _, w in points) == pytest.approx(1.0)
     assert sum(x * w for x, w in points) == pytest.approx(tokens)
