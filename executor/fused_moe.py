@@ -13,9 +13,11 @@ two forms (`variant`), chosen by what the host's bf16 GEMMs run on:
   1.1-1.2x at Mixtral's; 0.8x at 2048-token prefills of Mixtral's few wide experts.
 - `widened` (AVX2, AVX-512 without AMX, where bf16 GEMMs run widened to float32): weights
   laid out at load as contiguous column blocks, still bf16; each tile widens its block 256 rows
-  at a time into an L2-sized float32 buffer and multiplies by torch's float32 brgemm. On an AVX2
-  EPYC, one layer's experts: 2.1-3.4x the widened loop at 1-256 tokens (Qwen3-MoE bench
-  shape), 1.5-3.3x (Mixtral's), even at 1024 (docs/decisions.md, 2026-12-07).
+  at a time into an L2-sized float32 buffer and multiplies by torch's float32 brgemm; an expert
+  of 1-4 rows reads its block once instead, widened in AVX2 registers (1.3-1.9x the buffer at
+  those rows). On an AVX2 EPYC, one layer's experts: 2.1-3.4x the widened loop at 1-256 tokens
+  (Qwen3-MoE bench shape), 1.5-3.3x (Mixtral's), even at 1024 (docs/decisions.md,
+  2026-12-07).
 
 It is compiled on first use by torch.utils.cpp_extension (about 30-60 s, then cached by torch
 under ~/.cache/torch_extensions); where that fails, or the family's experts are not a plain
