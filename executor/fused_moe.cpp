@@ -111,16 +111,15 @@ torch::Tensor pack_blocks(torch::Tensor w) {
 constexpr int64_t K_CHUNK = 256;  // weight rows widened at once: 64 KB of fp32, in L2
 constexpr int64_t DIRECT_M = 4;  // an expert with this many rows or fewer skips the widening
 
-// acc[M, BLOCK_N] = x[M, k] (row stride ldx) @ wb [k, BLOCK_N] (bf16) for the few rows of a
+// acc[M, BLOCK_N] = x[M, k] @ wb [k, BLOCK_N] (bf16) for the few rows of a
 // decode, the weight read once and widened in registers: at one row a tile is a matrix-vector
 // product, which the widen-then-GEMM path ran at 11-16 GB/s on the AVX2 EPYC, this at 18-26
 // (1.5-1.9x at 1-4 rows; at 8 rows 1.0-1.2x, where the sums no longer fit the registers). The
 // whole block a pass (V = 8 vectors of 8 columns), so the weight is read in order: in two
 // halves, to keep the sums of 2-3 rows in AVX2's 16 registers, it was slower than spilling.
 template <int M, int V>
-__attribute__((target("avx2,fma"))) static void direct_avx2(const float* x, int64_t ldx,
-                                                           int64_t k, const uint16_t* wb,
-                                                           float* acc) {
+__attribute__((target("avx2,fma"))) static void direct_avx2(const float* x, int64_t k,
+                                                           const uint16_t* wb, float* acc) {
   for (int64_t h = 0; h < BLOCK_N; h += 8 * V) {
     __m256 sum[M][V];
     for (int r = 0; r < M; ++r)
@@ -131,7 +130,7 @@ __attribute__((target("avx2,fma"))) static void direct_avx2(const float* x, int6
         const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 8 * j));
         const __m256 w = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
         for (int r = 0; r < M; ++r)
-          sum[r][j] = _mm256_fmadd_ps(_mm256_set1_ps(x[r * ldx + kk]), w, sum[r][j]);
+          sum[r][j] = _mm256_fmadd_ps(_mm256_set1_ps(x[r * k + kk]), w, sum[r][j]);
       }
     }
     for (int r = 0; r < M; ++r)
@@ -140,12 +139,11 @@ __attribute__((target("avx2,fma"))) static void direct_avx2(const float* x, int6
 }
 
 // The same sums without AVX2 (the compiler's own vectors).
-static void direct_plain(const float* x, int64_t ldx, int64_t m, int64_t k, const uint16_t* wb,
-                         float* acc) {
+static void direct_plain(const float* x, int64_t m, int64_t k, const uint16_t* wb, float* acc) {
   std::fill(acc, acc + m * BLOCK_N, 0.0f);
   for (int64_t kk = 0; kk < k; ++kk)
     for (int64_t r = 0; r < m; ++r) {
-      const float xr = x[r * ldx + kk];
+      const float xr = x[r * k + kk];
       for (int64_t c = 0; c < BLOCK_N; ++c) {
         uint32_t bits = uint32_t(wb[kk * BLOCK_N + c]) << 16;
         float w;
@@ -155,14 +153,13 @@ static void direct_plain(const float* x, int64_t ldx, int64_t m, int64_t k, cons
     }
 }
 
-static void direct(const float* x, int64_t ldx, int64_t m, int64_t k, const uint16_t* wb,
-                   float* acc) {
+static void direct(const float* x, int64_t m, int64_t k, const uint16_t* wb, float* acc) {
   static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  if (!avx2) return direct_plain(x, ldx, m, k, wb, acc);
-  if (m == 1) return direct_avx2<1, 8>(x, ldx, k, wb, acc);
-  if (m == 2) return direct_avx2<2, 8>(x, ldx, k, wb, acc);
-  if (m == 3) return direct_avx2<3, 8>(x, ldx, k, wb, acc);
-  return direct_avx2<4, 8>(x, ldx, k, wb, acc);
+  if (!avx2) return direct_plain(x, m, k, wb, acc);
+  if (m == 1) return direct_avx2<1, 8>(x, k, wb, acc);
+  if (m == 2) return direct_avx2<2, 8>(x, k, wb, acc);
+  if (m == 3) return direct_avx2<3, 8>(x, k, wb, acc);
+  return direct_avx2<4, 8>(x, k, wb, acc);
 }
 
 // grouped() over pack_blocks' weights: each tile widens its block K_CHUNK rows at a time into
@@ -183,12 +180,13 @@ torch::Tensor grouped_widened(torch::Tensor xs, const std::vector<int64_t>& coun
     for (int64_t i = first; i < last; ++i) {
       const auto [e, b] = work[i];
       const int64_t m0 = start[e], m = start[e + 1] - m0;
-      acc.assign(m * BLOCK_N, 0.0f);
+      acc.resize(m * BLOCK_N);  // direct() writes every sum; brgemm's chunks add to zeros
       const uint16_t* wb =
           reinterpret_cast<const uint16_t*>(w[e].data_ptr<BFloat16>()) + b * k * BLOCK_N;
       if (m <= DIRECT_M) {
-        direct(x + m0 * k, k, m, k, wb, acc.data());
+        direct(x + m0 * k, m, k, wb, acc.data());
       } else {
+        std::fill(acc.begin(), acc.end(), 0.0f);
         for (int64_t k0 = 0; k0 < k; k0 += K_CHUNK) {
           const int64_t kc = std::min(K_CHUNK, k - k0);
           const uint16_t* src = wb + k0 * BLOCK_N;

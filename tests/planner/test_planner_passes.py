@@ -95,6 +95,24 @@ def test_a_decode_group_is_priced_at_its_longest_context():
     assert pass_groups(p, 2) == [("decode", 2, 41), ("decode", 1, 301), ("prefill", 1, 20.0, 0.0)]
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 500), max_size=40),
+       st.lists(st.tuples(st.integers(0, 300), st.integers(1, 200)), max_size=10),
+       st.integers(1, 9))  # fmt: skip
+def test_pass_groups_are_the_executors_groups(positions, chunks, mu):
+    """pass_groups cuts a pass from its arrays; each group is Pass.groups' (what the executor
+    runs): its size, a decode group's longest context, a chunk group's mean chunk and start."""
+    from hrm.rules.admission import Chunk, Pass
+
+    p = Pass(decodes=tuple(enumerate(positions)),
+             chunks=tuple(Chunk(index=1000 + j, start=s, length=n, last=False)
+                          for j, (s, n) in enumerate(chunks)))  # fmt: skip
+    expected = [("decode", len(e), 1 + max(pos for _, pos in e)) if phase == "decode" else
+                ("prefill", len(e), sum(c.length for c in e) / len(e),
+                 sum(c.start for c in e) / len(e)) for phase, e in p.groups(mu)]  # fmt: skip
+    assert pass_groups(p, mu) == expected
+
+
 def test_a_later_chunk_is_priced_with_its_attention_over_the_prompts_earlier_tokens():
     """A prompt cut across passes: pass_groups gives a chunk group its chunks' mean start, and
     its price adds, where prefill attention runs (here the GPU, with the layers), the attention
