@@ -207,10 +207,90 @@ torch::Tensor grouped_widened(torch::Tensor xs, const std::vector<int64_t>& coun
   return ys;
 }
 
+// Where the host has AVX512-BF16 but no AMX (Zen 4, Cooper Lake): w [N, K] bf16 ->
+// [N / BLOCK_N, K * BLOCK_N], each column block of w^T in pairs of K side by side (row p of a
+// block: 64 columns' (k = 2p, 2p + 1) pairs), as vdpbf16ps reads them.
+torch::Tensor pack_pairs(torch::Tensor w) {
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2, "pack_pairs: a bf16 matrix");
+  const int64_t n = w.size(0), k = w.size(1);
+  TORCH_CHECK(n % BLOCK_N == 0 && k % 2 == 0, "pack_pairs: rows a multiple of 64, columns even");
+  return w.view({n / BLOCK_N, BLOCK_N, k / 2, 2}).permute({0, 2, 1, 3}).contiguous().view(
+      {n / BLOCK_N, k * BLOCK_N});
+}
+
+bool has_pairs() { return __builtin_cpu_supports("avx512bf16"); }
+
+constexpr int PAIRS_M = 6;  // rows a pass of a block: 6 x 4 sums + 4 weights in 32 registers
+
+// y[M, BLOCK_N] = x[M, 2 kp] @ wb (a block of pack_pairs) in bf16 products summed in fp32 by
+// vdpbf16ps, two K a lane: no widening pass, half the fp32 path's instructions. Each product
+// is exact in fp32 and each sum rounded to nearest, as an FMA chain's (denormals flushed, as
+// oneDNN's bf16 GEMMs on these hosts do). The outputs rounded to bf16 to nearest even.
+template <int M>
+__attribute__((target("avx512f,avx512bf16"))) static void pairs_rows(
+    const uint32_t* x, int64_t kp, const uint32_t* wb, BFloat16* y, int64_t ldy) {
+  __m512 sum[M][4];
+  for (int r = 0; r < M; ++r)
+    for (int j = 0; j < 4; ++j) sum[r][j] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < kp; ++p) {
+    const uint32_t* row = wb + p * BLOCK_N;
+    __m512bh w[4];
+    for (int j = 0; j < 4; ++j) w[j] = (__m512bh)_mm512_loadu_si512(row + 16 * j);
+    for (int r = 0; r < M; ++r) {
+      const __m512bh xr = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * kp + p]));
+      for (int j = 0; j < 4; ++j) sum[r][j] = _mm512_dpbf16_ps(sum[r][j], xr, w[j]);
+    }
+  }
+  for (int r = 0; r < M; ++r)
+    for (int j = 0; j < 4; ++j)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + 16 * j),
+                          (__m256i)_mm512_cvtneps_pbh(sum[r][j]));
+}
+
+static void pairs_block(int64_t m, const uint32_t* x, int64_t kp, const uint32_t* wb,
+                        BFloat16* y, int64_t ldy) {
+  switch (m) {
+    case 1: return pairs_rows<1>(x, kp, wb, y, ldy);
+    case 2: return pairs_rows<2>(x, kp, wb, y, ldy);
+    case 3: return pairs_rows<3>(x, kp, wb, y, ldy);
+    case 4: return pairs_rows<4>(x, kp, wb, y, ldy);
+    case 5: return pairs_rows<5>(x, kp, wb, y, ldy);
+    default: return pairs_rows<PAIRS_M>(x, kp, wb, y, ldy);
+  }
+}
+
+// grouped() over pack_pairs' weights, each tile's rows PAIRS_M at a time over its block (which
+// stays in L2 while they pass): the bf16 rows multiplied as they are.
+torch::Tensor grouped_pairs(torch::Tensor xs, const std::vector<int64_t>& counts,
+                            const std::vector<torch::Tensor>& w, int64_t n_out) {
+  TORCH_CHECK(has_pairs(), "grouped_pairs: this host has no AVX512-BF16");
+  const int64_t rows = xs.size(0), k = xs.size(1);
+  const auto start = starts(xs, counts, w, n_out);
+  TORCH_CHECK(k % 2 == 0, "grouped_pairs: an even K");
+  auto ys = torch::empty({rows, n_out}, xs.options());
+  const auto* x = reinterpret_cast<const uint32_t*>(xs.data_ptr<BFloat16>());
+  BFloat16* y = ys.data_ptr<BFloat16>();
+  const auto work = tiles(start, n_out / BLOCK_N);
+  at::parallel_for(0, work.size(), 1, [&](int64_t first, int64_t last) {
+    for (int64_t i = first; i < last; ++i) {
+      const auto [e, b] = work[i];
+      const auto* wb = reinterpret_cast<const uint32_t*>(w[e].data_ptr<BFloat16>()) +
+                       b * (k / 2) * BLOCK_N;
+      for (int64_t m = start[e]; m < start[e + 1]; m += PAIRS_M)
+        pairs_block(std::min<int64_t>(PAIRS_M, start[e + 1] - m), x + m * (k / 2), k / 2, wb,
+                    y + m * n_out + b * BLOCK_N, n_out);
+    }
+  });
+  return ys;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack);
   m.def("available", &available);
   m.def("grouped", &grouped);
   m.def("pack_blocks", &pack_blocks);
   m.def("grouped_widened", &grouped_widened);
+  m.def("pack_pairs", &pack_pairs);
+  m.def("has_pairs", &has_pairs);
+  m.def("grouped_pairs", &grouped_pairs);
 }

@@ -6,12 +6,16 @@ Why: the executor's loop runs each expert as its own GEMMs. At decode's few rows
 its expert cold and pays its setup and Python's per expert: 64 small experts x 2 GEMMs x every
 layer. vLLM's CPU backend, 1.8x ahead at batch 64 with 64 experts of 384, runs one kernel over
 all experts. This one cuts every expert's GEMMs into tiles that torch's threads share, in one of
-two forms (`variant`), chosen by what the host's bf16 GEMMs run on:
+three forms (`variant`), chosen by what the host's bf16 GEMMs run on:
 - `brgemm` (AMX): each tile one call of torch's own batch-reduce GEMM (at::native::cpublas::
   brgemm, oneDNN's AMX micro-kernel) over weights packed once at load into its VNNI blocks.
   On the AMX VM (whole runs at batch 64): 1.3-1.6x the loop at the Qwen3-MoE bench shape,
   1.1-1.2x at Mixtral's; 0.8x at 2048-token prefills of Mixtral's few wide experts.
-- `widened` (AVX2, AVX-512 without AMX, where bf16 GEMMs run widened to float32): weights
+- `pairs` (AVX512-BF16 without AMX: Zen 4, Cooper Lake): weights laid out at load in pairs of
+  K side by side; each tile multiplies the bf16 rows as they are with vdpbf16ps, six rows a
+  pass over its block. On an AVX-512 EPYC (Zen 4), one layer's experts: 2.0-2.8x the widened
+  form from 16 tokens up, 1.2-2.9x the loop at 1-512 tokens (docs/decisions.md, 2026-12-07).
+- `widened` (AVX2, AVX-512 without BF16, where bf16 GEMMs run widened to float32): weights
   laid out at load as contiguous column blocks, still bf16; each tile widens its block 256 rows
   at a time into an L2-sized float32 buffer and multiplies by torch's float32 brgemm; an expert
   of 1-4 rows reads its block once instead, widened in AVX2 registers (1.3-1.9x the buffer at
@@ -65,9 +69,18 @@ def host_missing() -> str | None:
 
 @functools.cache
 def variant() -> str:
-    """`brgemm` where torch's brgemm has a bf16 micro-kernel to pack for (AMX), else
-    `widened`."""
-    return "brgemm" if _built().available() else "widened"
+    """`brgemm` where torch's brgemm has a bf16 micro-kernel to pack for (AMX), else `pairs`
+    where the CPU has AVX512-BF16, else `widened`."""
+    module = _built()
+    return "brgemm" if module.available() else "pairs" if module.has_pairs() else "widened"
+
+
+# each variant's (packing, grouped call) in the extension
+_CALLS = {
+    "brgemm": ("pack", "grouped"),
+    "pairs": ("pack_pairs", "grouped_pairs"),
+    "widened": ("pack_blocks", "grouped_widened"),
+}
 
 
 def fused_experts(arch: ModelArch, dtype: str, mode: str, *, held: bool) -> bool:
@@ -96,18 +109,16 @@ def _refuse(why: str) -> None:
 
 def pack(w):
     """w [out, in] bf16 laid out for the kernel's variant (out a multiple of 64): brgemm's VNNI
-    blocks [out / 64, in * 64], or widened's column blocks [out / 64, in, 64]."""
-    module = _built()
-    return (module.pack if variant() == "brgemm" else module.pack_blocks)(w.contiguous())
+    blocks [out / 64, in * 64], pairs' [out / 64, in / 2 * 64 * 2], or widened's column blocks
+    [out / 64, in, 64]."""
+    return getattr(_built(), _CALLS[variant()][0])(w.contiguous())
 
 
 def grouped(xs, counts: list[int], weights: list, n_out: int):
     """xs [A, K] sorted by expert (counts[e] rows each), each row times its expert's weight
     (weights[e]: laid out by pack() from [n_out, K]): [A, n_out] bf16, each output rounded as a
     GEMM's."""
-    module = _built()
-    run = module.grouped if variant() == "brgemm" else module.grouped_widened
-    return run(xs.contiguous(), counts, weights, n_out)
+    return getattr(_built(), _CALLS[variant()][1])(xs.contiguous(), counts, weights, n_out)
 
 
 def fused_curves(

@@ -56,19 +56,20 @@ def wide(tmp_path_factory):
     }
 
 
-@pytest.mark.parametrize("variant", ["brgemm", "widened"])
+@pytest.mark.parametrize("variant", ["brgemm", "pairs", "widened"])
 def test_the_grouped_gemm_is_each_experts_gemm_rounded_to_bf16(variant):
-    """Rows sorted by expert, counts with an expert unhit, one past a row block (64), and 1-4
-    rows (the widened form's direct path takes 3 or fewer), K past a widened chunk (256): each
-    row is its expert's x @ w.T, within a bf16 rounding of the float32 product. Each variant
-    where this host runs it (widened runs everywhere)."""
+    """Rows sorted by expert, counts with an expert unhit, one past a row block (64), and 1-7
+    rows (the widened form's direct path takes 4 or fewer, the pairs form's passes take 6),
+    K past a widened chunk (256): each row is its expert's x @ w.T, within a bf16 rounding of
+    the float32 product. Each variant where this host runs it (widened runs everywhere)."""
     module = fused_moe._built()
     if variant == "brgemm" and not module.available():
         pytest.skip("no bf16 micro-kernel for torch's brgemm here (AMX)")
-    pack, grouped = ((module.pack, module.grouped) if variant == "brgemm"
-                     else (module.pack_blocks, module.grouped_widened))  # fmt: skip
+    if variant == "pairs" and not module.has_pairs():
+        pytest.skip("no AVX512-BF16 here")
+    pack, grouped = (getattr(module, name) for name in fused_moe._CALLS[variant])
     torch.manual_seed(0)
-    counts, k, n = [0, 70, 3, 1, 2, 4], 320, 192
+    counts, k, n = [0, 70, 3, 1, 2, 4, 5, 7], 320, 192
     weights = [torch.randn(n, k, dtype=torch.bfloat16) * 0.1 for _ in counts]
     xs = torch.randn(sum(counts), k, dtype=torch.bfloat16)
     out = grouped(xs, counts, [pack(w) for w in weights], n)
