@@ -77,11 +77,25 @@ def run(args: argparse.Namespace) -> int:
         job.spec, result, policy=job.policy, schedule=job.schedule, profile=job.profile,
         plan=job.plan,
     )  # fmt: skip
+    _note_unpriced_fusion(record, job.profile, warn)
     if args.json:
         print(json.dumps(record.to_dict(), indent=2))
         return 0
     print(format_summary(record), file=sys.stderr)
     return 0
+
+
+def _note_unpriced_fusion(record, profile, warn) -> None:
+    """A fused run predicted by a profile without the kernel's curves is priced as the loop
+    (planner/op_time.py), slower than it ran by the kernel's gain: say so, and how to mend it."""
+    gemm = record.environment.get("cpu_gemm") or {}
+    if record.predicted is None or gemm.get("experts") != "fused":
+        return
+    from hrm.rules.cpu_moe import fused_timed
+
+    if not fused_timed(profile.cpu, gemm["dtype"]):
+        warn(f"note: {profile.name} has no curves of the fused experts, so they are predicted "
+             "at the loop's speed; hrm profile on this host times them")  # fmt: skip
 
 
 def run_job(args: argparse.Namespace, warn):

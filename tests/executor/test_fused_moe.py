@@ -113,22 +113,39 @@ def test_fused_experts_match_the_loop_and_transformers_in_bf16(wide, name):
 
 
 def test_fused_and_loop_agree_and_the_record_says_which_ran(wide, run_cli, tmp_path):
-    """The same run by loop and fused: the same greedy tokens on these peaked checkpoints; the
-    record names the experts' path."""
+    """The same run by loop, fused and the default (auto, which fuses here): the same greedy
+    tokens on these peaked checkpoints; the record names the experts' path."""
     outputs = {}
-    for mode in ("loop", "fused"):
+    for mode in ("loop", "fused", None):
         out = tmp_path / f"{mode}.jsonl"
         status, stdout, err = run_cli(
             "run", "--checkpoint", wide["qwen3_moe"], "--prompt-len", "7", "--batch", "3",
-            "--gen-len", "5", "--dtype", "bfloat16", "--cpu-gemm", HOST_PATH, "--cpu-moe", mode,
-            "--output", out, "--json", "--quiet",
+            "--gen-len", "5", "--dtype", "bfloat16", "--cpu-gemm", HOST_PATH,
+            *(("--cpu-moe", mode) if mode else ()), "--output", out, "--json", "--quiet",
         )  # fmt: skip
         assert status == 0, err
         lines = out.read_text().splitlines()
         outputs[mode] = [json.loads(line)["output_token_ids"] for line in lines]
         record = json.loads(stdout)
-        assert record["environment"]["cpu_gemm"]["experts"] == mode
-    assert outputs["fused"] == outputs["loop"]
+        assert record["environment"]["cpu_gemm"]["experts"] == (mode or "fused")
+    assert outputs["fused"] == outputs["loop"] == outputs[None]
+
+
+@pytest.mark.parametrize(("hardware", "noted"), [("ci-cpu-amx", True), ("ci-cpu-avx2", False)])
+def test_a_fused_run_says_when_its_profile_prices_it_as_the_loop(
+    wide, run_cli, tmp_path, hardware, noted
+):
+    """ci-cpu-amx predates the kernel's curves: its prediction of a fused run is the loop's, and
+    the run says so; ci-cpu-avx2 has them, and the run says nothing of it."""
+    status, stdout, err = run_cli(
+        "run", "--checkpoint", wide["mixtral"], "--prompt-len", "5", "--batch", "2",
+        "--gen-len", "3", "--dtype", "bfloat16", "--cpu-gemm", HOST_PATH,
+        "--hardware", hardware, "--json", "--quiet", "--output", tmp_path / "out.jsonl",
+    )  # fmt: skip
+    assert status == 0, err
+    assert json.loads(stdout)["predicted"] is not None
+    says = f"note: {hardware} has no curves of the fused experts, so they are predicted at"
+    assert (says in err) == noted, err
 
 
 @pytest.mark.parametrize(
