@@ -1,6 +1,6 @@
 """The CPU's routed experts' GEMMs in one native call each (executor/fused_moe.cpp), where this
-host and the model allow it; the SwiGLU between them and the routing scale stay the executor's
-torch ops, so a token's arithmetic is the loop's.
+host and the model allow it; the GLU between them, a family's biases and the routing scale stay
+the executor's torch ops, so a token's arithmetic is the loop's.
 
 Why: the executor's loop runs each expert as its own GEMMs. At decode's few rows a call streams
 its expert cold and pays its setup and Python's per expert: 64 small experts x 2 GEMMs x every
@@ -24,8 +24,8 @@ three forms (`variant`), chosen by what the host's bf16 GEMMs run on:
   2026-12-07).
 
 It is compiled on first use by torch.utils.cpp_extension (about 30-60 s, then cached by torch
-under ~/.cache/torch_extensions); where that fails, or the family's experts are not a plain
-SwiGLU of 64-multiple widths, `missing` says why and the executor runs its loop. bf16 only.
+under ~/.cache/torch_extensions); where that fails, or the family's experts are not of
+64-multiple widths, `missing` says why and the executor runs its loop. bf16 only.
 """
 
 from __future__ import annotations

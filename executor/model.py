@@ -351,12 +351,23 @@ class MoEModel:
         return out  # [T, H]
 
     def _fused_experts(self, w: LayerWeights, xs: torch.Tensor, counts: list[int]):
-        """The routed experts' SwiGLU over xs [A, H] sorted by expert, as `expert` computes it,
-        each of its two GEMMs one grouped call over every expert (executor/fused_moe.py)."""
+        """The routed experts' MLP over xs [A, H] sorted by expert, as `expert` computes it,
+        each of its two GEMMs one grouped call over every expert (executor/fused_moe.py); a
+        family's biases (gpt-oss) added to each row by its expert's, in the model's dtype as the
+        loop adds them."""
         self.gemm_calls["fused"] += 2
         i, h = self.arch.intermediate_size, self.arch.hidden_size
+        biased = w.experts[0].b1 is not None
+        rows = torch.tensor(counts) if biased else None
+
+        def bias(name: str) -> torch.Tensor:  # [A, width]: each row its expert's
+            return torch.stack([getattr(e, name) for e in w.experts]).repeat_interleave(rows, 0)
+
         gate, up = fused_moe.grouped(xs, counts, [e.w1 for e in w.experts], 2 * i).chunk(2, -1)
-        return fused_moe.grouped(F.silu(gate) * up, counts, [e.w2 for e in w.experts], h)
+        if biased:
+            gate, up = gate + bias("b1"), up + bias("b3")
+        out = fused_moe.grouped(self._glu(gate, up), counts, [e.w2 for e in w.experts], h)
+        return out + bias("b2") if biased else out
 
     def expert(self, ex, x: torch.Tensor) -> torch.Tensor:
         """One expert's MLP on its rows: SwiGLU, or gpt-oss's clamped GLU with biases."""
@@ -366,14 +377,16 @@ class MoEModel:
             gate, up = self.linear(x, ex.w1), self.linear(x, ex.w3)
         if ex.b1 is not None:
             gate, up = gate + ex.b1, up + ex.b3
+        out = self.linear(self._glu(gate, up), ex.w2)
+        return out if ex.b2 is None else out + ex.b2
+
+    def _glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """SwiGLU, or gpt-oss's clamped GLU."""
         limit = self.arch.swiglu_limit
         if limit is None:
-            hidden = F.silu(gate) * up
-        else:
-            gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-            hidden = (up + 1) * (gate * torch.sigmoid(gate * self.arch.swiglu_alpha))
-        out = self.linear(hidden, ex.w2)
-        return out if ex.b2 is None else out + ex.b2
+            return F.silu(gate) * up
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.arch.swiglu_alpha))
 
     # -- output --------------------------------------------------------------------------------
 

@@ -43,9 +43,7 @@ class Setting:
     prefill_prefix: float = 0.0
     # the routed FFN's seconds per group of tokens and per whole group, by device role
     # (planner.op_time)
-    ffn_memo: dict[str, dict] = field(
-        default_factory=dict, init=False, compare=False, repr=False
-    )
+    ffn_memo: dict[str, dict] = field(default_factory=dict, init=False, compare=False, repr=False)
     # one micro-batch's per-layer seconds by its size b (planner.layer_seconds): a search asks
     # for the same b at many points, and each decode step's fewer sequences again
     layer_memo: dict[float, object] = field(

@@ -61,7 +61,7 @@ def add_run_arguments(p, batchings: tuple[str, ...]) -> None:
         default="auto",
         help="how a CPU run with packed bf16 weights runs its routed experts: loop (one oneDNN "
         "GEMM per expert), fused (each of the experts' two GEMMs one native call over all of "
-        "them, compiled on first use; plain SwiGLU experts of widths a multiple of 64), or auto "
+        "them, compiled on first use; experts of widths a multiple of 64), or auto "
         "(fused where it can run, else the loop). --hardware prices a fused run by the kernel's "
         "curves where hrm profile timed them, else as the loop, and says so (auto)",
     )

@@ -28,8 +28,6 @@ def model_missing(arch: ModelArch, dtype: str) -> str | None:
     """What `arch`'s experts in `dtype` lack for the fused kernel (None: nothing)."""
     if dtype not in FUSED_KEYS:
         return f"bfloat16 weights (the fused kernel is bfloat16 only; this run is {dtype})"
-    if arch.swiglu_limit is not None or arch.expert_bias:
-        return f"plain SwiGLU experts ({arch.name}'s have biases or a clamped GLU)"
     widths = {"hidden size": arch.hidden_size, "expert width": arch.intermediate_size}
     for name, width in widths.items():
         if width % BLOCK:

@@ -102,11 +102,11 @@ def _gpt_oss_config(**overrides):
     return GptOssConfig(**(fields | overrides))
 
 
-def save_gpt_oss(path: Path, seed: int) -> Path:
+def save_gpt_oss(path: Path, seed: int, **overrides) -> Path:
     """A random gpt-oss whose every term counts: biases, sinks and norms drawn, and the experts'
     pre-activations past the GLU's clamp of 7."""
     draws = ((("bias", "sinks"), 0.5), (("gate_up_proj",), 0.6), (("down_proj",), 0.05))
-    return save_with_random_extras(_gpt_oss_config(), path, seed, draws)
+    return save_with_random_extras(_gpt_oss_config(**overrides), path, seed, draws)
 
 
 def _glm4_moe_config(**overrides):

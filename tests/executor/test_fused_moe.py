@@ -22,6 +22,7 @@ from tests.executor.conftest import (
     _qwen_family_config,
     ragged_prompts,
     reference_model,
+    save_gpt_oss,
     save_model,
     save_with_random_extras,
 )
@@ -42,8 +43,9 @@ HOST_PATH = "packed" if packing_missing("bfloat16") is None else "widened"
 
 @pytest.fixture(scope="module")
 def wide(tmp_path_factory):
-    """Tiny checkpoints whose expert widths are multiples of the kernel's 64: Mixtral, Qwen3-MoE
-    and DeepSeek-V3 (grouped routing, a shared expert, a dense first layer)."""
+    """Tiny checkpoints whose expert widths are multiples of the kernel's 64: Mixtral, Qwen3-MoE,
+    DeepSeek-V3 (grouped routing, a shared expert, a dense first layer) and gpt-oss (biased
+    experts, a clamped GLU)."""
     root = tmp_path_factory.mktemp("fused")
     return {
         "mixtral": save_model(_mixtral_config(intermediate_size=128), root / "mixtral", seed=21),
@@ -53,6 +55,7 @@ def wide(tmp_path_factory):
         "deepseek_v3": save_with_random_extras(
             _deepseek_config("deepseek_v3", moe_intermediate_size=64), root / "v3", seed=23
         ),
+        "gpt_oss": save_gpt_oss(root / "gpt_oss", seed=24, intermediate_size=128),
     }
 
 
@@ -82,7 +85,7 @@ def test_the_grouped_gemm_is_each_experts_gemm_rounded_to_bf16(variant):
         start += c
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss"])
 def test_fused_experts_match_the_loop_and_transformers_in_bf16(wide, name):
     """The fused call ran every routed layer; its bf16 logits are within TOLERANCE of the
     loop's on the same path (only the GEMMs' summation order differs), and of transformers' at

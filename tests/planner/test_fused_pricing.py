@@ -95,9 +95,11 @@ def test_the_choice_records_how_the_experts_ran():
 
 
 def test_the_model_rule(arch):
-    """bf16 plain SwiGLU of 64-multiple widths; the tiny arch is 64 x 128."""
+    """bf16 experts of 64-multiple widths, biased or clamped too (gpt-oss); the tiny arch is
+    64 x 128."""
     assert model_missing(arch, "bfloat16") is None
     assert "bfloat16 weights" in model_missing(arch, "float32")
     narrow = dataclasses.replace(arch, intermediate_size=96)
     assert "a multiple of 64 (it is 96)" in model_missing(narrow, "bfloat16")
-    assert "biases" in model_missing(dataclasses.replace(arch, expert_bias=True), "bfloat16")
+    gpt_oss = dataclasses.replace(arch, expert_bias=True, swiglu_limit=7.0)
+    assert model_missing(gpt_oss, "bfloat16") is None
