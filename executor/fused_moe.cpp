@@ -259,6 +259,31 @@ static void pairs_block(int64_t m, const uint32_t* x, int64_t kp, const uint32_t
   }
 }
 
+// The pairs form's tiles: (expert, column block, first row, end row). Where the experts' column
+// blocks are too few to keep the threads busy (a dense weight's few blocks, over a prefill's
+// rows), an expert's rows are cut into spans of at least SPAN_MIN, so that there are about
+// 4 tiles a thread; each span reads its block again, which costs little at that many rows.
+constexpr int64_t SPAN_MIN = 48;
+using Span = std::array<int64_t, 4>;
+
+static std::vector<Span> spans(const std::vector<int64_t>& start, int64_t blocks) {
+  int64_t hit = 0;
+  for (size_t e = 0; e + 1 < start.size(); ++e) hit += start[e + 1] > start[e];
+  const int64_t have = std::max<int64_t>(1, hit * blocks), want = 4 * at::get_num_threads();
+  const int64_t cuts = (want + have - 1) / have;
+  std::vector<Span> out;
+  for (int64_t e = 0; e + 1 < static_cast<int64_t>(start.size()); ++e) {
+    const int64_t m = start[e + 1] - start[e];
+    if (!m) continue;
+    const int64_t even = (m + cuts - 1) / cuts;
+    const int64_t span = std::max(SPAN_MIN, (even + PAIRS_M - 1) / PAIRS_M * PAIRS_M);
+    for (int64_t b = 0; b < blocks; ++b)
+      for (int64_t r = start[e]; r < start[e + 1]; r += span)
+        out.push_back({e, b, r, std::min(r + span, start[e + 1])});
+  }
+  return out;
+}
+
 // grouped() over pack_pairs' weights, each tile's rows PAIRS_M at a time over its block (which
 // stays in L2 while they pass): the bf16 rows multiplied as they are.
 torch::Tensor grouped_pairs(torch::Tensor xs, const std::vector<int64_t>& counts,
@@ -270,14 +295,14 @@ torch::Tensor grouped_pairs(torch::Tensor xs, const std::vector<int64_t>& counts
   auto ys = torch::empty({rows, n_out}, xs.options());
   const auto* x = reinterpret_cast<const uint32_t*>(xs.data_ptr<BFloat16>());
   BFloat16* y = ys.data_ptr<BFloat16>();
-  const auto work = tiles(start, n_out / BLOCK_N);
+  const auto work = spans(start, n_out / BLOCK_N);
   at::parallel_for(0, work.size(), 1, [&](int64_t first, int64_t last) {
     for (int64_t i = first; i < last; ++i) {
-      const auto [e, b] = work[i];
+      const auto [e, b, r0, r1] = work[i];
       const auto* wb = reinterpret_cast<const uint32_t*>(w[e].data_ptr<BFloat16>()) +
                        b * (k / 2) * BLOCK_N;
-      for (int64_t m = start[e]; m < start[e + 1]; m += PAIRS_M)
-        pairs_block(std::min<int64_t>(PAIRS_M, start[e + 1] - m), x + m * (k / 2), k / 2, wb,
+      for (int64_t m = r0; m < r1; m += PAIRS_M)
+        pairs_block(std::min<int64_t>(PAIRS_M, r1 - m), x + m * (k / 2), k / 2, wb,
                     y + m * n_out + b * BLOCK_N, n_out);
     }
   });

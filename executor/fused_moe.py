@@ -37,7 +37,7 @@ from pathlib import Path
 from hrm.arch import ModelArch
 from hrm.errors import HrmError
 from hrm.hardware.parts import Curve
-from hrm.rules.cpu_moe import check_mode, model_missing
+from hrm.rules.cpu_moe import BLOCK, check_mode, model_missing
 
 SOURCE = Path(__file__).with_name("fused_moe.cpp")
 GROUP = 8  # experts in one timed call of the profile's sweep (fused_curves)
@@ -119,6 +119,44 @@ def grouped(xs, counts: list[int], weights: list, n_out: int):
     (weights[e]: laid out by pack() from [n_out, K]): [A, n_out] bf16, each output rounded as a
     GEMM's."""
     return getattr(_built(), _CALLS[variant()][1])(xs.contiguous(), counts, weights, n_out)
+
+
+def fused_linears(choice) -> bool:
+    """Whether a run whose routed experts are fused runs its other matrices on the kernel too,
+    each as one expert of all the rows: where its form is `pairs`, which read the attention
+    projections and an LM head at 1-4 rows 1.6-2.6x faster than torch's native bf16 and
+    1.2-2.0x oneDNN's packed on the AVX-512 EPYC (docs/decisions.md, 2026-12-07), unless the
+    run named its GEMM path (`choice.named`). The other forms were not measured so."""
+    return variant() == "pairs" and not choice.named
+
+
+def linear_packing(packed: bool):
+    """How fused_linears lays out a matrix [out, in]: for the kernel where its widths allow
+    (Kernel), else as its path has it (oneDNN's packing where the run packs, else a copy)."""
+    import torch
+
+    from hrm.rules.gemm_paths import pack_weight
+
+    def lay_out(w):
+        if w.dtype == torch.bfloat16 and w.shape[0] % BLOCK == 0 and w.shape[1] % 2 == 0:
+            return Kernel(w)
+        return pack_weight(w) if packed else w.clone()
+
+    return lay_out
+
+
+class Kernel:
+    """A matrix [out, in] laid out for the kernel (pack), multiplied by `times` as one expert
+    of all the rows; `shape` and `dtype` are the matrix's."""
+
+    __slots__ = ("packed", "shape", "dtype")
+
+    def __init__(self, w):
+        self.packed, self.shape, self.dtype = pack(w), tuple(w.shape), w.dtype
+
+    def times(self, x):
+        """x [T, in] @ w.T: [T, out] bf16."""
+        return grouped(x, [x.shape[0]], [self.packed], self.shape[0])
 
 
 def fused_curves(

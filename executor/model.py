@@ -36,6 +36,7 @@ from hrm.rules.cpu_gemm import CpuGemmChoice
 from hrm.rules.gemm_paths import (
     WIDEN_SLICE_ELEMENTS,
     native_linear,
+    pack_weight,
     packed_linear,
     widened_linear,
 )
@@ -99,14 +100,17 @@ class MoEModel:
         held = packs and cpu_gemm is not None  # a CPU model laying out its own weights
         packed = held and "packed" in cpu_gemm.paths
         self.fused = fused_experts(self.arch, dtype_name, cpu_moe, held=held)
+        kernel = self.fused and fused_moe.fused_linears(cpu_gemm)  # the other matrices too
         if cpu_gemm is not None:  # what the record reports and a prediction prices
-            cpu_gemm = dataclasses.replace(cpu_gemm, experts="fused" if self.fused else "loop")
+            cpu_gemm = dataclasses.replace(cpu_gemm, experts="fused" if self.fused else "loop",
+                                           linears="fused" if kernel else "paths")  # fmt: skip
         self.cpu_gemm = cpu_gemm
         if packed or self.fused:
+            linears = fused_moe.linear_packing(packed) if kernel else pack_weight
             self.weights = packed_weights(
                 self.weights, router_linear=self.arch.routing not in GROUP_ROUTINGS,
                 take_over=take_over, fused=fused_moe.pack if self.fused else None,
-                linears=packed,
+                linears=linears if packed or kernel else None,
             )  # fmt: skip
         self.reduce = reduce if reduce is not None else (lambda t: t)
         self.gather = gather if gather is not None else (lambda t: t)
@@ -120,6 +124,9 @@ class MoEModel:
         if self.cpu_gemm is None:
             self.gemm_calls["native"] += 1
             return native_linear(x, w)
+        if isinstance(w, fused_moe.Kernel):  # laid out for the kernel (fused_linears)
+            self.gemm_calls["fused"] += 1
+            return w.times(x)
         tokens = x.shape[0]
         path = self.cpu_gemm.path_at(tokens)
         if path == "packed" and not w.is_mkldnn:

@@ -35,16 +35,17 @@ def packed_weights(
     router_linear: bool,
     take_over: bool = False,
     fused=None,
-    linears: bool = True,
+    linears=pack_weight,
 ) -> ModelWeights:
     """`weights` with each matrix MoEModel.linear multiplies by packed (router_linear: the
     router is one of them; grouped routers run in float32 on their own); take_over: each
     original storage released once the last matrix in it is packed (the caller must not read
     them again; one that a tensor left as it is shares is kept); fused: the routed experts'
-    packing for the fused kernel (executor/fused_moe.py's pack; a dense layer's MLP stays
-    oneDNN's). linears=False: the routed experts alone, for the fused kernel (a path that does
-    not pack: the other matrices, a dense layer's MLP included, stay as they are)."""
-    if not linears:
+    packing for the fused kernel (executor/fused_moe.py's pack; a dense layer's MLP is laid out
+    as the other matrices). linears: how the other matrices are laid out (oneDNN's packing, or
+    the fused kernel's: executor/fused_moe.py linear_packing); None: the routed experts alone,
+    for the fused kernel (a path that does not pack: the rest, a dense layer's MLP too, as is)."""
+    if linears is None:
         return _experts_only(weights, fused, take_over)
     names = _LINEAR + (("router",) if router_linear else ())
     tied = weights.lm_head is weights.embed
@@ -53,15 +54,16 @@ def packed_weights(
     packer = _Packer(originals, weights) if take_over else _Packer([], None)
     layers = []
     for w in weights.layers:
-        packed = {n: packer.pack(getattr(w, n)) for n in names if getattr(w, n) is not None}
-        how = pack_weight if fused is None or w.router is None else fused
+        packed = {n: packer.pack(getattr(w, n), how=linears)
+                  for n in names if getattr(w, n) is not None}  # fmt: skip
+        how = linears if fused is None or w.router is None else fused
         experts = tuple(
             dataclasses.replace(e, w1=packer.pack(e.w1, e.w3, how=how), w3=None,
                                 w2=packer.pack(e.w2, how=how))
             for e in w.experts
         )  # fmt: skip
         layers.append(dataclasses.replace(w, experts=experts, **packed))
-    lm_head = weights.lm_head if tied else packer.pack(weights.lm_head)
+    lm_head = weights.lm_head if tied else packer.pack(weights.lm_head, how=linears)
     return dataclasses.replace(weights, layers=tuple(layers), lm_head=lm_head)
 
 

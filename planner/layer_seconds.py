@@ -14,7 +14,7 @@ from hrm.policy import dtype_bytes
 from hrm.roofline.ops import ACTIVATION_DTYPE, layer_ops, lm_head_op, prefill_attention_flops
 from hrm.rules.cpu_gemm import CpuGemmChoice
 from planner.memory import PREFILL_CHUNK_TOKENS
-from planner.op_time import expert_ffn_seconds, op_seconds, runs_fused
+from planner.op_time import expert_ffn_seconds, linears_choice, op_seconds, runs_fused
 from planner.overheads import launch_seconds, step_seconds, unhidden_gpu_launch
 from planner.setting import Setting
 from planner.transfers import all_reduce_seconds, link_seconds
@@ -129,12 +129,13 @@ def _on_device(
     arch, (prefill, decode) = setting.arch, phases
     s_pre, (b_pre, b_dec) = wl.prefill_len, _sizes(b)
     chunk = min(b_pre * s_pre, PREFILL_CHUNK_TOKENS)
+    linears = linears_choice(device, dtype, cpu_gemm)  # the dense ops' and the LM head's
 
-    def both(name: str, pre_rows: float, dec_rows: float) -> np.ndarray:
+    def both(name: str, pre_rows: float, dec_rows: float, gemm=linears) -> np.ndarray:
         if name not in prefill:
             return np.zeros(steps)
-        pre = op_seconds(prefill[name], device, dtype, pre_rows, cpu_gemm=cpu_gemm)
-        dec = op_seconds(decode[name], device, dtype, dec_rows, cpu_gemm=cpu_gemm)
+        pre = op_seconds(prefill[name], device, dtype, pre_rows, cpu_gemm=gemm)
+        dec = op_seconds(decode[name], device, dtype, dec_rows, cpu_gemm=gemm)
         return np.concatenate([[pre], dec * np.ones(steps - 1)])
 
     def ffn(tokens: float, group: float) -> float:
@@ -149,7 +150,8 @@ def _on_device(
         return each[where].reshape(np.shape(b_dec)) * np.ones(steps - 1)
 
     head = lm_head_op(arch, batch=b, weight_dtype=dtype)  # b: at each step
-    attention = both("attention", s_pre, arch.num_attention_heads / arch.num_key_value_heads)
+    attention = both("attention", s_pre, arch.num_attention_heads / arch.num_key_value_heads,
+                     cpu_gemm)  # fmt: skip
     on_cpu = cpu_gemm is not None
     prefill_curve = device.prefill_attention_curves.get(setting.kv_dtype) if on_cpu else None
     if prefill_curve is not None:
@@ -177,7 +179,7 @@ def _on_device(
         "dense": sum(both(name, chunk, b_dec) for name in DENSE_OPS),
         "ffn": np.concatenate([[ffn(b_pre * s_pre, chunk)], decode_ffn()]),
         "attention": attention,
-        "head": op_seconds(head, device, dtype, b, cpu_gemm=cpu_gemm) * np.ones(steps),
+        "head": op_seconds(head, device, dtype, b, cpu_gemm=linears) * np.ones(steps),
     }
 
 

@@ -139,6 +139,13 @@ def runs_fused(device: DeviceSpec, dtype: str, cpu_gemm: CpuGemmChoice | None) -
     return cpu_gemm is not None and cpu_gemm.experts == "fused" and fused_timed(device, dtype)
 
 
+def linears_choice(device: DeviceSpec, dtype: str, cpu_gemm: CpuGemmChoice | None):
+    """The choice the CPU's other matrices are priced by: on the kernel's curves at their own
+    shapes where the run put them on it and the profile timed it, else along the paths."""
+    on_kernel = cpu_gemm is not None and cpu_gemm.linears == "fused"
+    return cpu_gemm.fused_experts() if on_kernel and fused_timed(device, dtype) else cpu_gemm
+
+
 def _binomial(trials: int, p: float) -> tuple[np.ndarray, np.ndarray]:
     """(counts, P(count)) of Binomial(trials, p) over 1..trials within 8 standard deviations of
     the mean (all but about 1e-15 of the mass; 0 left out)."""

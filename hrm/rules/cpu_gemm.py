@@ -34,6 +34,7 @@ from hrm.rules.gemm_paths import TOKEN_PAD, padded_tokens
 from hrm.schema import check_keys
 
 PATHS = ("native", "widened", "packed")
+NAMED = "--cpu-gemm "  # the source of a choice whose path the run named
 MODES = ("auto", *PATHS)
 PAD_CHECK_TOKENS = (12, 16)  # padding pays when 16 rows take less time than 12
 SMALL_PAD_LIMIT = 8  # up to this many rows, a GEMM may pad to a larger measured row count
@@ -191,6 +192,9 @@ class CpuGemmChoice:
     # how the routed experts run (hrm.rules.cpu_moe): `loop`, each expert its GEMMs along the
     # buckets' paths, or `fused`, each of their GEMMs one call over all of them
     experts: str = "loop"
+    # how the other matrices run: `paths`, along the buckets' paths, or `fused`, on the experts'
+    # kernel as one expert of all the rows (executor/fused_moe.py fused_linears)
+    linears: str = "paths"
     # id(rates) -> (rates, {(tokens, shape): FLOP/s}): a search asks for the same few row counts
     # hundreds of thousands of times; holding `rates` keeps its id from being reused
     _memo: dict = field(default_factory=dict, init=False, compare=False, repr=False)
@@ -199,6 +203,11 @@ class CpuGemmChoice:
 
     def path_at(self, tokens: float) -> str:
         return _path_of(self.buckets, tokens)
+
+    @property
+    def named(self) -> bool:
+        """The path was named (--cpu-gemm PATH), not chosen: every matrix keeps to it."""
+        return self.source.startswith(NAMED)
 
     def pads(self, path: str) -> bool:
         return path in self.padded
@@ -216,7 +225,7 @@ class CpuGemmChoice:
         over a page at a time, where nothing is packed (executor/runtime.py builds that model
         with packs=False: a page is never reordered for oneDNN). Kept, with its rates' memo,
         for the next call."""
-        if "packed" not in self.paths and self.experts == "loop":
+        if "packed" not in self.paths and self.experts == "loop" and self.linears == "paths":
             return self
         if not self._unpacked:
             buckets: list[tuple[float, str]] = []
@@ -226,7 +235,7 @@ class CpuGemmChoice:
                     buckets.append((start, path))
             self._unpacked.append(dataclasses.replace(
                 self, buckets=tuple(buckets), source=f"{self.source}, pages unpacked",
-                experts="loop",
+                experts="loop", linears="paths",
             ))  # fmt: skip
         return self._unpacked[0]
 
@@ -252,7 +261,8 @@ class CpuGemmChoice:
             if small:
                 notes.append("rows " + ", ".join(f"{t}->{r}" for t, r in sorted(small.items())))
             parts.append(f"{path} at {span} tokens" + (f" ({'; '.join(notes)})" if notes else ""))
-        experts = "; experts fused" if self.experts == "fused" else ""
+        fused = [n for n in ("experts", "linears") if getattr(self, n) == "fused"]
+        experts = f"; {' and '.join(fused)} fused" if fused else ""
         return f"{self.dtype}: " + ", ".join(parts) + f"{experts} [{self.source}]"
 
     def to_dict(self) -> dict[str, Any]:
@@ -266,19 +276,22 @@ class CpuGemmChoice:
             },
             "source": self.source,
             "experts": self.experts,
+            "linears": self.linears,
         }
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "cpu_gemm") -> CpuGemmChoice:
         """The choice as to_dict wrote it (a RunRecord's environment); an extra key (the run's
         `calls`) is not the choice's and is left to the caller."""
-        # records made before small_pads or experts existed ran without them (the loop)
-        optional = {"calls", "experts", "small_pads"}
+        # records made before small_pads, experts or linears existed ran without them (the loop)
+        optional = {"calls", "experts", "linears", "small_pads"}
         required = {f.name for f in dataclasses.fields(cls) if f.init} - optional
         data = check_keys(data, where=where, required=required, optional=optional)
-        experts = data.get("experts", "loop")
+        experts, linears = data.get("experts", "loop"), data.get("linears", "paths")
         if experts not in ("loop", "fused"):
             raise HrmError(f"{where}: experts must be loop or fused, not {experts!r}")
+        if linears not in ("paths", "fused"):
+            raise HrmError(f"{where}: linears must be paths or fused, not {linears!r}")
         buckets = data["buckets"]
         if (
             not isinstance(buckets, list)
@@ -293,6 +306,7 @@ class CpuGemmChoice:
             small_pads=_small_pads_from(data.get("small_pads", {}), where),
             source=str(data["source"]),
             experts=experts,
+            linears=linears,
         )
 
 
@@ -326,7 +340,7 @@ def choose_cpu_gemm(
             buckets=((0.0, mode),),
             padded=padded,
             small_pads={mode: small[mode]},
-            source=f"--cpu-gemm {mode}",
+            source=f"{NAMED}{mode}",
         )
 
     def seconds_per_row(path: str, tokens: float) -> float:

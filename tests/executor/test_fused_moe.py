@@ -5,6 +5,7 @@ the loop then runs, as CI's other tests check."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -14,6 +15,7 @@ from executor import fused_moe
 from executor.checkpoint import open_checkpoint
 from executor.generate import generate
 from executor.model import MoEModel
+from hrm.rules.cpu_gemm import NAMED
 from hrm.rules.gemm_paths import packing_missing
 from tests.conftest import assert_one_line_error
 from tests.executor.conftest import (
@@ -59,12 +61,15 @@ def wide(tmp_path_factory):
     }
 
 
+@pytest.mark.parametrize("counts", [[0, 70, 3, 1, 2, 4, 5, 7], [301]])
 @pytest.mark.parametrize("variant", ["brgemm", "pairs", "widened"])
-def test_the_grouped_gemm_is_each_experts_gemm_rounded_to_bf16(variant):
+def test_the_grouped_gemm_is_each_experts_gemm_rounded_to_bf16(variant, counts):
     """Rows sorted by expert, counts with an expert unhit, one past a row block (64), and 1-7
     rows (the widened form's direct path takes 4 or fewer, the pairs form's passes take 6),
-    K past a widened chunk (256): each row is its expert's x @ w.T, within a bf16 rounding of
-    the float32 product. Each variant where this host runs it (widened runs everywhere)."""
+    K past a widened chunk (256); or one matrix of many rows (a dense one's prefill, which the
+    pairs form cuts into spans of rows): each row is its expert's x @ w.T, within a bf16
+    rounding of the float32 product. Each variant where this host runs it (widened runs
+    everywhere)."""
     module = fused_moe._built()
     if variant == "brgemm" and not module.available():
         pytest.skip("no bf16 micro-kernel for torch's brgemm here (AMX)")
@@ -72,7 +77,7 @@ def test_the_grouped_gemm_is_each_experts_gemm_rounded_to_bf16(variant):
         pytest.skip("no AVX512-BF16 here")
     pack, grouped = (getattr(module, name) for name in fused_moe._CALLS[variant])
     torch.manual_seed(0)
-    counts, k, n = [0, 70, 3, 1, 2, 4, 5, 7], 320, 192
+    k, n = 320, 192
     weights = [torch.randn(n, k, dtype=torch.bfloat16) * 0.1 for _ in counts]
     xs = torch.randn(sum(counts), k, dtype=torch.bfloat16)
     out = grouped(xs, counts, [pack(w) for w in weights], n)
@@ -85,23 +90,39 @@ def test_the_grouped_gemm_is_each_experts_gemm_rounded_to_bf16(variant):
         start += c
 
 
+@pytest.mark.parametrize("linears", ["paths", "fused"])
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss"])
-def test_fused_experts_match_the_loop_and_transformers_in_bf16(wide, name):
-    """The fused call ran every routed layer; its bf16 logits are within TOLERANCE of the
+def test_fused_experts_match_the_loop_and_transformers_in_bf16(wide, name, linears):
+    """The fused call ran every routed layer (linears fused: the other matrices too, where the
+    kernel's form is pairs and no path was named); its bf16 logits are within TOLERANCE of the
     loop's on the same path (only the GEMMs' summation order differs), and of transformers' at
     every step where the loop's are (test_matches_transformers' check), while the runs chose the
     same tokens. The loop is the bar: on the widened path one Mixtral step here is 10% from
     transformers' bf16 in the loop too (a routing decision within a rounding)."""
+    if linears == "fused" and fused_moe.variant() != "pairs":
+        pytest.skip("the other matrices go on the kernel only in its pairs form (AVX512-BF16)")
     path = wide[name]
     prompts = ragged_prompts((5, 9, 12), seed=5)
-    runs, calls = {}, {}
+    source = "auto" if linears == "fused" else NAMED + HOST_PATH
+    choice = dataclasses.replace(forced("bfloat16", HOST_PATH, False), source=source)
+    runs, calls, models = {}, {}, {}
     for mode in ("fused", "loop"):
-        model = MoEModel(open_checkpoint(path, "bfloat16"), forced("bfloat16", HOST_PATH, False),
-                         cpu_moe=mode)  # fmt: skip
+        model = models[mode] = MoEModel(open_checkpoint(path, "bfloat16"), choice, cpu_moe=mode)
         runs[mode] = generate(model, prompts, 8, keep_logits=True)
         calls[mode] = model.gemm_calls["fused"]
+        assert model.cpu_gemm.linears == (linears if mode == "fused" else "paths")
     sparse = sum(w.router is not None for w in model.weights.layers)
-    assert calls == {"fused": 2 * sparse * 8, "loop": 0}
+    assert calls["loop"] == 0
+    if linears == "paths":
+        assert calls["fused"] == 2 * sparse * 8
+    else:  # each matrix laid out for the kernel (64-multiple widths) one call a step
+        weights = models["fused"].weights
+        laid_out = [weights.lm_head] + [getattr(w, f.name) for w in weights.layers
+                                        for f in dataclasses.fields(w)]  # fmt: skip
+        laid_out += [e.w1 for w in weights.layers if w.router is None for e in w.experts]
+        laid_out += [e.w2 for w in weights.layers if w.router is None for e in w.experts]
+        kernel = sum(isinstance(t, fused_moe.Kernel) for t in laid_out)
+        assert kernel >= 2 and calls["fused"] == 2 * sparse * 8 + 8 * kernel
     fused, loop = runs["fused"], runs["loop"]
     theirs_tokens, theirs = reference_generate(reference_model(path, torch.bfloat16), prompts, 8)
     for step in range(8):

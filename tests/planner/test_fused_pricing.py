@@ -11,9 +11,10 @@ import pytest
 
 from hrm.errors import HrmError
 from hrm.hardware.parts import Curve, LaunchOverhead, gemm_shape_key
+from hrm.roofline.ops import routed_expert_op
 from hrm.rules.cpu_gemm import CpuGemmChoice
 from hrm.rules.cpu_moe import fused_timed, model_missing
-from planner.op_time import expert_ffn_seconds
+from planner.op_time import expert_ffn_seconds, linears_choice, op_seconds
 from planner.overheads import launch_seconds
 
 PACKED = CpuGemmChoice(dtype="bfloat16", buckets=((0.0, "packed"),), source="test")
@@ -103,3 +104,27 @@ def test_the_model_rule(arch):
     assert "a multiple of 64 (it is 96)" in model_missing(narrow, "bfloat16")
     gpt_oss = dataclasses.replace(arch, expert_bias=True, swiglu_limit=7.0)
     assert model_missing(gpt_oss, "bfloat16") is None
+
+
+def test_the_other_matrices_on_the_kernel_are_priced_by_its_curves(arch, make_cpu_profile):
+    """A run that put its other matrices on the kernel (linears fused) has them priced at the
+    kernel's curves at their own shapes where the profile timed it, else along the paths; the
+    choice records it, a record from before it ran them along the paths, and a page handed
+    over unpacked runs them along the paths too."""
+    both = dataclasses.replace(FUSED, linears="fused")
+    timed, untimed = (device(make_cpu_profile, arch, rate) for rate in (4e9, None))
+    assert linears_choice(timed, "bfloat16", both).buckets == ((0.0, "fused"),)
+    assert linears_choice(untimed, "bfloat16", both) is both
+    assert linears_choice(timed, "bfloat16", FUSED) is FUSED
+    h, i = arch.hidden_size, arch.intermediate_size
+    op = routed_expert_op(arch, rows=1.0, weight_dtype="bfloat16", fused=True)  # its shapes
+    priced = op_seconds(op, timed, "bfloat16", 1.0, cpu_gemm=linears_choice(timed, "bfloat16",
+                                                                             both))  # fmt: skip
+    assert priced == pytest.approx(6 * h * i / 4e9 + (5 * i + 9 * h) / 1e9, rel=1e-9)
+    assert CpuGemmChoice.from_dict(both.to_dict()) == both
+    old = {k: v for k, v in both.to_dict().items() if k != "linears"}
+    assert CpuGemmChoice.from_dict(old).linears == "paths"
+    assert both.unpacked().linears == "paths"
+    assert "experts and linears fused" in both.describe()
+    with pytest.raises(HrmError, match="linears must be paths or fused"):
+        CpuGemmChoice.from_dict({**both.to_dict(), "linears": "kernel"})
