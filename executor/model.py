@@ -33,6 +33,7 @@ from executor.packed_weights import packed_weights
 from hrm.arch import GROUP_ROUTINGS
 from hrm.errors import HrmError
 from hrm.rules.cpu_gemm import CpuGemmChoice
+from hrm.rules.cpu_moe import GROUP_ROWS
 from hrm.rules.gemm_paths import (
     WIDEN_SLICE_ELEMENTS,
     native_linear,
@@ -359,21 +360,47 @@ class MoEModel:
 
     def _fused_experts(self, w: LayerWeights, xs: torch.Tensor, counts: list[int]):
         """The routed experts' MLP over xs [A, H] sorted by expert, as `expert` computes it,
-        each of its two GEMMs one grouped call over every expert (executor/fused_moe.py); a
-        family's biases (gpt-oss) added to each row by its expert's, in the model's dtype as the
-        loop adds them."""
+        each of its two GEMMs one grouped call over a run of consecutive experts of at most
+        GROUP_ROWS rows, or one expert of more: a prefill's transient is then the loop's (one
+        expert's rows at a time), a decode's one call a GEMM (hrm.rules.cpu_moe)."""
+        groups, first, rows = [], 0, 0
+        for e, n in enumerate(counts):
+            if rows and rows + n > GROUP_ROWS:
+                groups.append((first, e))
+                first, rows = e, 0
+            rows += n
+        groups.append((first, len(counts)))
+        if len(groups) == 1:
+            return self._fused_group(w, xs, counts, 0)
+        ys, start = torch.empty_like(xs), 0
+        for a, b in groups:
+            end = start + sum(counts[a:b])
+            ys[start:end] = self._fused_group(w, xs[start:end], counts[a:b], a)
+            start = end
+        return ys
+
+    def _fused_group(self, w: LayerWeights, xs: torch.Tensor, counts: list[int], first: int):
+        """_fused_experts over experts first.. (counts[j] rows each): SwiGLU in place on the
+        gate's half, so that a row holds 3 I beside its input (the loop's count); a family's
+        biases (gpt-oss) added to each row by its expert's, in the model's dtype as the loop
+        adds them, and its clamped GLU."""
         self.gemm_calls["fused"] += 2
         i, h = self.arch.intermediate_size, self.arch.hidden_size
-        biased = w.experts[0].b1 is not None
+        experts = w.experts[first : first + len(counts)]
+        biased = experts[0].b1 is not None
         rows = torch.tensor(counts) if biased else None
 
         def bias(name: str) -> torch.Tensor:  # [A, width]: each row its expert's
-            return torch.stack([getattr(e, name) for e in w.experts]).repeat_interleave(rows, 0)
+            return torch.stack([getattr(e, name) for e in experts]).repeat_interleave(rows, 0)
 
-        gate, up = fused_moe.grouped(xs, counts, [e.w1 for e in w.experts], 2 * i).chunk(2, -1)
+        gate, up = fused_moe.grouped(xs, counts, [e.w1 for e in experts], 2 * i).chunk(2, -1)
         if biased:
             gate, up = gate + bias("b1"), up + bias("b3")
-        out = fused_moe.grouped(self._glu(gate, up), counts, [e.w2 for e in w.experts], h)
+        if self.arch.swiglu_limit is None:
+            hidden = F.silu(gate, inplace=True).mul_(up)  # the loop's values, in place
+        else:
+            hidden = self._glu(gate, up)
+        out = fused_moe.grouped(hidden, counts, [e.w2 for e in experts], h)
         return out + bias("b2") if biased else out
 
     def expert(self, ex, x: torch.Tensor) -> torch.Tensor:

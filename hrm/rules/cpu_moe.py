@@ -17,6 +17,11 @@ from hrm.hardware.parts import FUSED_KEYS
 
 MODES = ("auto", "loop", "fused")
 BLOCK = 64  # the kernel's column block: widths must be multiples of it
+# a fused call takes a run of consecutive experts of at most GROUP_ROWS rows, or one expert of
+# more: a prefill's transient is the loop's (one expert's rows; planner/memory.py counts one
+# expert taking every token), a decode of up to 512 assignments one call a GEMM; at hundreds
+# of rows an expert the kernel is compute-bound, so the cut costs only a call's setup
+GROUP_ROWS = 512
 
 
 def check_mode(mode: str) -> None:

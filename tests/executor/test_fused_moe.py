@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 
+import executor.model
 from executor import fused_moe
 from executor.checkpoint import open_checkpoint
 from executor.generate import generate
@@ -189,3 +190,21 @@ def test_a_fused_run_it_cannot_serve_is_one_line(checkpoints, run_cli, tmp_path,
     )  # fmt: skip
     assert_one_line_error(status, err, says)
     assert not out.exists() and stdout == ""
+
+
+def test_a_layers_fused_experts_run_as_runs_of_experts_within_the_tokens_rows(wide, monkeypatch):
+    """With a run's rows bounded at one (GROUP_ROWS 1: one expert a call, the loop's transient),
+    a layer's fused experts take several calls; each row's arithmetic is the one call's, so the
+    logits agree (to a bf16 step where a form's blocking differs) and so do the tokens."""
+    path, prompts = wide["qwen3_moe"], ragged_prompts((5, 9, 12), seed=5)
+
+    def run():
+        model = MoEModel(open_checkpoint(path, "bfloat16"), forced("bfloat16", HOST_PATH, False),
+                         cpu_moe="fused")  # fmt: skip
+        return generate(model, prompts, 4, keep_logits=True), model.gemm_calls["fused"]
+
+    (whole, calls), _ = run(), monkeypatch.setattr(executor.model, "GROUP_ROWS", 1)
+    cut, more = run()
+    assert more > calls and cut.output_token_ids == whole.output_token_ids
+    for a, b in zip(whole.step_logits, cut.step_logits, strict=True):
+        assert relative_error(a, b) <= 1e-2
