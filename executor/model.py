@@ -107,11 +107,12 @@ class MoEModel:
                                            linears="fused" if kernel else "paths")  # fmt: skip
         self.cpu_gemm = cpu_gemm
         if packed or self.fused:
-            linears = fused_moe.linear_packing(packed) if kernel else pack_weight
+            # the other matrices: for the kernel, for oneDNN where packed, else as they are
+            linears = fused_moe.linear_packing(packed) if kernel else (pack_weight if packed
+                                                                       else None)  # fmt: skip
             self.weights = packed_weights(
                 self.weights, router_linear=self.arch.routing not in GROUP_ROUTINGS,
-                take_over=take_over, fused=fused_moe.pack if self.fused else None,
-                linears=linears if packed or kernel else None,
+                take_over=take_over, fused=fused_moe.pack if self.fused else None, linears=linears,
             )  # fmt: skip
         self.reduce = reduce if reduce is not None else (lambda t: t)
         self.gather = gather if gather is not None else (lambda t: t)
