@@ -1,7 +1,8 @@
 // The CPU's routed experts' GEMMs in one call each: every expert's rows times its weight, the
 // work cut into (expert, column block) tiles that torch's intra-op threads share, each row
 // block of a tile one batch-reduce GEMM of torch's own (at::native::cpublas::brgemm: oneDNN's
-// AMX / AVX-512-BF16 micro-kernels) over weights packed once into its VNNI blocks. Why
+// AMX / AVX-512-BF16 micro-kernels) over weights laid out once into its VNNI blocks, each
+// column block of w^T in pairs of K side by side (executor/fused_moe.py pack). Why
 // (executor/fused_moe.py): a loop of one oneDNN call per expert streams each small expert at
 // 12-16 GB/s and pays a call's setup per expert; tiles of all experts at once keep both cores
 // streaming. Outputs are rounded to bf16 as a GEMM's are; the SwiGLU between the two GEMMs and
@@ -23,22 +24,6 @@ using at::BFloat16;
 constexpr int64_t BLOCK_N = 64;  // columns a tile computes (a packed block of the weight)
 constexpr int64_t BLOCK_M = 64;  // rows a tile computes
 
-// w [N, K] (a linear's [out, in]) -> [N / BLOCK_N, K * BLOCK_N]: each column block of w^T
-// packed as brgemm reads it (pairs of K interleaved, VNNI).
-torch::Tensor pack(torch::Tensor w) {
-  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2, "pack: a bf16 matrix");
-  const int64_t n = w.size(0), k = w.size(1);
-  TORCH_CHECK(n % BLOCK_N == 0 && k % 2 == 0, "pack: rows a multiple of 64, columns even");
-  auto wt = w.t().contiguous();  // [K, N]
-  auto out = torch::empty({n / BLOCK_N, k * BLOCK_N}, w.options());
-  for (int64_t b = 0; b < n / BLOCK_N; ++b) {
-    at::native::cpublas::pack(k, BLOCK_N, n, BLOCK_N, at::kBFloat16, at::kBFloat16,
-                              wt.data_ptr<BFloat16>() + b * BLOCK_N,
-                              out.data_ptr<BFloat16>() + b * k * BLOCK_N);
-  }
-  return out;
-}
-
 bool available() { return at::native::cpublas::could_pack(at::kBFloat16); }
 
 // A tile: an expert hit and one column block of its weight, over all the expert's rows (the
@@ -54,23 +39,35 @@ static std::vector<Tile> tiles(const std::vector<int64_t>& start, int64_t blocks
   return out;
 }
 
-// The first row of each expert's in xs (and one past the last), the arguments checked.
+// The first row of each expert's in xs (and one past the last), the arguments checked. An
+// expert's weight comes in `parts` tensors (w.size() / counts.size()), each a run of its column
+// blocks (a gate's, then an up's, each packed where it was loaded: no stacked copy).
 static std::vector<int64_t> starts(const torch::Tensor& xs, const std::vector<int64_t>& counts,
                                    const std::vector<torch::Tensor>& w, int64_t n_out) {
   TORCH_CHECK(xs.scalar_type() == at::kBFloat16 && xs.is_contiguous() && xs.dim() == 2,
               "grouped: xs a contiguous bf16 matrix");
-  TORCH_CHECK(counts.size() == w.size() && n_out % BLOCK_N == 0, "grouped: counts and weights");
+  const size_t parts = counts.empty() ? 1 : w.size() / counts.size();
+  TORCH_CHECK(parts && counts.size() * parts == w.size() && n_out % (BLOCK_N * parts) == 0,
+              "grouped: counts and weights");
   std::vector<int64_t> start(counts.size() + 1, 0);
   for (size_t e = 0; e < counts.size(); ++e) start[e + 1] = start[e] + counts[e];
   TORCH_CHECK(start.back() == xs.size(0), "grouped: counts do not add up to the rows");
-  for (size_t e = 0; e < w.size(); ++e)
-    TORCH_CHECK(!counts[e] || w[e].numel() == n_out * xs.size(1), "grouped: a weight's shape");
+  for (size_t i = 0; i < w.size(); ++i)
+    TORCH_CHECK(!counts[i / parts] || w[i].numel() * int64_t(parts) == n_out * xs.size(1),
+                "grouped: a weight's shape");
   return start;
 }
 
-// xs [A, K] bf16, its rows sorted by expert, counts[e] of them expert e's; w[e] expert e's
-// [N, K] weight packed by pack(). Returns [A, N] bf16: each row times its expert's weight^T,
-// rounded to bf16 as a GEMM's output is.
+// Column block b of expert e's weight (packed blocks of BLOCK_N columns x k) in its part.
+static const BFloat16* block(const std::vector<torch::Tensor>& w, size_t experts, int64_t e,
+                             int64_t b, int64_t n_out, int64_t k) {
+  const int64_t parts = w.size() / experts, per = n_out / BLOCK_N / parts;
+  return w[e * parts + b / per].data_ptr<BFloat16>() + (b % per) * k * BLOCK_N;
+}
+
+// xs [A, K] bf16, its rows sorted by expert, counts[e] of them expert e's; expert e's [N, K]
+// weight laid out by pack() (fused_moe.py), whole or in parts by rows (starts). Returns [A, N]
+// bf16: each row times its expert's weight^T, rounded to bf16 as a GEMM's output is.
 torch::Tensor grouped(torch::Tensor xs, const std::vector<int64_t>& counts,
                       const std::vector<torch::Tensor>& w, int64_t n_out) {
   const int64_t rows = xs.size(0), k = xs.size(1);
@@ -83,7 +80,7 @@ torch::Tensor grouped(torch::Tensor xs, const std::vector<int64_t>& counts,
     alignas(64) float acc[BLOCK_M * BLOCK_N];
     for (int64_t i = first; i < last; ++i) {
       const auto [e, b] = work[i];
-      const BFloat16* wb = w[e].data_ptr<BFloat16>() + b * k * BLOCK_N;
+      const BFloat16* wb = block(w, counts.size(), e, b, n_out, k);
       for (int64_t m = start[e]; m < start[e + 1]; m += BLOCK_M) {
         const int64_t n = std::min(BLOCK_M, start[e + 1] - m);
         at::native::cpublas::brgemm(n, BLOCK_N, k, k, BLOCK_N, BLOCK_N, false, x + m * k, wb,
@@ -97,15 +94,6 @@ torch::Tensor grouped(torch::Tensor xs, const std::vector<int64_t>& counts,
     at::native::cpublas::brgemm_release();
   });
   return ys;
-}
-
-// Where the host has no bf16 micro-kernel (AVX2, AVX-512 without AMX): w [N, K] bf16 ->
-// [N / BLOCK_N, K, BLOCK_N], each column block of w^T contiguous, still bf16.
-torch::Tensor pack_blocks(torch::Tensor w) {
-  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2, "pack_blocks: a bf16 matrix");
-  const int64_t n = w.size(0), k = w.size(1);
-  TORCH_CHECK(n % BLOCK_N == 0, "pack_blocks: rows a multiple of 64");
-  return w.view({n / BLOCK_N, BLOCK_N, k}).transpose(1, 2).contiguous();
 }
 
 constexpr int64_t K_CHUNK = 256;  // weight rows widened at once: 64 KB of fp32, in L2
@@ -162,10 +150,11 @@ static void direct(const float* x, int64_t m, int64_t k, const uint16_t* wb, flo
   return direct_avx2<4, 8>(x, k, wb, acc);
 }
 
-// grouped() over pack_blocks' weights: each tile widens its block K_CHUNK rows at a time into
-// fp32 and multiplies the expert's rows (fp32, widened once a call) by it with torch's fp32
-// brgemm (oneDNN's ukernel, or its sgemm), the sums in fp32 across chunks, rounded to bf16 at
-// the end as a GEMM's output is; an expert of DIRECT_M rows or fewer goes through direct().
+// grouped() over weights in plain column blocks ([N / BLOCK_N, K, BLOCK_N], still bf16): each
+// tile widens its block K_CHUNK rows at a time into fp32 and multiplies the expert's rows (fp32,
+// widened once a call) by it with torch's fp32 brgemm (oneDNN's ukernel, or its sgemm), the sums
+// in fp32 across chunks, rounded to bf16 at the end as a GEMM's output is; an expert of DIRECT_M
+// rows or fewer goes through direct().
 torch::Tensor grouped_widened(torch::Tensor xs, const std::vector<int64_t>& counts,
                               const std::vector<torch::Tensor>& w, int64_t n_out) {
   const int64_t rows = xs.size(0), k = xs.size(1);
@@ -181,8 +170,7 @@ torch::Tensor grouped_widened(torch::Tensor xs, const std::vector<int64_t>& coun
       const auto [e, b] = work[i];
       const int64_t m0 = start[e], m = start[e + 1] - m0;
       acc.resize(m * BLOCK_N);  // direct() writes every sum; brgemm's chunks add to zeros
-      const uint16_t* wb =
-          reinterpret_cast<const uint16_t*>(w[e].data_ptr<BFloat16>()) + b * k * BLOCK_N;
+      const auto* wb = reinterpret_cast<const uint16_t*>(block(w, counts.size(), e, b, n_out, k));
       if (m <= DIRECT_M) {
         direct(x + m0 * k, m, k, wb, acc.data());
       } else {
@@ -207,22 +195,12 @@ torch::Tensor grouped_widened(torch::Tensor xs, const std::vector<int64_t>& coun
   return ys;
 }
 
-// Where the host has AVX512-BF16 but no AMX (Zen 4, Cooper Lake): w [N, K] bf16 ->
-// [N / BLOCK_N, K * BLOCK_N], each column block of w^T in pairs of K side by side (row p of a
-// block: 64 columns' (k = 2p, 2p + 1) pairs), as vdpbf16ps reads them.
-torch::Tensor pack_pairs(torch::Tensor w) {
-  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2, "pack_pairs: a bf16 matrix");
-  const int64_t n = w.size(0), k = w.size(1);
-  TORCH_CHECK(n % BLOCK_N == 0 && k % 2 == 0, "pack_pairs: rows a multiple of 64, columns even");
-  return w.view({n / BLOCK_N, BLOCK_N, k / 2, 2}).permute({0, 2, 1, 3}).contiguous().view(
-      {n / BLOCK_N, k * BLOCK_N});
-}
-
+// The pairs form: where the host has AVX512-BF16 but no AMX (Zen 4, Cooper Lake).
 bool has_pairs() { return __builtin_cpu_supports("avx512bf16"); }
 
 constexpr int PAIRS_M = 6;  // rows a pass of a block: 6 x 4 sums + 4 weights in 32 registers
 
-// y[M, BLOCK_N] = x[M, 2 kp] @ wb (a block of pack_pairs) in bf16 products summed in fp32 by
+// y[M, BLOCK_N] = x[M, 2 kp] @ wb (a block in pairs of K) in bf16 products summed in fp32 by
 // vdpbf16ps, two K a lane: no widening pass, half the fp32 path's instructions. Each product
 // is exact in fp32 and each sum rounded to nearest, as an FMA chain's (denormals flushed, as
 // oneDNN's bf16 GEMMs on these hosts do). The outputs rounded to bf16 to nearest even.
@@ -284,8 +262,8 @@ static std::vector<Span> spans(const std::vector<int64_t>& start, int64_t blocks
   return out;
 }
 
-// grouped() over pack_pairs' weights, each tile's rows PAIRS_M at a time over its block (which
-// stays in L2 while they pass): the bf16 rows multiplied as they are.
+// grouped() over weights in pairs of K (as brgemm's), each tile's rows PAIRS_M at a time over
+// its block (which stays in L2 while they pass): the bf16 rows multiplied as they are.
 torch::Tensor grouped_pairs(torch::Tensor xs, const std::vector<int64_t>& counts,
                             const std::vector<torch::Tensor>& w, int64_t n_out) {
   TORCH_CHECK(has_pairs(), "grouped_pairs: this host has no AVX512-BF16");
@@ -299,8 +277,7 @@ torch::Tensor grouped_pairs(torch::Tensor xs, const std::vector<int64_t>& counts
   at::parallel_for(0, work.size(), 1, [&](int64_t first, int64_t last) {
     for (int64_t i = first; i < last; ++i) {
       const auto [e, b, r0, r1] = work[i];
-      const auto* wb = reinterpret_cast<const uint32_t*>(w[e].data_ptr<BFloat16>()) +
-                       b * (k / 2) * BLOCK_N;
+      const auto* wb = reinterpret_cast<const uint32_t*>(block(w, counts.size(), e, b, n_out, k));
       for (int64_t m = r0; m < r1; m += PAIRS_M)
         pairs_block(std::min<int64_t>(PAIRS_M, r1 - m), x + m * (k / 2), k / 2, wb,
                     y + m * n_out + b * BLOCK_N, n_out);
@@ -310,12 +287,9 @@ torch::Tensor grouped_pairs(torch::Tensor xs, const std::vector<int64_t>& counts
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("pack", &pack);
   m.def("available", &available);
   m.def("grouped", &grouped);
-  m.def("pack_blocks", &pack_blocks);
   m.def("grouped_widened", &grouped_widened);
-  m.def("pack_pairs", &pack_pairs);
   m.def("has_pairs", &has_pairs);
   m.def("grouped_pairs", &grouped_pairs);
 }

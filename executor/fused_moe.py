@@ -75,12 +75,8 @@ def variant() -> str:
     return "brgemm" if module.available() else "pairs" if module.has_pairs() else "widened"
 
 
-# each variant's (packing, grouped call) in the extension
-_CALLS = {
-    "brgemm": ("pack", "grouped"),
-    "pairs": ("pack_pairs", "grouped_pairs"),
-    "widened": ("pack_blocks", "grouped_widened"),
-}
+# each variant's grouped call in the extension
+_CALLS = {"brgemm": "grouped", "pairs": "grouped_pairs", "widened": "grouped_widened"}
 
 
 def fused_experts(arch: ModelArch, dtype: str, mode: str, *, held: bool) -> bool:
@@ -107,18 +103,31 @@ def _refuse(why: str) -> None:
     raise HrmError(f"--cpu-moe fused: this run lacks {why}; use --cpu-moe loop or auto")
 
 
-def pack(w):
-    """w [out, in] bf16 laid out for the kernel's variant (out a multiple of 64): brgemm's VNNI
-    blocks [out / 64, in * 64], pairs' [out / 64, in / 2 * 64 * 2], or widened's column blocks
-    [out / 64, in, 64]."""
-    return getattr(_built(), _CALLS[variant()][0])(w.contiguous())
+def pack(w, scratch=None, *, form: str | None = None):
+    """w [out, in] bf16 (out a multiple of 64) laid out for the kernel's `form` (this host's
+    variant unless named) as [out / 64, in * 64]: each column block of w^T in pairs of K side by
+    side (brgemm's VNNI blocks, the same as at::native::cpublas::pack makes them, and the pairs
+    form's), or, widened, contiguous. scratch (a buffer of at least w's elements): laid out over
+    w itself, through it, and w returned in the layout's shape."""
+    n, k = w.shape
+    w = w.contiguous()
+    if (form or variant()) == "widened":
+        blocks = w.view(n // BLOCK, BLOCK, k).transpose(1, 2)
+    else:
+        blocks = w.view(n // BLOCK, BLOCK, k // 2, 2).permute(0, 2, 1, 3)
+    if scratch is None:
+        return blocks.contiguous().view(n // BLOCK, k * BLOCK)
+    laid = scratch[: w.numel()].view(blocks.shape)
+    laid.copy_(blocks)
+    return w.view(-1).copy_(laid.view(-1)).view(n // BLOCK, k * BLOCK)
 
 
 def grouped(xs, counts: list[int], weights: list, n_out: int):
     """xs [A, K] sorted by expert (counts[e] rows each), each row times its expert's weight
-    (weights[e]: laid out by pack() from [n_out, K]): [A, n_out] bf16, each output rounded as a
-    GEMM's."""
-    return getattr(_built(), _CALLS[variant()][1])(xs.contiguous(), counts, weights, n_out)
+    [n_out, K], given whole (weights[e]) or in equal parts by rows (weights[e * parts + p]: a
+    gate's and an up's, each laid out by pack() where it was loaded): [A, n_out] bf16, each
+    output rounded as a GEMM's."""
+    return getattr(_built(), _CALLS[variant()])(xs.contiguous(), counts, weights, n_out)
 
 
 def fused_linears(choice) -> bool:

@@ -337,7 +337,8 @@ class MoEModel:
         # fp32 copy of all A rows exists at once (planner/memory.py counts the workspace).
         if self.fused and w.router is not None:  # every expert's GEMMs in one call each
             ys = self._fused_experts(w, xs, counts)
-            torch.mul(ys, scale, out=ys)  # rounded as below, with no fp32 copy of the rows
+            for r in range(0, len(ys), GROUP_ROWS):  # rounded as below; a mixed-dtype mul makes
+                ys[r : r + GROUP_ROWS].mul_(scale[r : r + GROUP_ROWS])  # fp32 copies of its rows
         else:
             ys = torch.empty_like(xs)  # [A, H]
             start = 0
@@ -394,7 +395,8 @@ class MoEModel:
         def bias(name: str) -> torch.Tensor:  # [A, width]: each row its expert's
             return torch.stack([getattr(e, name) for e in experts]).repeat_interleave(rows, 0)
 
-        gate, up = fused_moe.grouped(xs, counts, [e.w1 for e in experts], 2 * i).chunk(2, -1)
+        gate_up = [t for e in experts for t in (e.w1, e.w3) if t is not None]  # parts
+        gate, up = fused_moe.grouped(xs, counts, gate_up, 2 * i).chunk(2, -1)
         if biased:
             gate, up = gate + bias("b1"), up + bias("b3")
         if self.arch.swiglu_limit is None:

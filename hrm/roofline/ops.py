@@ -163,8 +163,8 @@ def expert_gemm_shapes(arch: ModelArch) -> tuple[tuple[int, int], ...]:
 
 
 def fused_expert_gemm_shapes(arch: ModelArch) -> tuple[tuple[int, int], ...]:
-    """(d_in, d_out) of the fused kernel's two calls (executor/fused_moe.py): w1 and w3
-    stacked, then w2."""
+    """(d_in, d_out) of the fused kernel's two calls (executor/fused_moe.py): w1 and w3 as the
+    two parts of one weight, then w2."""
     h, i = arch.hidden_size, arch.intermediate_size
     return ((h, 2 * i), (i, h))
 

@@ -76,12 +76,12 @@ def test_the_grouped_gemm_is_each_experts_gemm_rounded_to_bf16(variant, counts):
         pytest.skip("no bf16 micro-kernel for torch's brgemm here (AMX)")
     if variant == "pairs" and not module.has_pairs():
         pytest.skip("no AVX512-BF16 here")
-    pack, grouped = (getattr(module, name) for name in fused_moe._CALLS[variant])
+    grouped = getattr(module, fused_moe._CALLS[variant])
     torch.manual_seed(0)
     k, n = 320, 192
     weights = [torch.randn(n, k, dtype=torch.bfloat16) * 0.1 for _ in counts]
     xs = torch.randn(sum(counts), k, dtype=torch.bfloat16)
-    out = grouped(xs, counts, [pack(w) for w in weights], n)
+    out = grouped(xs, counts, [fused_moe.pack(w, form=variant) for w in weights], n)
     assert out.shape == (sum(counts), n) and out.dtype == torch.bfloat16
     start = 0
     for w, c in zip(weights, counts, strict=True):
@@ -89,6 +89,62 @@ def test_the_grouped_gemm_is_each_experts_gemm_rounded_to_bf16(variant, counts):
         got = out[start : start + c].float()
         assert torch.allclose(got, exact, rtol=2**-7, atol=1e-3), (got - exact).abs().max()
         start += c
+
+
+@pytest.mark.parametrize("variant", ["brgemm", "pairs", "widened"])
+def test_a_weight_in_parts_is_the_whole_weight(variant):
+    """An expert's gate and up, each laid out where it was loaded, are the kernel's two parts of
+    one [2I, H] weight: the same outputs, bit for bit, as the stacked weight."""
+    module = fused_moe._built()
+    if (variant == "brgemm" and not module.available()) or (
+        variant == "pairs" and not module.has_pairs()
+    ):
+        pytest.skip(f"no {variant} form here")
+    grouped = getattr(module, fused_moe._CALLS[variant])
+    torch.manual_seed(1)
+    counts, k = [3, 0, 70], 320
+    gates = [torch.randn(128, k, dtype=torch.bfloat16) for _ in counts]
+    ups = [torch.randn(128, k, dtype=torch.bfloat16) for _ in counts]
+    xs = torch.randn(sum(counts), k, dtype=torch.bfloat16)
+
+    def laid(w):
+        return fused_moe.pack(w, form=variant)
+
+    pairs = list(zip(gates, ups, strict=True))
+    whole = grouped(xs, counts, [laid(torch.cat(p)) for p in pairs], 256)
+    parts = grouped(xs, counts, [laid(w) for p in pairs for w in p], 256)
+    assert torch.equal(whole, parts)
+    with pytest.raises(RuntimeError, match="counts and weights"):
+        grouped(xs, counts, [laid(w) for w in gates] + [laid(ups[0])], 256)
+
+
+def test_routed_experts_are_laid_out_where_they_were_loaded():
+    """Taken over (a checkpoint made for this run), each routed expert's matrix is laid out over
+    its own storage, as the same matrix laid out in a copy: no hole is left where it was, and
+    a run's memory is its count (docs/decisions.md, 2026-12-07: packed runs' memory)."""
+    from executor.checkpoint import random_checkpoint
+    from executor.packed_weights import packed_weights
+    from hrm.arch import resolve_model
+
+    arch = dataclasses.replace(resolve_model("mixtral-8x7b"), hidden_size=128,
+                               intermediate_size=192, num_layers=2, vocab_size=64)  # fmt: skip
+    weights = random_checkpoint(arch, "bfloat16").weights
+    copies = [tuple(t.clone() for t in (e.w1, e.w3, e.w2)) for w in weights.layers
+              for e in w.experts]  # fmt: skip
+    where = [tuple(t.data_ptr() for t in (e.w1, e.w3, e.w2)) for w in weights.layers
+             for e in w.experts]  # fmt: skip
+    laid = packed_weights(weights, router_linear=True, take_over=True, fused=fused_moe.pack,
+                          linears=None)  # fmt: skip
+    experts = [e for w in laid.layers for e in w.experts]
+    assert [tuple(t.data_ptr() for t in (e.w1, e.w3, e.w2)) for e in experts] == where
+    for e, originals in zip(experts, copies, strict=True):
+        for got, original in zip((e.w1, e.w3, e.w2), originals, strict=True):
+            assert torch.equal(got, fused_moe.pack(original))
+    # not taken over: the caller's matrices are left as they were
+    kept = random_checkpoint(arch, "bfloat16").weights
+    before = kept.layers[0].experts[0].w2.clone()
+    packed_weights(kept, router_linear=True, fused=fused_moe.pack, linears=None)
+    assert torch.equal(kept.layers[0].experts[0].w2, before)
 
 
 @pytest.mark.parametrize("linears", ["paths", "fused"])

@@ -68,10 +68,10 @@ def _peak_added(*args) -> float:
 
 RUN = ["--prompt-len", "256", "--batch", "16", "--gen-len", "4"]
 # The resident count is checked on weights held as loaded (the loop's experts, native GEMMs):
-# where they are packed, by oneDNN or for the fused kernel, the AVX-512 EPYC measured 1.91-2.07
-# GB against the count's 1.73 and native's 1.76 (docs/decisions.md, 2026-12-07: open). The path
-# is named, not probed: a probe's choice between packed and native made this test host- and
-# minute-dependent.
+# where they are packed the AMX Xeon measured 1.91-1.98 GB for the fused experts (laid out in
+# place) and 1.96 for oneDNN's packed loop, against the count's 1.73 and native's 1.75-1.81
+# (docs/decisions.md, 2026-12-07: packed runs' memory, open). The path is named, not probed: a
+# probe's choice between packed and native made this test host- and minute-dependent.
 LOOP = ["--cpu-moe", "loop", "--cpu-gemm", "native"]
 
 
