@@ -330,8 +330,9 @@ class MoEModel:
         T, K = top_i.shape
         order = torch.argsort(top_i.flatten(), stable=True)  # [A] assignments sorted by expert
         counts = torch.bincount(top_i.flatten(), minlength=len(w.experts)).tolist()  # [E]
-        xs = x[order // K]  # [A, H]
-        scale = top_w.flatten()[order, None]  # [A, 1] fp32
+        # index_select, not x[...]: the same rows, 5x faster at 512 x 1024 bf16 (AMX Xeon)
+        xs = x.index_select(0, order // K)  # [A, H]
+        scale = top_w.flatten().index_select(0, order)[:, None]  # [A, 1] fp32
         # transformers scales each expert's output by its fp32 weight, rounds to the model dtype
         # and adds the experts to zeros in index order; the scaling is per expert here, so no
         # fp32 copy of all A rows exists at once (planner/memory.py counts the workspace).
@@ -352,9 +353,10 @@ class MoEModel:
         # order (top-k >= 3 rounds differently run to run), so each token's K outputs are put in
         # expert order and added in turn.
         rank = top_i.argsort(dim=-1).argsort(dim=-1).flatten()  # [A] place among the token's
-        by_token = torch.empty_like(ys)
-        by_token[(order // K) * K + rank[order]] = ys
-        by_token = by_token.view(T, K, -1)  # [T, K, H], experts in index order
+        place = (order // K) * K + rank[order]  # [A] each sorted row's place by token
+        rows = torch.arange(len(place), device=place.device)
+        source = torch.empty_like(place).scatter_(0, place, rows)  # the sorted row at each place
+        by_token = ys.index_select(0, source).view(T, K, -1)  # [T, K, H], experts in index order
         out = by_token[:, 0]
         for k in range(1, K):
             out = out + by_token[:, k]

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from executor.generate import Limits, holds_stop_string, sample
+from executor.generate import Limits, greedy, holds_stop_string, sample
 from executor.kv_blocks import KVBlocks
 from executor.pass_tasks import PassGroup
 from executor.runtime import HOST, Runtime
@@ -189,9 +189,9 @@ class _Answers:
             if lg is None:
                 continue
             samplers = [g.seqs[int(g.packed["batch_idx"][r])] for r in g.packed["sample_rows"]]
-            greedy = lg.argmax(dim=-1).tolist()
+            tokens = greedy(lg).tolist()
             for row, i in enumerate(samplers):
-                token = greedy[row]
+                token = tokens[row]
                 if i in self.generators:
                     lim = self.limits[i]
                     token = int(sample(lg[row : row + 1], lim.sampling, self.generators[i]))
