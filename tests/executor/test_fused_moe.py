@@ -212,12 +212,13 @@ def test_fused_and_loop_agree_and_the_record_says_which_ran(wide, run_cli, tmp_p
     assert outputs["fused"] == outputs["loop"] == outputs[None]
 
 
-@pytest.mark.parametrize(("hardware", "noted"), [("ci-cpu-amx", True), ("ci-cpu-avx2", False)])
+@pytest.mark.parametrize(("hardware", "noted"), [("ci-cpu-amx-l3-105mb", True), ("ci-cpu-amx", False)])
 def test_a_fused_run_says_when_its_profile_prices_it_as_the_loop(
     wide, run_cli, tmp_path, hardware, noted
 ):
-    """ci-cpu-amx predates the kernel's curves: its prediction of a fused run is the loop's, and
-    the run says so; ci-cpu-avx2 has them, and the run says nothing of it."""
+    """ci-cpu-amx-l3-105mb predates the kernel's curves: its prediction of a fused run is the
+    loop's, and the run says so; ci-cpu-amx has them (profiled again on 2026-12-07), and the run
+    says nothing of it."""
     status, stdout, err = run_cli(
         "run", "--checkpoint", wide["mixtral"], "--prompt-len", "5", "--batch", "2",
         "--gen-len", "3", "--dtype", "bfloat16", "--cpu-gemm", HOST_PATH,
