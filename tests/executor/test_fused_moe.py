@@ -212,7 +212,9 @@ def test_fused_and_loop_agree_and_the_record_says_which_ran(wide, run_cli, tmp_p
     assert outputs["fused"] == outputs["loop"] == outputs[None]
 
 
-@pytest.mark.parametrize(("hardware", "noted"), [("ci-cpu-amx-l3-105mb", True), ("ci-cpu-amx", False)])
+@pytest.mark.parametrize(
+    ("hardware", "noted"), [("ci-cpu-amx-l3-105mb", True), ("ci-cpu-amx", False)]
+)
 def test_a_fused_run_says_when_its_profile_prices_it_as_the_loop(
     wide, run_cli, tmp_path, hardware, noted
 ):
