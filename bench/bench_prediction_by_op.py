@@ -44,15 +44,22 @@ PARTS = ("dense", "attention", "expert ffn", "lm head", "other")
 
 
 def measure(
-    path: Path, prompts: list[list[int]], gen_len: int, dtype: str, cpu_gemm, repeats: int
-) -> dict:
+    path: Path,
+    prompts: list[list[int]],
+    gen_len: int,
+    dtype: str,
+    cpu_gemm,
+    repeats: int,
+    cpu_moe: str = "loop",
+) -> tuple[dict, object]:
     """Seconds per (phase, part): the median over `repeats` executor runs, after a warm-up run
-    (single runs on these VMs vary by up to 1.5x)."""
+    (single runs on these VMs vary by up to 1.5x); and the GEMM choice as the model took it
+    (its experts fused or not, `cpu_moe`)."""
     from executor.checkpoint import open_checkpoint
     from executor.generate import generate, resident_runtime
     from executor.model import MoEModel
 
-    model = MoEModel(open_checkpoint(path, dtype), cpu_gemm)
+    model = MoEModel(open_checkpoint(path, dtype), cpu_gemm, cpu_moe=cpu_moe)
     runtime = resident_runtime(model)  # the engine's resident run, its steps timed below
     generate(runtime, prompts[:2], 2)  # warm-up
     seconds: dict[tuple[str, str], float] = defaultdict(float)
@@ -79,10 +86,11 @@ def measure(
         t0 = time.perf_counter()
         generate(runtime, prompts, gen_len)
         runs.append(_parts(seconds, time.perf_counter() - t0))
-    return {
+    medians = {
         ph: {part: statistics.median(run[ph][part] for run in runs) for part in PARTS}
         for ph in ("prefill", "decode")
     }
+    return medians, model.cpu_gemm
 
 
 def _parts(seconds: dict[tuple[str, str], float], total: float) -> dict:
@@ -164,6 +172,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="the quick shape of the CPU bench")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument("--cpu-moe", choices=("loop", "fused", "auto"), default="loop",
+                        help="the routed experts (--cpu-moe), priced as they ran")  # fmt: skip
     parser.add_argument(
         "--family",
         choices=("mixtral", "qwen3_moe", "gpt_oss", "deepseek_v2"),
@@ -193,7 +203,8 @@ def main() -> None:
         path = save_checkpoint(config, Path(tmp) / "bench")
         hardware = args.hardware or str(profile_host(path / "config.json", Path(tmp) / "host.yaml"))
         profile, cpu_gemm = host_cpu_gemm(path, hardware, args.dtype)
-        measured = measure(path, prompts, gen_len, args.dtype, cpu_gemm, args.repeats)
+        measured, cpu_gemm = measure(path, prompts, gen_len, args.dtype, cpu_gemm, args.repeats,
+                                     args.cpu_moe)  # fmt: skip
         predicted = predict(path, profile, cpu_gemm, args.dtype, batch, prompt_len, gen_len)
         # the same profile with every GEMM priced at the expert's w1 curve, as before the
         # profile timed each shape: what the shape curves change, against the same measurement
