@@ -67,6 +67,11 @@ DECODE_KERNELS = {"sdpa": sdpa_decode, "matmul": matmul_decode}
 # cases (up to 3.3x at batch 1, 1.34x at fp32 32x2048); the batched GEMMs won twice by 3-4%,
 # within the VM's noise. reports/bench_cpu_attention.json has the table.
 DECODE_KERNEL = "sdpa"
+# Beyond this head dimension a decode step runs the batched GEMMs: latent attention's 576
+# (DeepSeek's 512 latent + 64 rotary, 16 queries a key row) took SDPA 14.1 against 2.4 ms at
+# batch 64 x 192 keys, 86.7 against 19.3 at 64 x 512 and 35.9 against 4.3 at 8 x 2048, the same
+# at batch 1 (AMX Xeon, bf16); Mixtral's 128 stays SDPA's (docs/decisions.md, 2026-12-07).
+SDPA_MAX_HEAD_DIM = 256
 
 
 def attend_one_step(
@@ -74,7 +79,7 @@ def attend_one_step(
     keys: torch.Tensor,
     values: torch.Tensor,
     mask: torch.Tensor | None,
-    kernel: str = DECODE_KERNEL,
+    kernel: str | None = None,
     *,
     window: int | None = None,
     sinks: torch.Tensor | None = None,
@@ -82,8 +87,11 @@ def attend_one_step(
 ) -> torch.Tensor:
     """q [B, nq, D], keys [B, nkv, S, D] and values [B, nkv, S, Dv], mask [B, 1, 1, S] or None
     -> [B, nq*Dv]; a sliding layer's `window`, gpt-oss's `sinks` [nq] and the scores' `scale`
-    (None: 1/sqrt(D)) where the layer has them."""
+    (None: 1/sqrt(D)) where the layer has them. kernel: DECODE_KERNELS' name (None: by the head
+    dimension, SDPA_MAX_HEAD_DIM)."""
     B, nkv, D = q.shape[0], keys.shape[1], q.shape[-1]
+    if kernel is None:
+        kernel = "matmul" if D > SDPA_MAX_HEAD_DIM else DECODE_KERNEL
     keys, values, mask = last_window(keys, values, mask, window)
     q = q.view(B, nkv, -1, D)
     if sinks is not None:
