@@ -34,7 +34,9 @@ class MicroBatchSeconds:
     cpu_attention: np.ndarray
     activations_to_gpu: np.ndarray  # prefill: hidden page in; decode: attention output (D2)
     activations_to_cpu: np.ndarray  # prefill: hidden page out; decode: QKV (D1)
-    kv_to_gpu: np.ndarray  # decode with GPU attention: the CPU part of the cache, prefetched
+    # the CPU part of the cache, prefetched: decode with GPU attention, a later prompt chunk's
+    # earlier tokens
+    kv_to_gpu: np.ndarray
     kv_to_cpu: np.ndarray  # prefill: the prompt's K, V; decode: the new token's
     gpu_all_reduce: np.ndarray  # tensor parallelism: after attention and after the experts
     cpu_launch: np.ndarray  # the executor's fixed cost of one layer on the CPU (measured)
@@ -221,9 +223,14 @@ def _kind_seconds(setting: Setting, b) -> MicroBatchSeconds:
         cpu_attention=cpu["attention"],
         activations_to_gpu=steps_of(h2d, hidden_page, b_dec * arch.attention_output_size * adt),
         activations_to_cpu=steps_of(d2h, hidden_page, b_dec * (arch.q_size + arch.kv_width) * adt),
-        # a host layer's filled slots, a sliding layer's window at most (executor/kv_cache.py)
+        # decode: a host layer's filled slots, a sliding layer's window at most
+        # (executor/kv_cache.py); prefill: a later chunk's earlier tokens, fetched from the pool
+        # as the device attends over them (executor/pass_tasks.py)
         kv_to_gpu=np.concatenate(
-            [[0.0], h2d(b_dec * arch.mean_keys(setting.decode_contexts) * kv_token)]
+            [
+                [h2d(b_pre * setting.prefill_prefix * kv_token) if setting.prefill_prefix else 0.0],
+                h2d(b_dec * arch.mean_keys(setting.decode_contexts) * kv_token),
+            ]
         ),
         kv_to_cpu=steps_of(d2h, b_pre * s_pre * kv_token, b_dec * kv_token),
         # two all-reduces of the micro-batch's hidden states per layer (Megatron: after the O

@@ -22,9 +22,10 @@ from hrm.workload import Workload
 from planner import predict
 from planner.continuous import plan_continuous, price_static_job
 from planner.memory import activation_tokens
-from planner.passes import CPU, GPU, PassPricer, _grid_points, pass_groups, price_job
+from planner.passes import CPU, D2H, GPU, H2D, PassPricer, _grid_points, pass_groups, price_job
 from planner.search import search
 from planner.setting import Setting
+from planner.transfers import link_seconds
 from tests.conftest import assert_one_line_error
 
 ARCH = resolve_model("mixtral-8x7b")
@@ -118,7 +119,8 @@ def test_a_later_chunk_is_priced_with_its_attention_over_the_prompts_earlier_tok
     its price adds, where prefill attention runs (here the GPU, with the layers), the attention
     of its queries over those earlier keys: the roofline's attention at context start + chunk
     less at the chunk alone (both between the points of the pricer's grid either side, weighted
-    linearly: 100 between 81 and 102), and nothing on the other queues."""
+    linearly: 100 between 81 and 102); and their K and V brought over the link, the pool being
+    on the host."""
     from hrm.roofline.ops import attention_op
     from hrm.rules.admission import Chunk, Pass
     from planner.op_time import op_seconds
@@ -141,6 +143,12 @@ def test_a_later_chunk_is_priced_with_its_attention_over_the_prompts_earlier_tok
     )
     assert later[GPU] - first[GPU] == pytest.approx(extra, rel=1e-9)
     assert later[GPU] > first[GPU] and later[CPU] == first[CPU]
+    # the host's K and V of those earlier tokens cross the link to the device, layer by layer
+    # (executor/pass_tasks.py's kv_in): a layer's, 16 prompts x 100 tokens x a token's K and V
+    trip = sum(ws * link_seconds(p.setting.hardware, 16 * s * ARCH.kv_token_bytes("bfloat16"),
+                                 "h2d") for s, ws in starts)  # fmt: skip
+    assert later[H2D] - first[H2D] == pytest.approx(trip, rel=1e-9)
+    assert later[D2H] == first[D2H]
     assert p.group("prefill", 16, 64.0, 0.0) is first
 
 
