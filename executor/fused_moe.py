@@ -132,11 +132,13 @@ def grouped(xs, counts: list[int], weights: list, n_out: int):
 
 def fused_linears(choice) -> bool:
     """Whether a run whose routed experts are fused runs its other matrices on the kernel too,
-    each as one expert of all the rows: where its form is `pairs`, which read the attention
-    projections and an LM head at 1-4 rows 1.6-2.6x faster than torch's native bf16 and
-    1.2-2.0x oneDNN's packed on the AVX-512 EPYC (docs/decisions.md, 2026-12-07), unless the
-    run named its GEMM path (`choice.named`). The other forms were not measured so."""
-    return variant() == "pairs" and not choice.named
+    each as one expert of all the rows, unless the run named its GEMM path (`choice.named`):
+    - `pairs`: the attention projections and an LM head at 1-4 rows 1.6-2.6x faster than
+      torch's native bf16 and 1.2-2.0x oneDNN's packed (AVX-512 EPYC);
+    - `brgemm`: whole runs on the AMX Xeon 1.10-1.17x oneDNN's packed at batch 1, 1.01-1.06x
+      at batch 64, even at 16 prompts of 512 (docs/decisions.md, 2026-12-07).
+    The widened form was not measured so."""
+    return variant() in ("pairs", "brgemm") and not choice.named
 
 
 def linear_packing(packed: bool):
