@@ -286,10 +286,13 @@ torch::Tensor grouped_pairs(torch::Tensor xs, const std::vector<int64_t>& counts
   return ys;
 }
 
+void register_small_ops(pybind11::module_& m);  // executor/small_ops.cpp, built beside
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &available);
   m.def("grouped", &grouped);
   m.def("grouped_widened", &grouped_widened);
   m.def("has_pairs", &has_pairs);
   m.def("grouped_pairs", &grouped_pairs);
+  register_small_ops(m);
 }

@@ -39,7 +39,7 @@ from hrm.errors import HrmError
 from hrm.hardware.parts import Curve
 from hrm.rules.cpu_moe import BLOCK, check_mode, model_missing
 
-SOURCE = Path(__file__).with_name("fused_moe.cpp")
+SOURCES = [str(Path(__file__).with_name(f)) for f in ("fused_moe.cpp", "small_ops.cpp")]
 GROUP = 8  # experts in one timed call of the profile's sweep (fused_curves)
 
 
@@ -49,7 +49,7 @@ def _built():
     try:
         from torch.utils.cpp_extension import load
 
-        module = load(name="hrm_fused_moe", sources=[str(SOURCE)], extra_cflags=["-O3", "-fopenmp"])
+        module = load(name="hrm_fused_moe", sources=SOURCES, extra_cflags=["-O3", "-fopenmp"])
     except Exception as exc:  # noqa: BLE001 -- a compiler's failure takes many forms
         return f"the fused MoE kernel did not build ({type(exc).__name__}: {str(exc)[:200]})"
     return module

@@ -22,7 +22,7 @@ from collections import Counter
 import torch
 import torch.nn.functional as F
 
-from executor import fused_moe
+from executor import fused_moe, small_ops
 from executor.attention import append_and_attend, store_and_attend_prompts
 from executor.checkpoint import Checkpoint, LayerWeights
 from executor.fused_moe import fused_experts
@@ -102,6 +102,11 @@ class MoEModel:
         packed = held and "packed" in cpu_gemm.paths
         self.fused = fused_experts(self.arch, dtype_name, cpu_moe, held=held)
         kernel = self.fused and fused_moe.fused_linears(cpu_gemm)  # the other matrices too
+        # where the kernel is built for a bf16 run, the small ops between the GEMMs too
+        self._rms, self._rotary = (small_ops.rms_norm, small_ops.rotary) if self.fused else (
+            rms_norm, apply_rotary)  # fmt: skip
+        if self.arch.norm == "rmsnorm":
+            self._norm = self._rms
         if cpu_gemm is not None:  # what the record reports and a prediction prices
             cpu_gemm = dataclasses.replace(cpu_gemm, experts="fused" if self.fused else "loop",
                                            linears="fused" if kernel else "paths")  # fmt: skip
@@ -214,14 +219,14 @@ class MoEModel:
         if w.bq is not None:
             q, k, v = q + w.bq, k + w.bk, v + w.bv
         if a.qk_norm == "projection":
-            q, k = rms_norm(q, w.q_norm, a.norm_eps), rms_norm(k, w.k_norm, a.norm_eps)
+            q, k = self._rms(q, w.q_norm, a.norm_eps), self._rms(k, w.k_norm, a.norm_eps)
         if a.clip_qkv is not None:
             q, k, v = (t.clamp_(-a.clip_qkv, a.clip_qkv) for t in (q, k, v))
         T, D = h.shape[0], a.head_dim
         q, k = q.view(T, -1, D), k.view(T, -1, D)
         if a.qk_norm == "head":
-            q, k = rms_norm(q, w.q_norm, a.norm_eps), rms_norm(k, w.k_norm, a.norm_eps)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v.view(T, -1, D)
+            q, k = self._rms(q, w.q_norm, a.norm_eps), self._rms(k, w.k_norm, a.norm_eps)
+        return self._rotary(q, cos, sin), self._rotary(k, cos, sin), v.view(T, -1, D)
 
     # -- Attn ----------------------------------------------------------------------------------
 
@@ -334,28 +339,22 @@ class MoEModel:
         xs = x.index_select(0, order // K)  # [A, H]
         scale = top_w.flatten().index_select(0, order)[:, None]  # [A, 1] fp32
         # transformers scales each expert's output by its fp32 weight, rounds to the model dtype
-        # and adds the experts to zeros in index order; the scaling is per expert here, so no
-        # fp32 copy of all A rows exists at once (planner/memory.py counts the workspace).
+        # and adds the experts to zeros in index order. index_add_ would add in index order on a
+        # CPU, but on CUDA it adds with atomics in any order (top-k >= 3 rounds differently run
+        # to run), so each token's K outputs are put in expert order and added in turn.
+        source = _by_token(top_i, order)
         if self.fused and w.router is not None:  # every expert's GEMMs in one call each
             ys = self._fused_experts(w, xs, counts)
-            for r in range(0, len(ys), GROUP_ROWS):  # rounded as below; a mixed-dtype mul makes
-                ys[r : r + GROUP_ROWS].mul_(scale[r : r + GROUP_ROWS])  # fp32 copies of its rows
-        else:
-            ys = torch.empty_like(xs)  # [A, H]
-            start = 0
-            for e, n in enumerate(counts):
-                if n:
-                    rows = slice(start, start + n)
-                    ys[rows] = self.expert(w.experts[e], xs[rows]) * scale[rows]  # [n, H]
-                    start += n
+            del xs
+            return small_ops.combine(ys, scale, source, K)  # scaled, rounded, added: one pass
+        ys = torch.empty_like(xs)  # [A, H]
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                rows = slice(start, start + n)
+                ys[rows] = self.expert(w.experts[e], xs[rows]) * scale[rows]  # [n, H]
+                start += n
         del xs
-        # index_add_ would add in index order on a CPU, but on CUDA it adds with atomics in any
-        # order (top-k >= 3 rounds differently run to run), so each token's K outputs are put in
-        # expert order and added in turn.
-        rank = top_i.argsort(dim=-1).argsort(dim=-1).flatten()  # [A] place among the token's
-        place = (order // K) * K + rank[order]  # [A] each sorted row's place by token
-        rows = torch.arange(len(place), device=place.device)
-        source = torch.empty_like(place).scatter_(0, place, rows)  # the sorted row at each place
         by_token = ys.index_select(0, source).view(T, K, -1)  # [T, K, H], experts in index order
         out = by_token[:, 0]
         for k in range(1, K):
@@ -436,3 +435,13 @@ class MoEModel:
         lm_head = self.weights.lm_head if lm_head is None else lm_head
         x = self._norm(h, final_norm, self.arch.norm_eps)
         return self.gather(self.linear(x, lm_head)).float()  # tensor parallel: a vocabulary share
+
+
+def _by_token(top_i: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """[T * K]: the row of the expert-sorted assignments (`order`) at each token's k-th place,
+    its experts in index order."""
+    K = top_i.shape[1]
+    rank = top_i.argsort(dim=-1).argsort(dim=-1).flatten()  # [A] place among the token's
+    place = (order // K) * K + rank[order]  # [A] each sorted row's place by token
+    rows = torch.arange(len(place), device=place.device)
+    return torch.empty_like(place).scatter_(0, place, rows)  # the sorted row at each place

@@ -1,0 +1,134 @@
+// The small bf16 ops between a CPU layer's GEMMs, each one pass over its rows where torch runs
+// four to eight ops of its own (executor/small_ops.py says why). Each rounds to bf16 where the
+// torch ops it replaces do, so that a token's arithmetic is theirs: rotary and the experts'
+// combination bit for bit, RMSNorm but for its sum of squares' order.
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/extension.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+inline float f32(uint16_t b) {
+  const uint32_t u = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// fp32 -> bf16, to nearest even, a NaN kept quiet: c10::BFloat16's rounding.
+inline uint16_t bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+
+inline const uint16_t* bits(const torch::Tensor& t) {
+  return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
+}
+
+inline uint16_t* bits(torch::Tensor& t) {
+  return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>());
+}
+
+void check_bf16(const torch::Tensor& t, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.is_contiguous() && t.device().is_cpu(), what,
+              ": a contiguous bf16 CPU tensor");
+}
+
+}  // namespace
+
+// Mixtral's RMSNorm over x's last dimension: w * bf16(x * rsqrt(mean(x^2) + eps)), in fp32
+// with the product rounded before the weight's multiply (executor/layer_math.py rms_norm).
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  check_bf16(x, "rms_norm x");
+  check_bf16(w, "rms_norm w");
+  const int64_t h = x.size(-1), rows = x.numel() / h;
+  TORCH_CHECK(w.numel() == h, "rms_norm: w as wide as x's last dimension");
+  auto out = torch::empty_like(x);
+  const uint16_t *xs = bits(x), *ws = bits(w);
+  uint16_t* ys = bits(out);
+  at::parallel_for(0, rows, 16, [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r) {
+      const uint16_t* a = xs + r * h;
+      uint16_t* y = ys + r * h;
+      float sum = 0.f;
+      for (int64_t i = 0; i < h; ++i) sum += f32(a[i]) * f32(a[i]);
+      const float scale = 1.f / std::sqrt(sum / float(h) + float(eps));
+      for (int64_t i = 0; i < h; ++i) y[i] = bf16(f32(ws[i]) * f32(bf16(f32(a[i]) * scale)));
+    }
+  });
+  return out;
+}
+
+// Rotary by the half-split convention, x [T, n, D] with cos and sin [T, D]: each product
+// rounded, then their sum (x * cos + rotate_half(x) * sin in bf16, apply_rotary's ops).
+torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  check_bf16(x, "rotary x");
+  check_bf16(cos, "rotary cos");
+  check_bf16(sin, "rotary sin");
+  TORCH_CHECK(x.dim() == 3 && cos.dim() == 2 && cos.sizes() == sin.sizes() &&
+                  cos.size(0) == x.size(0) && cos.size(1) == x.size(2) && x.size(2) % 2 == 0,
+              "rotary: x [T, n, D], cos and sin [T, D]");
+  const int64_t t = x.size(0), n = x.size(1), d = x.size(2), half = d / 2;
+  auto out = torch::empty_like(x);
+  const uint16_t *xs = bits(x), *cs = bits(cos), *ss = bits(sin);
+  uint16_t* ys = bits(out);
+  at::parallel_for(0, t * n, 64, [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r) {
+      const uint16_t *a = xs + r * d, *c = cs + (r / n) * d, *s = ss + (r / n) * d;
+      uint16_t* y = ys + r * d;
+      for (int64_t i = 0; i < d; ++i) {
+        const float rotated = i < half ? -f32(a[i + half]) : f32(a[i - half]);
+        y[i] = bf16(f32(bf16(f32(a[i]) * f32(c[i]))) + f32(bf16(rotated * f32(s[i]))));
+      }
+    }
+  });
+  return out;
+}
+
+// The routed experts' outputs back to their tokens: ys [A, H] rows sorted by expert, each
+// scaled by its fp32 routing weight and rounded; a token's K rows (source[t * K + k], in expert
+// index order) added in turn, each sum rounded (MoEModel.experts' mul_, gather and adds).
+torch::Tensor combine(const torch::Tensor& ys, const torch::Tensor& scale,
+                      const torch::Tensor& source, int64_t k) {
+  check_bf16(ys, "combine ys");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
+                  scale.numel() == ys.size(0),
+              "combine: an fp32 scale per row");
+  TORCH_CHECK(source.scalar_type() == at::kLong && source.is_contiguous() &&
+                  source.numel() == ys.size(0) && k > 0 && ys.size(0) % k == 0,
+              "combine: a source row per assignment, K per token");
+  const int64_t h = ys.size(1), tokens = ys.size(0) / k;
+  auto out = torch::empty({tokens, h}, ys.options());
+  const uint16_t* y = bits(ys);
+  const float* s = scale.data_ptr<float>();
+  const int64_t* src = source.data_ptr<int64_t>();
+  uint16_t* o = bits(out);
+  at::parallel_for(0, tokens, 8, [&](int64_t first, int64_t last) {
+    for (int64_t t = first; t < last; ++t) {
+      uint16_t* acc = o + t * h;
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t row = src[t * k + j];
+        const uint16_t* a = y + row * h;
+        const float w = s[row];
+        if (j == 0)
+          for (int64_t i = 0; i < h; ++i) acc[i] = bf16(f32(a[i]) * w);
+        else
+          for (int64_t i = 0; i < h; ++i) acc[i] = bf16(f32(acc[i]) + f32(bf16(f32(a[i]) * w)));
+      }
+    }
+  });
+  return out;
+}
+
+void register_small_ops(pybind11::module_& m) {
+  m.def("rms_norm", &rms_norm);
+  m.def("rotary", &rotary);
+  m.def("combine", &combine);
+}

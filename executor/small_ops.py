@@ -1,0 +1,43 @@
+"""The small bf16 ops of a CPU layer in one native pass each (executor/small_ops.cpp, built with
+the fused experts' kernel): RMSNorm, rotary and the routed experts' combination.
+
+Why: between the GEMMs, torch runs each of these as four to eight ops over fp32 or bf16 copies
+of the rows, each paying its dispatch and an allocation. On the AMX Xeon at batch 64 (Qwen3-MoE
+bench shape) they took about 3 ms of a 52 ms decode step: an RMSNorm of [64, 1024] 72 us,
+rotary of [64, 16, 128] 88 us, the routing scale's mixed-dtype mul_ of [512, 1024] up to 500
+us, the combination's gather and seven adds 137 us (docs/decisions.md, 2026-12-07). vLLM's
+CPU backend runs them in C++. A model takes them where its routed experts run fused (bf16, the
+kernel built); each falls back to torch's ops for what it does not serve.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from executor import fused_moe
+from executor.layer_math import apply_rotary
+from executor.layer_math import rms_norm as torch_rms_norm
+
+
+def _ops():
+    return fused_moe._built()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """layer_math.rms_norm, in one pass (bf16 rows; else torch's)."""
+    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or not x.is_contiguous():
+        return torch_rms_norm(x, weight, eps)
+    return _ops().rms_norm(x, weight, eps)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """layer_math.apply_rotary, in one pass (bf16, a whole head rotated; else torch's)."""
+    if x.dtype != torch.bfloat16 or cos.shape[-1] != x.shape[-1] or not x.is_contiguous():
+        return apply_rotary(x, cos, sin)
+    return _ops().rotary(x, cos.contiguous(), sin.contiguous())
+
+
+def combine(ys: torch.Tensor, scale: torch.Tensor, source: torch.Tensor, k: int) -> torch.Tensor:
+    """[T, H] bf16: each token's K rows of ys (source[t * K + j], in expert index order), each
+    scaled by its row's routing weight and rounded, added in turn, each sum rounded."""
+    return _ops().combine(ys.contiguous(), scale.reshape(-1).float().contiguous(), source, k)
