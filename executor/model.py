@@ -80,7 +80,6 @@ class MoEModel:
         self.weights = checkpoint.weights
         self.dtype = checkpoint.dtype
         self.device = checkpoint.weights.embed.device if device is None else torch.device(device)
-        self._norm = NORMS[self.arch.norm]
         self._inv_freq, self._rope_scaling = inverse_frequencies(self.arch)
         # gpt-oss's sinks in fp32, per layer, and a copy on each other device that attends
         self._sinks = {
@@ -105,8 +104,7 @@ class MoEModel:
         # where the kernel is built for a bf16 run, the small ops between the GEMMs too
         self._rms, self._rotary = (small_ops.rms_norm, small_ops.rotary) if self.fused else (
             rms_norm, apply_rotary)  # fmt: skip
-        if self.arch.norm == "rmsnorm":
-            self._norm = self._rms
+        self._norm = self._rms if self.arch.norm == "rmsnorm" else NORMS[self.arch.norm]
         if cpu_gemm is not None:  # what the record reports and a prediction prices
             cpu_gemm = dataclasses.replace(cpu_gemm, experts="fused" if self.fused else "loop",
                                            linears="fused" if kernel else "paths")  # fmt: skip

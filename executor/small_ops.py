@@ -25,7 +25,8 @@ def _ops():
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """layer_math.rms_norm, in one pass (bf16 rows; else torch's)."""
-    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or not x.is_contiguous():
+    bf16 = x.dtype == weight.dtype == torch.bfloat16
+    if not (bf16 and x.is_contiguous() and weight.is_contiguous()):
         return torch_rms_norm(x, weight, eps)
     return _ops().rms_norm(x, weight, eps)
 

@@ -153,10 +153,10 @@ def test_fused_experts_match_the_loop_and_transformers_in_bf16(wide, name, linea
     """The fused call ran every routed layer (linears fused: the other matrices too, where the
     kernel's form is pairs or brgemm and no path was named); its bf16 logits are within
     TOLERANCE of the loop's on the same path (only the GEMMs' summation order differs), and of
-    transformers' at
-    every step where the loop's are (test_matches_transformers' check), while the runs chose the
-    same tokens. The loop is the bar: on the widened path one Mixtral step here is 10% from
-    transformers' bf16 in the loop too (a routing decision within a rounding)."""
+    transformers' at every step where the loop's are (test_matches_transformers' check), while
+    the runs chose the same tokens. The loop is the bar: on the widened path one Mixtral step
+    here is 10% from transformers' bf16 in the loop too (a routing decision within a
+    rounding)."""
     if linears == "fused" and fused_moe.variant() == "widened":
         pytest.skip("the other matrices go on the kernel only in its pairs and brgemm forms")
     path = wide[name]
