@@ -40,7 +40,8 @@ def case(arch, batch: int, context: int, dtype: torch.dtype):
     wkv_b = (torch.randn(nq * (n + arch.v_head_dim), c, generator=g) * 0.02).to(dtype)
     valid = torch.ones(batch, context, dtype=torch.bool)
     valid[: max(1, batch // 4), : context // 2] = False  # left padding of the shorter prompts
-    return q, rows, valid[:, None, None, :], types.SimpleNamespace(wkv_b=wkv_b)
+    w = types.SimpleNamespace(wkv_b=wkv_b, wk_b=None, wv_b=None)  # as a checkpoint holds it
+    return q, rows, valid[:, None, None, :], w
 
 
 def absorbed(arch, q, rows, mask, w):
@@ -54,12 +55,12 @@ def absorbed(arch, q, rows, mask, w):
 
 def decompressed(arch, q, rows, mask, w):
     c, nq = arch.kv_lora_rank, arch.num_attention_heads
-    w_k, w_v = key_up_projection(arch, w.wkv_b)  # [nq, n, c], [nq, v, c]
+    w_k, w_vt = key_up_projection(arch, w.wkv_b)  # [nq, n, c], [nq, c, v]
     latent = rows[..., :c]  # [B, 1, S, c]
     keys = torch.cat(
         (torch.matmul(latent, w_k.transpose(1, 2)), rows[..., c:].expand(-1, nq, -1, -1)), dim=-1
     )  # [B, nq, S, n + r]
-    values = torch.matmul(latent, w_v.transpose(1, 2))  # [B, nq, S, v]
+    values = torch.matmul(latent, w_vt)  # [B, nq, S, v]
     out = F.scaled_dot_product_attention(
         q[:, :, None], keys, values, attn_mask=mask, scale=arch.softmax_scale
     )

@@ -21,7 +21,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from executor.attention import attend_one_step, sink_attention
+from executor.attention import attend_one_step, eager_sink_attention
 from executor.kv_cache import StoredRows
 from hrm.formats import row_bytes
 from hrm.rules.admission import BLOCK_TOKENS
@@ -131,7 +131,7 @@ def attend(q, keys, values, query_pos, batch_idx, local_idx, *, window=None, sin
     mask = _allowed(pos, S, window)[:, None].expand(B, G, Q, S).reshape(B, 1, G * Q, S)
     if sinks is not None:
         rows = sinks.view(nkv, G, 1).expand(nkv, G, Q).reshape(nkv, G * Q)
-        out = sink_attention(q_pad, keys, values, mask, rows, scale)
+        out = eager_sink_attention(q_pad, keys, values, mask, rows, scale)
     else:
         out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=mask, scale=scale)
     out = out.view(B, nkv, G, Q, -1).permute(0, 3, 1, 2, 4)  # [B, Q, nkv, G, Dv]

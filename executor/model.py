@@ -27,7 +27,7 @@ from executor.attention import append_and_attend, store_and_attend_prompts
 from executor.checkpoint import Checkpoint, LayerWeights
 from executor.fused_moe import fused_experts
 from executor.kv_cache import KVCache
-from executor.latent_attention import latent_queries_and_keys, latent_values
+from executor.latent_attention import absorbed_layout, latent_queries_and_keys, latent_values
 from executor.layer_math import NORMS, apply_rotary, inverse_frequencies, rms_norm, rotary_tables
 from executor.packed_weights import packed_weights
 from hrm.arch import GROUP_ROUTINGS
@@ -117,6 +117,8 @@ class MoEModel:
                 self.weights, router_linear=self.arch.routing not in GROUP_ROUTINGS,
                 take_over=take_over, fused=fused_moe.pack if self.fused else None, linears=linears,
             )  # fmt: skip
+        if held:  # DeepSeek's up-projection laid out once as the absorbed form reads it
+            self.weights = absorbed_layout(self.arch, self.weights)
         self.reduce = reduce if reduce is not None else (lambda t: t)
         self.gather = gather if gather is not None else (lambda t: t)
         self.gemm_calls: Counter[str] = Counter()  # GEMMs run per path: what the record reports

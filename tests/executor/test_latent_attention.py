@@ -59,9 +59,12 @@ def _decompressed(model, w, h, positions):
 @pytest.mark.parametrize("name", ["deepseek_v2", "deepseek_v3"])
 def test_absorbed_attention_equals_the_decompressed_definition(checkpoints, name):
     """q direct (V2) or through its low rank (V3): the queries absorb W_k, attend over the
-    cached latent rows, and W_v follows; the result equals decompressing every key and value."""
-    model = MoEModel(open_checkpoint(checkpoints[name], "float32"), NATIVE)
+    cached latent rows, and W_v follows; the result equals decompressing every key and value.
+    The model holds W_k and W_v^T laid out apart, contiguous; the definition reads kv_b_proj."""
+    checkpoint = open_checkpoint(checkpoints[name], "float32")
+    model = MoEModel(checkpoint, NATIVE)
     a, w = model.arch, model.weights.layers[1]
+    assert w.wkv_b is None and w.wk_b.is_contiguous() and w.wv_b.is_contiguous()
     T = 7
     h = torch.randn(T, a.hidden_size, generator=torch.Generator().manual_seed(0))
     positions = torch.arange(T)
@@ -71,7 +74,8 @@ def test_absorbed_attention_equals_the_decompressed_definition(checkpoints, name
     cache.start(torch.tensor([T]), T)
     attn = model.prefill_attention(1, q, k, v, cache, torch.zeros(T, dtype=torch.long), positions)
     ours = latent_values(a, w, attn)
-    torch.testing.assert_close(ours, _decompressed(model, w, h, positions), rtol=1e-5, atol=1e-5)
+    reference = _decompressed(model, checkpoint.weights.layers[1], h, positions)
+    torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
     # the cache holds the latent rows, and no values of their own
     assert torch.equal(cache.k[1][0, :, :T], k.transpose(0, 1))
     assert cache.v[1].numel() == 0
@@ -134,3 +138,32 @@ def test_a_latent_width_decode_step_runs_the_batched_gemms(width, kernel):
     other = DECODE_KERNELS["sdpa" if kernel == "matmul" else "matmul"]
     also = other(q.view(B, 1, G, width), keys, values, mask, 0.05).reshape(B, -1)
     assert torch.allclose(out.float(), also.float(), rtol=2**-6, atol=2**-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(6, 1, 16, 40, 21), (6, 2, 8, 16, 9), (2, 2, 24, 16, 9)])
+def test_decode_kernels_over_a_cache_view_equal_the_direct_product(dtype, shape):
+    """The batched-GEMM kernel takes the scores as keys @ q^T where q has fewer rows than the
+    keys (a strided view of a longer cache): the same as q @ keys^T over contiguous keys,
+    masked padding included; a prompt's many rows keep q @ keys^T. Sinks (flash attention and
+    its log-sum-exp) agree with the scores computed apart within fp32's rounding, and within
+    two bf16 steps (the output rounded once, not the probabilities)."""
+    from executor.attention import matmul_decode, sink_attention
+
+    B, nkv, G, D, S = shape
+    g = torch.Generator().manual_seed(0)
+    cache = torch.randn(B, nkv, S + 5, D, generator=g).to(dtype)
+    keys, q = cache[:, :, :S], torch.randn(B, nkv, G, D, generator=g).to(dtype)
+    mask = torch.ones(B, 1, 1, S, dtype=torch.bool)
+    mask[:2, ..., :3] = False
+    sinks = torch.randn(nkv, G, generator=g)
+    direct = torch.matmul(q, keys.contiguous().transpose(-1, -2)).float() / D**0.5
+    direct = direct.masked_fill(~mask, float("-inf"))
+    with_sink = torch.cat((direct, sinks[None, :, :, None].expand(B, -1, -1, 1)), dim=-1)
+    bf16 = {"atol": 2**-7, "rtol": 2**-7} if dtype == torch.bfloat16 else {}
+    for out, scores, tol in (
+        (matmul_decode(q, keys, keys, mask), direct, {}),
+        (sink_attention(q, keys, keys, mask, sinks), with_sink, bf16),
+    ):
+        probs = torch.softmax(scores, dim=-1)[..., :S].to(dtype)
+        torch.testing.assert_close(out, torch.matmul(probs, keys.contiguous()), **tol)
