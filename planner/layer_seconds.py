@@ -167,10 +167,12 @@ def _on_device(
             keys=wl.prompt_len_max + setting.prefill_prefix,
         )
         attention[0] = flops / prefill_curve.at(flops)
-    curve = device.attention_curves.get(setting.kv_dtype) if on_cpu else None
-    if curve is not None and steps > 1:
+    latent = device.latent_attention_curves if arch.kv_lora_rank else {}
+    curve = latent.get(setting.kv_dtype) or device.attention_curves.get(setting.kv_dtype)
+    if on_cpu and curve is not None and steps > 1:
         # decode attention on the CPU at the executor's measured K/V read rate in the KV
-        # dtype for this many bytes per call (hrm profile): T = bytes / B_attn(bytes)
+        # dtype for this many bytes per call (hrm profile), latent attention's own where
+        # measured (its heads share one row, read by batched GEMMs): T = bytes / B_attn(bytes)
         kv = np.asarray(decode["attention"].bytes, dtype=float) * np.ones(steps - 1)
         attention[1:] = kv / curve.at_each(kv)
     if setting.paged_kv_cache:  # the rows gathered from the pool: read once, written once

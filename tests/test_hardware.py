@@ -337,7 +337,9 @@ def test_attention_curves_are_the_cpus_per_dtype_and_round_trip(tmp_path):
         "float32": [[1e6, "30 GB/s"]],
     }
     data["cpu"]["prefill_attention_curves"] = {"float32": [[1e6, "1 TFLOP/s"], [1e9, "2 TFLOP/s"]]}
+    data["cpu"]["latent_attention_curves"] = {"bfloat16": [[1e6, "5 GB/s"], [1e8, "8 GB/s"]]}
     profile = HardwareProfile.from_dict(copy.deepcopy(data))
+    assert profile.cpu.latent_attention_curves["bfloat16"].at(1e8) == 8e9
     assert profile.cpu.prefill_attention_curves["float32"].at(1e9) == 2e12
     assert profile.cpu.attention_curves["bfloat16"].at(1e6) == 20e9
     assert profile.cpu.attention_curves["float32"].at(1e8) == 30e9
@@ -364,6 +366,10 @@ def test_attention_curves_are_the_cpus_per_dtype_and_round_trip(tmp_path):
     on_gpu["gpu"]["prefill_attention_curves"] = {"bfloat16": [[1e6, "1 TFLOP/s"]]}
     with pytest.raises(HrmError, match="prefill_attention_curves is measured for the cpu only"):
         HardwareProfile.from_dict(on_gpu)
+    latent_on_gpu = copy.deepcopy(data)
+    latent_on_gpu["gpu"]["latent_attention_curves"] = {"bfloat16": [[1e6, "5 GB/s"]]}
+    with pytest.raises(HrmError, match="latent_attention_curves is measured for the cpu only"):
+        HardwareProfile.from_dict(latent_on_gpu)
     data["gpu"]["attention_curves"] = {"bfloat16": [[1e6, "20 GB/s"]]}
     with pytest.raises(HrmError, match="attention_curves is measured for the cpu only"):
         HardwareProfile.from_dict(data)

@@ -77,6 +77,10 @@ def test_a_quick_run_writes_a_measured_cpu_profile(capsys, tmp_path, monkeypatch
     # the compact formats' dequantization on each device; their KV attention: the full sweep's
     assert set(profile.cpu.dequantize_rates) == {"int8", "int4"}
     assert "int8" not in profile.cpu.attention_curves
+    # latent attention's decode stage, at DeepSeek-V2-Lite's heads (Mixtral's model has none)
+    latent, plain = profile.cpu.latent_attention_curves, profile.cpu.attention_curves
+    assert set(latent) == set(plain) and "bfloat16" in latent
+    assert latent["bfloat16"].points != plain["bfloat16"].points
     assert "executor overhead (bfloat16)" in out
     # two processes' gloo all-reduce: what tp ranks on this host pay, alpha and beta
     ring = profile.interconnect

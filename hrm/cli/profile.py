@@ -126,7 +126,6 @@ def with_launch_overhead(
     timed: the CPU's fixed costs' preset (default quick's or full's; its dtypes' elementwise
     rates are timed too). Each measurement hands back the pages it freed (released)."""
     from executor import cpu_overhead
-    from executor.attention import measure_attention_curve, measure_prefill_attention_curve
     from executor.overhead import (
         measure_elementwise_rate,
         measure_expert_ffn_curve,
@@ -147,10 +146,9 @@ def with_launch_overhead(
     preset = "quick" if quick else "full"
     timed = timed or cpu_overhead.PRESETS[preset]  # --quick: bfloat16 alone (others take its)
     release_freed_host_memory()  # what the sweeps left in the kept heap: these build models
-    measured = (measure_attention_curve, measure_prefill_attention_curve, measure_dequantize_rate,
-                measure_elementwise_rate, cpu_overhead.measure_cpu_overhead)  # fmt: skip
-    (measure_attention_curve, measure_prefill_attention_curve, measure_dequantize_rate,
-     measure_elementwise_rate, measure_cpu_overhead) = map(released, measured)  # fmt: skip
+    measure_dequantize_rate = released(measure_dequantize_rate)
+    measure_elementwise_rate = released(measure_elementwise_rate)
+    measure_cpu_overhead = released(cpu_overhead.measure_cpu_overhead)
     elementwise = {
         d: measure_elementwise_rate(arch, d, repeats=timed.elementwise_repeats, cpu_gemm=paths[d])
         for d in timed.dtypes
@@ -167,15 +165,7 @@ def with_launch_overhead(
             )
             for d in timed.dtypes
         },
-        attention_curves={d: measure_attention_curve(arch, d, quick=quick) for d in dtypes}
-        | {  # a compact KV cache, read by bfloat16 layers (keyed by its format); 30 s on a
-            # 2-core VM, so the full sweep only: a quick profile prices it by its bytes
-            f: measure_attention_curve(arch, "bfloat16", kv_format=f)
-            for f in ([] if quick else WEIGHT_FORMATS)
-        },
-        prefill_attention_curves={
-            d: measure_prefill_attention_curve(arch, d, quick=quick) for d in dtypes
-        },
+        **_attention_curves(arch, dtypes, quick, released),
         elementwise_rate=elementwise,
         dequantize_rates={f: measure_dequantize_rate(arch, f) for f in WEIGHT_FORMATS},
     )
@@ -196,6 +186,31 @@ def with_launch_overhead(
             dequantize_rates={f: measure_dequantize_rate(arch, f, "cuda") for f in WEIGHT_FORMATS},
         )
     return dataclasses.replace(profile, cpu=cpu, gpu=gpu)
+
+
+def _attention_curves(arch, dtypes: list[str], quick: bool, released) -> dict:
+    """The CPU's attention stages' curves per dtype (executor/attention.py): decode over the
+    model's cache and over a latent one (latent_reference), prefill; each measurement hands back
+    the pages it freed (`released`)."""
+    from executor.attention import (
+        latent_reference,
+        measure_attention_curve,
+        measure_prefill_attention_curve,
+    )
+    from hrm.formats import WEIGHT_FORMATS
+
+    decode, prefill = released(measure_attention_curve), released(measure_prefill_attention_curve)
+    attention = {d: decode(arch, d, quick=quick) for d in dtypes}
+    latent = attention if arch.kv_lora_rank else {
+        d: decode(latent_reference(arch), d, quick=quick) for d in dtypes}  # fmt: skip
+    # a compact KV cache, read by bfloat16 layers (keyed by its format); 30 s on a 2-core VM,
+    # so the full sweep only: a quick profile prices it by its bytes
+    compact = {f: decode(arch, "bfloat16", kv_format=f) for f in ([] if quick else WEIGHT_FORMATS)}
+    return {
+        "attention_curves": attention | compact,
+        "latent_attention_curves": latent,
+        "prefill_attention_curves": {d: prefill(arch, d, quick=quick) for d in dtypes},
+    }
 
 
 def with_fused_curves(cpu, arch, plan):

@@ -31,6 +31,7 @@ _DEVICE_OPTIONAL = {
     "launch_overhead",
     "sustained_flops",
     "attention_curves",
+    "latent_attention_curves",
     "prefill_attention_curves",
     "elementwise_rate",
     "expert_ffn_curves",
@@ -42,6 +43,7 @@ _DEVICE_OPTIONAL = {
 # what hrm profile measures with the executor's own code on one kind of device only
 _CPU_ONLY = (
     "attention_curves",
+    "latent_attention_curves",
     "prefill_attention_curves",
     "elementwise_rate",
     "gemm_shape_curves",
@@ -96,7 +98,6 @@ def _device_from_dict(
     available = data.get("available_memory")
     _check_measured_on(data, where, measured_as_cpu)
     overhead = _overheads_from_dict(data.get("launch_overhead"), f"{where}: launch_overhead")
-    attention = data.get("attention_curves") or {}
     elementwise = _by_dtype(data, "elementwise_rate", where, set(RATE_DTYPES))
     copy = data.get("copy_bandwidth")
     sustained = _by_dtype(data, "sustained_flops", where, set(RATE_DTYPES))
@@ -117,14 +118,7 @@ def _device_from_dict(
             fmt: positive_float(rate, where=f"{where}: dequantize_rates: {fmt}")
             for fmt, rate in _by_dtype(data, "dequantize_rates", where, set(WEIGHT_FORMATS)).items()
         },
-        attention_curves=_dtype_curves(
-            attention, f"{where}: attention_curves", units.parse_bandwidth
-        ),
-        prefill_attention_curves=_dtype_curves(
-            data.get("prefill_attention_curves"),
-            f"{where}: prefill_attention_curves",
-            units.parse_flops,
-        ),
+        **_attention_curves(data, where),
         sustained_flops_per_s={
             dtype: units.parse_flops(rate, f"{where}: sustained_flops: {dtype}")
             for dtype, rate in sustained.items()
@@ -159,6 +153,17 @@ def _check_measured_on(data: Any, where: str, measured_as_cpu: bool) -> None:
         for key in keys:
             if data.get(key) is not None and measured_as_cpu != (only_for == "cpu"):
                 raise HrmError(f"{where}: {key} is measured for the {only_for} only")
+
+
+def _attention_curves(data: dict, where: str) -> dict[str, dict[str, Curve]]:
+    """A CPU's attention curves, each a mapping of dtype (or compact format) to its curve:
+    decode's and latent decode's bytes -> bytes/s, prefill's FLOPs -> FLOP/s."""
+    rates = {"attention_curves": units.parse_bandwidth,
+             "latent_attention_curves": units.parse_bandwidth,
+             "prefill_attention_curves": units.parse_flops}  # fmt: skip
+    return {
+        key: _dtype_curves(data.get(key), f"{where}: {key}", parse) for key, parse in rates.items()
+    }
 
 
 def _dtype_curves(data: Any, where: str, parse_rate) -> dict[str, Curve]:
@@ -225,6 +230,10 @@ def _device_to_dict(device: DeviceSpec) -> dict[str, Any]:
         }
     if device.attention_curves:
         out["attention_curves"] = {d: _curve_to_list(c) for d, c in device.attention_curves.items()}
+    if device.latent_attention_curves:
+        out["latent_attention_curves"] = {
+            d: _curve_to_list(c) for d, c in device.latent_attention_curves.items()
+        }
     if device.prefill_attention_curves:
         out["prefill_attention_curves"] = {
             d: _curve_to_list(c) for d, c in device.prefill_attention_curves.items()

@@ -118,6 +118,11 @@ class DeviceSpec:
     # bandwidth. Per dtype because the rate is: float32 read K/V 1.5x as fast as bfloat16
     # (bench_prediction_by_op, 2026-12-03)
     attention_curves: Mapping[str, Curve] = field(default_factory=dict)
+    # CPU only: the same stage over latent attention's cache (one row of kv_lora_rank + rope a
+    # token that every head reads; batched GEMMs, not SDPA), per KV dtype, at the profiled
+    # model's heads where it is latent, else DeepSeek-V2-Lite's 16 (executor/attention.py
+    # LATENT_REFERENCE). What a latent model's decode attention is priced at; absent: as above
+    latent_attention_curves: Mapping[str, Curve] = field(default_factory=dict)
     # CPU only: the executor's prefill attention stage, FLOPs per call (hrm.roofline.ops.
     # prefill_attention_flops) -> FLOP/s, per dtype (measured by hrm profile); a dtype absent
     # here is priced at the GEMM curve with the causal FLOP count

@@ -402,6 +402,43 @@ def test_cpu_decode_attention_is_charged_at_the_measured_kv_read_rate(arch, work
     )
 
 
+def test_latent_attention_decode_is_charged_at_its_own_curve_where_measured(workload):
+    """A latent model's CPU decode attention reads its bytes at the latent curve (2 GB/s here)
+    where the profile has one for the KV dtype, else at the attention curve (8 GB/s); a model
+    of grouped heads keeps the attention curve."""
+    from hrm.arch import resolve_model
+    from hrm.hardware.parts import Curve
+    from hrm.roofline.ops import layer_ops
+    from planner.layer_seconds import micro_batch_seconds
+    from tests.planner.tiny_setup import cpu_only_profile
+
+    def decode_seconds_per_byte(name: str, cpu) -> np.ndarray:
+        hw = dataclasses.replace(cpu_only_profile(), cpu=cpu)
+        sparse = resolve_model(name).layer_kinds()[0][0]  # a model of its sparse layers alone
+        setting = Setting(arch=sparse, hardware=hw, workload=workload)
+        ops = layer_ops(
+            setting.arch,
+            batch=2,
+            new_tokens=1,
+            context=setting.decode_contexts,
+            weight_dtype="bfloat16",
+            kv_dtype="bfloat16",
+            ffn_group_tokens=2,
+        )
+        kv = np.asarray(next(op for op in ops if op.name == "attention").bytes)
+        return micro_batch_seconds(setting, 2).cpu_attention[1:] / kv  # fmt: skip
+
+    cpu = dataclasses.replace(
+        cpu_only_profile().cpu,
+        attention_curves={"bfloat16": Curve(points=((1.0, 8e9),))},
+        latent_attention_curves={"bfloat16": Curve(points=((1.0, 2e9),))},
+    )
+    assert decode_seconds_per_byte("deepseek-v2-lite", cpu) == pytest.approx(1 / 2e9)
+    assert decode_seconds_per_byte("mixtral-8x7b", cpu) == pytest.approx(1 / 8e9)
+    no_latent = dataclasses.replace(cpu, latent_attention_curves={})
+    assert decode_seconds_per_byte("deepseek-v2-lite", no_latent) == pytest.approx(1 / 8e9)
+
+
 def test_cpu_prefill_attention_is_charged_at_its_measured_rate_over_the_padded_square(
     arch, workload
 ):
