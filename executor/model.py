@@ -104,7 +104,9 @@ class MoEModel:
         # where the kernel is built for a bf16 run, the small ops between the GEMMs too
         self._rms, self._rotary = (small_ops.rms_norm, small_ops.rotary) if self.fused else (
             rms_norm, apply_rotary)  # fmt: skip
-        self._norm = self._rms if self.arch.norm == "rmsnorm" else NORMS[self.arch.norm]
+        native = {"rmsnorm": self._rms, "rmsnorm_fp32": small_ops.rms_norm_fp32}
+        native = native if self.fused else {}
+        self._norm = native.get(self.arch.norm, NORMS[self.arch.norm])
         if cpu_gemm is not None:  # what the record reports and a prediction prices
             cpu_gemm = dataclasses.replace(cpu_gemm, experts="fused" if self.fused else "loop",
                                            linears="fused" if kernel else "paths")  # fmt: skip

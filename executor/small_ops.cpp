@@ -44,8 +44,10 @@ void check_bf16(const torch::Tensor& t, const char* what) {
 }  // namespace
 
 // Mixtral's RMSNorm over x's last dimension: w * bf16(x * rsqrt(mean(x^2) + eps)), in fp32
-// with the product rounded before the weight's multiply (executor/layer_math.py rms_norm).
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+// with the product rounded before the weight's multiply (executor/layer_math.py rms_norm); with
+// fp32_scale, gpt-oss's: bf16(w * (x * rsqrt(...))), rounded once (rms_norm_fp32).
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps,
+                       bool fp32_scale) {
   check_bf16(x, "rms_norm x");
   check_bf16(w, "rms_norm w");
   const int64_t h = x.size(-1), rows = x.numel() / h;
@@ -60,7 +62,11 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
       float sum = 0.f;
       for (int64_t i = 0; i < h; ++i) sum += f32(a[i]) * f32(a[i]);
       const float scale = 1.f / std::sqrt(sum / float(h) + float(eps));
-      for (int64_t i = 0; i < h; ++i) y[i] = bf16(f32(ws[i]) * f32(bf16(f32(a[i]) * scale)));
+      if (fp32_scale) {
+        for (int64_t i = 0; i < h; ++i) y[i] = bf16(f32(ws[i]) * (f32(a[i]) * scale));
+      } else {
+        for (int64_t i = 0; i < h; ++i) y[i] = bf16(f32(ws[i]) * f32(bf16(f32(a[i]) * scale)));
+      }
     }
   });
   return out;

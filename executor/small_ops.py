@@ -1,5 +1,6 @@
 """The small bf16 ops of a CPU layer in one native pass each (executor/small_ops.cpp, built with
-the fused experts' kernel): RMSNorm, rotary and the routed experts' combination.
+the fused experts' kernel): RMSNorm (Mixtral's and gpt-oss's), rotary and the routed experts'
+combination.
 
 Why: between the GEMMs, torch runs each of these as four to eight ops over fp32 or bf16 copies
 of the rows, each paying its dispatch and an allocation. On the AMX Xeon at batch 64 (Qwen3-MoE
@@ -17,6 +18,7 @@ import torch
 from executor import fused_moe
 from executor.layer_math import apply_rotary
 from executor.layer_math import rms_norm as torch_rms_norm
+from executor.layer_math import rms_norm_fp32 as torch_rms_norm_fp32
 
 
 def _ops():
@@ -25,10 +27,19 @@ def _ops():
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """layer_math.rms_norm, in one pass (bf16 rows; else torch's)."""
+    return _rms_norm(x, weight, eps, fp32_scale=False)
+
+
+def rms_norm_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """layer_math.rms_norm_fp32 (gpt-oss's, scaled in fp32, rounded once), in one pass."""
+    return _rms_norm(x, weight, eps, fp32_scale=True)
+
+
+def _rms_norm(x, weight, eps: float, *, fp32_scale: bool) -> torch.Tensor:
     bf16 = x.dtype == weight.dtype == torch.bfloat16
     if not (bf16 and x.is_contiguous() and weight.is_contiguous()):
-        return torch_rms_norm(x, weight, eps)
-    return _ops().rms_norm(x, weight, eps)
+        return (torch_rms_norm_fp32 if fp32_scale else torch_rms_norm)(x, weight, eps)
+    return _ops().rms_norm(x, weight, eps, fp32_scale)
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from executor import fused_moe, small_ops
-from executor.layer_math import apply_rotary, rms_norm, rotary_tables
+from executor.layer_math import apply_rotary, rms_norm, rms_norm_fp32, rotary_tables
 from executor.model import _by_token
 
 pytestmark = pytest.mark.skipif(
@@ -72,11 +72,24 @@ def test_rms_norm_is_within_a_rounding_of_torchs(shape):
     assert (got == want).float().mean() >= 0.99
 
 
+@pytest.mark.parametrize("shape", [(1, 1024), (64, 1024), (3, 2880)])
+def test_gpt_oss_rms_norm_is_within_a_rounding_of_torchs(shape):
+    """gpt-oss's RMSNorm, scaled in fp32 and rounded once: as Mixtral's above, one bf16 step
+    at most (the one rounding), and almost all equal."""
+    x, w = _bf16(*shape, seed=5, scale=2.0), _bf16(shape[-1], seed=6)
+    got, want = small_ops.rms_norm_fp32(x, w, 1e-5), rms_norm_fp32(x, w, 1e-5)
+    step = want.float().abs().clamp(min=1e-30) * 2.0**-7  # one of bf16's relative steps
+    assert ((got.float() - want.float()).abs() <= step).all()
+    assert (got == want).float().mean() >= 0.99
+    assert not torch.equal(got, small_ops.rms_norm(x, w, 1e-5))  # the other rounding differs
+
+
 def test_what_the_native_ops_do_not_serve_is_torchs():
     """float32 rows, a partial rotary (GLM: cos narrower than the head), a strided view."""
     x32 = torch.randn(4, 64)
     w32 = torch.randn(64)
     assert torch.equal(small_ops.rms_norm(x32, w32, 1e-5), rms_norm(x32, w32, 1e-5))
+    assert torch.equal(small_ops.rms_norm_fp32(x32, w32, 1e-5), rms_norm_fp32(x32, w32, 1e-5))
     x = _bf16(5, 2, 128, seed=3)
     cos, sin = rotary_tables(torch.arange(5), torch.rand(32), BF16)  # 64 of the 128 rotated
     assert torch.equal(small_ops.rotary(x, cos, sin), apply_rotary(x, cos, sin))
