@@ -229,12 +229,15 @@ LATENT_REFERENCE = {"num_attention_heads": 16, "kv_lora_rank": 512, "rotary_dim"
 
 
 def latent_reference(arch):
-    """arch where its attention is latent, else arch with LATENT_REFERENCE's: what `hrm profile`
-    times the latent attention curve at (hrm.hardware.parts: latent_attention_curves)."""
+    """arch where its attention is latent, else arch with LATENT_REFERENCE's, every layer
+    full and without sinks (gpt-oss's rings would read less than the bytes counted): what
+    `hrm profile` times the latent attention curve at (hrm.hardware.parts:
+    latent_attention_curves)."""
     if arch.kv_lora_rank:
         return arch
     head_dim = LATENT_REFERENCE["kv_lora_rank"] + LATENT_REFERENCE["rotary_dim"]
     return dataclasses.replace(arch, num_key_value_heads=1, head_dim=head_dim, q_lora_rank=0,
+                               sliding_window=None, sliding_layers=(), attention_sinks=False,
                                **LATENT_REFERENCE)  # fmt: skip
 
 

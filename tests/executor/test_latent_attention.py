@@ -167,3 +167,22 @@ def test_decode_kernels_over_a_cache_view_equal_the_direct_product(dtype, shape)
     ):
         probs = torch.softmax(scores, dim=-1)[..., :S].to(dtype)
         torch.testing.assert_close(out, torch.matmul(probs, keys.contiguous()), **tol)
+
+
+@pytest.mark.parametrize("name", ["mixtral-8x7b", "gpt-oss-20b", "deepseek-v3"])
+def test_the_latent_curve_is_timed_over_full_latent_layers(name):
+    """hrm profile's latent attention curve: the model's own attention where it is latent, else
+    DeepSeek-V2-Lite's 16 heads over one row of 512 + 64 a token, every layer full (no ring
+    reading a window of what the curve counts) and without sinks."""
+    from executor.attention import latent_reference
+    from hrm.arch import resolve_model
+
+    arch = resolve_model(name)
+    ref = latent_reference(arch)
+    if arch.kv_lora_rank:
+        assert ref is arch
+        return
+    assert (ref.num_attention_heads, ref.num_key_value_heads, ref.head_dim) == (16, 1, 576)
+    assert ref.kv_token_bytes("bfloat16") == 576 * 2 and ref.cached_value_dim == 0
+    assert not ref.sliding_layers and not ref.attention_sinks
+    assert ref.hidden_size == arch.hidden_size  # the rest is the profiled model's
