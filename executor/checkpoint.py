@@ -82,8 +82,8 @@ class LayerWeights:
     kv_a_norm: torch.Tensor | None = None
     wkv_b: torch.Tensor | None = None
     # wkv_b as the absorbed form reads it, set in its place where the CPU holds the model
-    # (executor/packed_weights.py): each head's key part [nq, nope, kv_lora] and value part
-    # transposed [nq, kv_lora, v], each contiguous
+    # (executor/latent_attention.py absorbed_layout): each head's key part [nq, nope, kv_lora]
+    # and value part transposed [nq, kv_lora, v], each contiguous
     wk_b: torch.Tensor | None = None
     wv_b: torch.Tensor | None = None
 

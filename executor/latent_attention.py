@@ -60,8 +60,7 @@ def absorbed_layout(arch, weights):
 
 def absorbed_up_projections(arch, w) -> tuple[torch.Tensor, torch.Tensor]:
     """W_k [nq, n, c] and W_v^T [nq, c, v]: the layer's own contiguous copies where the CPU
-    holds it (executor/packed_weights.py; the batched GEMMs copied the views at every call),
-    else views of kv_b_proj."""
+    holds it (absorbed_layout), else views of kv_b_proj."""
     if w.wk_b is not None:
         return w.wk_b, w.wv_b
     return key_up_projection(arch, w.wkv_b)

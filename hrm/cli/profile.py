@@ -165,7 +165,7 @@ def with_launch_overhead(
             )
             for d in timed.dtypes
         },
-        **_attention_curves(arch, dtypes, quick, released),
+        **_attention_curves(arch, dtypes, quick),
         elementwise_rate=elementwise,
         dequantize_rates={f: measure_dequantize_rate(arch, f) for f in WEIGHT_FORMATS},
     )
@@ -188,16 +188,17 @@ def with_launch_overhead(
     return dataclasses.replace(profile, cpu=cpu, gpu=gpu)
 
 
-def _attention_curves(arch, dtypes: list[str], quick: bool, released) -> dict:
+def _attention_curves(arch, dtypes: list[str], quick: bool) -> dict:
     """The CPU's attention stages' curves per dtype (executor/attention.py): decode over the
     model's cache and over a latent one (latent_reference), prefill; each measurement hands back
-    the pages it freed (`released`)."""
+    the pages it freed (released)."""
     from executor.attention import (
         latent_reference,
         measure_attention_curve,
         measure_prefill_attention_curve,
     )
     from hrm.formats import WEIGHT_FORMATS
+    from hrm.rules.host_memory import released
 
     decode, prefill = released(measure_attention_curve), released(measure_prefill_attention_curve)
     attention = {d: decode(arch, d, quick=quick) for d in dtypes}

@@ -155,14 +155,18 @@ def _check_measured_on(data: Any, where: str, measured_as_cpu: bool) -> None:
                 raise HrmError(f"{where}: {key} is measured for the {only_for} only")
 
 
+# a CPU's attention curves, each a mapping of dtype (or compact format) to its curve, and how
+# each's rates read: decode's and latent decode's bytes -> bytes/s, prefill's FLOPs -> FLOP/s
+_ATTENTION_RATES = {"attention_curves": units.parse_bandwidth,
+                    "latent_attention_curves": units.parse_bandwidth,
+                    "prefill_attention_curves": units.parse_flops}  # fmt: skip
+
+
 def _attention_curves(data: dict, where: str) -> dict[str, dict[str, Curve]]:
-    """A CPU's attention curves, each a mapping of dtype (or compact format) to its curve:
-    decode's and latent decode's bytes -> bytes/s, prefill's FLOPs -> FLOP/s."""
-    rates = {"attention_curves": units.parse_bandwidth,
-             "latent_attention_curves": units.parse_bandwidth,
-             "prefill_attention_curves": units.parse_flops}  # fmt: skip
+    """The DeviceSpec fields of _ATTENTION_RATES, read from a device's mapping."""
     return {
-        key: _dtype_curves(data.get(key), f"{where}: {key}", parse) for key, parse in rates.items()
+        key: _dtype_curves(data.get(key), f"{where}: {key}", parse)
+        for key, parse in _ATTENTION_RATES.items()
     }
 
 
@@ -228,16 +232,9 @@ def _device_to_dict(device: DeviceSpec) -> dict[str, Any]:
         out["launch_overhead"] = {
             d: _overhead_to_dict(o) for d, o in device.launch_overhead.items()
         }
-    if device.attention_curves:
-        out["attention_curves"] = {d: _curve_to_list(c) for d, c in device.attention_curves.items()}
-    if device.latent_attention_curves:
-        out["latent_attention_curves"] = {
-            d: _curve_to_list(c) for d, c in device.latent_attention_curves.items()
-        }
-    if device.prefill_attention_curves:
-        out["prefill_attention_curves"] = {
-            d: _curve_to_list(c) for d, c in device.prefill_attention_curves.items()
-        }
+    for key in _ATTENTION_RATES:
+        if curves := getattr(device, key):
+            out[key] = {d: _curve_to_list(c) for d, c in curves.items()}
     if device.elementwise_rate:
         out["elementwise_rate"] = dict(device.elementwise_rate)
     if device.dequantize_rates:
