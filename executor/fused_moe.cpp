@@ -1,30 +1,28 @@
 // The CPU's routed experts' GEMMs in one call each: every expert's rows times its weight, the
-// work cut into (expert, column block) tiles that torch's intra-op threads share, each row
-// block of a tile one batch-reduce GEMM of torch's own (at::native::cpublas::brgemm: oneDNN's
-// AMX / AVX-512-BF16 micro-kernels) over weights laid out once into its VNNI blocks, each
-// column block of w^T in pairs of K side by side (executor/fused_moe.py pack). Why
-// (executor/fused_moe.py): a loop of one oneDNN call per expert streams each small expert at
-// 12-16 GB/s and pays a call's setup per expert; tiles of all experts at once keep both cores
-// streaming. Outputs are rounded to bf16 as a GEMM's are; the SwiGLU between the two GEMMs and
-// the routing scale stay torch's, so the rounding is the executor's loop's.
+// work cut into (expert, column block) tiles that torch's intra-op threads share. Three forms,
+// by what the host has (executor/fused_moe.py says why and which): AMX tiles of our own, K
+// pairs by AVX512-BF16, or blocks widened to fp32 for torch's fp32 brgemm. Outputs are rounded
+// to bf16 as a GEMM's are; the SwiGLU between the two GEMMs and the routing scale stay torch's,
+// so the rounding is the executor's loop's.
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
 #include <c10/util/BFloat16.h>
 #include <torch/extension.h>
 
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
+#include <cpuid.h>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
 using at::BFloat16;
 constexpr int64_t BLOCK_N = 64;  // columns a tile computes (a packed block of the weight)
-constexpr int64_t BLOCK_M = 64;  // rows a tile computes
-
-bool available() { return at::native::cpublas::could_pack(at::kBFloat16); }
+constexpr int64_t BLOCK_M = 64;  // rows a widened tile's brgemm computes
 
 // A tile: an expert hit and one column block of its weight, over all the expert's rows (the
 // block, 64 x K, stays in cache while its row blocks pass; a prefill's many rows would
@@ -65,30 +63,114 @@ static const BFloat16* block(const std::vector<torch::Tensor>& w, size_t experts
   return w[e * parts + b / per].data_ptr<BFloat16>() + (b % per) * k * BLOCK_N;
 }
 
-// xs [A, K] bf16, its rows sorted by expert, counts[e] of them expert e's; expert e's [N, K]
-// weight laid out by pack() (fused_moe.py), whole or in parts by rows (starts). Returns [A, N]
-// bf16: each row times its expert's weight^T, rounded to bf16 as a GEMM's output is.
+// A tile's m rows of fp32 sums (BLOCK_N apart) into its block of y (rows ldy apart), rounded
+// to bf16 as a GEMM's outputs are.
+static void round_rows(const float* acc, int64_t m, BFloat16* y, int64_t ldy) {
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t c = 0; c < BLOCK_N; ++c) y[r * ldy + c] = BFloat16(acc[r * BLOCK_N + c]);
+}
+
+// ---- The AMX form. Each column block laid out by fused_moe.pack as two halves of 32 columns,
+// each [K / 32][2 column tiles][16 K pairs][16 columns][2]: one tile load is 1 KB contiguous,
+// and a half streams in order. Up to 32 rows a pass (two row tiles, C in 2 x 2 tiles), so at a
+// decode's few rows an expert the weight is read once; more rows take further passes over the
+// block from L2. Bit for bit the sums of oneDNN's AMX brgemm over the same rows, at
+// 1.1-1.25x its stream (measured at 1-70 rows an expert: docs/decisions.md, 2026-12-07).
+constexpr int64_t AMX_ROWS = 32;
+
+// Whether this CPU has AMX-BF16 and the kernel lets this process use its tile data (Linux
+// 5.16+: arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA, a no-op where already granted).
+bool has_amx() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24)))
+    return false;
+  constexpr long REQ_XCOMP_PERM = 0x1023, XTILEDATA = 18;
+  return syscall(SYS_arch_prctl, REQ_XCOMP_PERM, XTILEDATA) == 0;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Tiles 0-3 C (rows lo, lo, hi, hi), 4-5 A (lo, hi), 6-7 B (16 K pairs), for m = lo + hi rows.
+__attribute__((target("amx-tile"))) static void configure(int64_t m) {
+  TileConfig c{};
+  c.palette = 1;
+  const uint8_t lo = std::min<int64_t>(m, 16), hi = m - lo;
+  const uint8_t rows[8] = {lo, lo, hi, hi, lo, hi, 16, 16};
+  for (int t = 0; t < 8; ++t) {
+    c.rows[t] = rows[t];
+    c.colsb[t] = rows[t] ? 64 : 0;
+  }
+  // GCC 12 does not count ldtilecfg as reading c, and drops the stores above without this
+  asm volatile("" : : "r"(&c) : "memory");
+  _tile_loadconfig(&c);
+}
+
+// acc [m, BLOCK_N] (fp32) = x [m, k] (rows k apart) @ the block wb, for m <= AMX_ROWS.
+template <bool TWO>
+__attribute__((target("amx-tile,amx-bf16"))) static void amx_pass(const BFloat16* x,
+                                                                   int64_t k,
+                                                                   const BFloat16* wb,
+                                                                   float* acc) {
+  for (int64_t half = 0; half < 2; ++half) {
+    const BFloat16* wh = wb + half * k * 32;
+    _tile_zero(0);
+    _tile_zero(1);
+    if (TWO) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+    for (int64_t k0 = 0; k0 < k; k0 += 32) {
+      _tile_loadd(4, x + k0, k * 2);
+      _tile_loadd(6, wh + k0 * 32, 64);
+      _tile_loadd(7, wh + k0 * 32 + 512, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      if (TWO) {
+        _tile_loadd(5, x + 16 * k + k0, k * 2);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+    float* a = acc + half * 32;
+    _tile_stored(0, a, BLOCK_N * 4);
+    _tile_stored(1, a + 16, BLOCK_N * 4);
+    if (TWO) {
+      _tile_stored(2, a + 16 * BLOCK_N, BLOCK_N * 4);
+      _tile_stored(3, a + 16 * BLOCK_N + 16, BLOCK_N * 4);
+    }
+  }
+}
+
+// grouped() over the AMX layout. A thread's tile configuration follows its passes' rows; at
+// the end it is released through torch's brgemm_release, which also tells torch's own AMX
+// brgemm (flash attention's) that its configuration is gone.
 torch::Tensor grouped(torch::Tensor xs, const std::vector<int64_t>& counts,
                       const std::vector<torch::Tensor>& w, int64_t n_out) {
   const int64_t rows = xs.size(0), k = xs.size(1);
   const auto start = starts(xs, counts, w, n_out);
+  TORCH_CHECK(k % 32 == 0, "grouped: K a multiple of 32 in the AMX form");
   auto ys = torch::empty({rows, n_out}, xs.options());
   const BFloat16* x = xs.data_ptr<BFloat16>();
   BFloat16* y = ys.data_ptr<BFloat16>();
   const auto work = tiles(start, n_out / BLOCK_N);
   at::parallel_for(0, work.size(), 1, [&](int64_t first, int64_t last) {
-    alignas(64) float acc[BLOCK_M * BLOCK_N];
+    alignas(64) float acc[AMX_ROWS * BLOCK_N];
+    int64_t configured = 0;
     for (int64_t i = first; i < last; ++i) {
       const auto [e, b] = work[i];
       const BFloat16* wb = block(w, counts.size(), e, b, n_out, k);
-      for (int64_t m = start[e]; m < start[e + 1]; m += BLOCK_M) {
-        const int64_t n = std::min(BLOCK_M, start[e + 1] - m);
-        at::native::cpublas::brgemm(n, BLOCK_N, k, k, BLOCK_N, BLOCK_N, false, x + m * k, wb,
-                                    acc);
-        for (int64_t r = 0; r < n; ++r) {
-          BFloat16* out = y + (m + r) * n_out + b * BLOCK_N;
-          for (int64_t c = 0; c < BLOCK_N; ++c) out[c] = BFloat16(acc[r * BLOCK_N + c]);
+      for (int64_t m = start[e]; m < start[e + 1]; m += AMX_ROWS) {
+        const int64_t n = std::min(AMX_ROWS, start[e + 1] - m);
+        if (n != configured) {
+          configure(n);
+          configured = n;
         }
+        (n > 16 ? amx_pass<true> : amx_pass<false>)(x + m * k, k, wb, acc);
+        round_rows(acc, n, y + m * n_out + b * BLOCK_N, n_out);
       }
     }
     at::native::cpublas::brgemm_release();
@@ -186,10 +268,7 @@ torch::Tensor grouped_widened(torch::Tensor xs, const std::vector<int64_t>& coun
                                         acc.data() + r * BLOCK_N, false);
         }
       }
-      for (int64_t r = 0; r < m; ++r) {
-        BFloat16* out = y + (m0 + r) * n_out + b * BLOCK_N;
-        for (int64_t c = 0; c < BLOCK_N; ++c) out[c] = BFloat16(acc[r * BLOCK_N + c]);
-      }
+      round_rows(acc.data(), m, y + m0 * n_out + b * BLOCK_N, n_out);
     }
   });
   return ys;
@@ -289,7 +368,7 @@ torch::Tensor grouped_pairs(torch::Tensor xs, const std::vector<int64_t>& counts
 void register_small_ops(pybind11::module_& m);  // executor/small_ops.cpp, built beside
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("available", &available);
+  m.def("has_amx", &has_amx);
   m.def("grouped", &grouped);
   m.def("grouped_widened", &grouped_widened);
   m.def("has_pairs", &has_pairs);

@@ -7,10 +7,12 @@ its expert cold and pays its setup and Python's per expert: 64 small experts x 2
 layer. vLLM's CPU backend, 1.8x ahead at batch 64 with 64 experts of 384, runs one kernel over
 all experts. This one cuts every expert's GEMMs into tiles that torch's threads share, in one of
 three forms (`variant`), chosen by what the host's bf16 GEMMs run on:
-- `brgemm` (AMX): each tile one call of torch's own batch-reduce GEMM (at::native::cpublas::
-  brgemm, oneDNN's AMX micro-kernel) over weights packed once at load into its VNNI blocks.
-  On the AMX VM (whole runs at batch 64): 1.3-1.6x the loop at the Qwen3-MoE bench shape,
-  1.1-1.2x at Mixtral's; 0.8x at 2048-token prefills of Mixtral's few wide experts.
+- `amx` (AMX): tiles of our own over weights laid out once at load in 1 KB tile rows, up to
+  32 rows of an expert a pass, so a decode reads each weight once. On the AMX VM it streams
+  Mixtral's experts at 1.1-1.25x oneDNN's AMX brgemm (the form it replaced), bit for bit its
+  sums: 27 GB/s at 1 row an expert (the host's read), 25 at 16, 22 at 32, 16 at 64
+  (docs/decisions.md, 2026-12-07). Whole runs on that VM had been 1.3-1.6x the loop at the
+  Qwen3-MoE bench shape, 1.1-1.2x at Mixtral's, with brgemm.
 - `pairs` (AVX512-BF16 without AMX: Zen 4, Cooper Lake): weights laid out at load in pairs of
   K side by side; each tile multiplies the bf16 rows as they are with vdpbf16ps, six rows a
   pass over its block. On an AVX-512 EPYC (Zen 4), one layer's experts: 2.0-2.8x the widened
@@ -69,14 +71,14 @@ def host_missing() -> str | None:
 
 @functools.cache
 def variant() -> str:
-    """`brgemm` where torch's brgemm has a bf16 micro-kernel to pack for (AMX), else `pairs`
-    where the CPU has AVX512-BF16, else `widened`."""
+    """`amx` where the CPU has AMX-BF16 and lets this process use it, else `pairs` where it has
+    AVX512-BF16, else `widened`."""
     module = _built()
-    return "brgemm" if module.available() else "pairs" if module.has_pairs() else "widened"
+    return "amx" if module.has_amx() else "pairs" if module.has_pairs() else "widened"
 
 
 # each variant's grouped call in the extension
-_CALLS = {"brgemm": "grouped", "pairs": "grouped_pairs", "widened": "grouped_widened"}
+_CALLS = {"amx": "grouped", "pairs": "grouped_pairs", "widened": "grouped_widened"}
 
 
 def fused_experts(arch: ModelArch, dtype: str, mode: str, *, held: bool) -> bool:
@@ -104,22 +106,37 @@ def _refuse(why: str) -> None:
 
 
 def pack(w, scratch=None, *, form: str | None = None):
-    """w [out, in] bf16 (out a multiple of 64) laid out for the kernel's `form` (this host's
-    variant unless named) as [out / 64, in * 64]: each column block of w^T in pairs of K side by
-    side (brgemm's VNNI blocks, the same as at::native::cpublas::pack makes them, and the pairs
-    form's), or, widened, contiguous. scratch (a buffer of at least w's elements): laid out over
-    w itself, through it, and w returned in the layout's shape."""
+    """w [out, in] bf16 (out a multiple of 64; in of 32 in the amx form, even in pairs) laid
+    out for the kernel's `form` (this host's variant unless named) as [out / 64, in * 64]: each
+    column block of w^T as the form reads it (`_blocks`). scratch (a buffer of at least w's
+    elements): laid out over w itself, through it, and w returned in the layout's shape."""
     n, k = w.shape
     w = w.contiguous()
-    if (form or variant()) == "widened":
-        blocks = w.view(n // BLOCK, BLOCK, k).transpose(1, 2)
-    else:
-        blocks = w.view(n // BLOCK, BLOCK, k // 2, 2).permute(0, 2, 1, 3)
+    blocks = _blocks(w, form or variant())
     if scratch is None:
         return blocks.contiguous().view(n // BLOCK, k * BLOCK)
     laid = scratch[: w.numel()].view(blocks.shape)
     laid.copy_(blocks)
     return w.view(-1).copy_(laid.view(-1)).view(n // BLOCK, k * BLOCK)
+
+
+def _blocks(w, form: str):
+    """A view of w [n, k] in `form`'s order, block by block: amx, two halves of 32 columns,
+    each [k / 32][2 column tiles][16 K pairs][16 columns][2] (one AMX tile row 64 bytes, a
+    tile 1 KB contiguous); pairs, [k / 2][64 columns][2] (K pairs side by side, vdpbf16ps's
+    and oneDNN's VNNI order); widened, [k][64 columns]."""
+    n, k = w.shape
+    if form == "amx":
+        return w.view(n // BLOCK, 2, 2, 16, k // 32, 16, 2).permute(0, 1, 4, 2, 5, 3, 6)
+    if form == "pairs":
+        return w.view(n // BLOCK, BLOCK, k // 2, 2).permute(0, 2, 1, 3)
+    return w.view(n // BLOCK, BLOCK, k).transpose(1, 2)
+
+
+def k_multiple() -> int:
+    """What a matrix's inputs must be a multiple of for this host's form: an AMX tile's 32 K,
+    a K pair, or any."""
+    return {"amx": 32, "pairs": 2}.get(variant(), 1)
 
 
 def grouped(xs, counts: list[int], weights: list, n_out: int):
@@ -135,10 +152,11 @@ def fused_linears(choice) -> bool:
     each as one expert of all the rows, unless the run named its GEMM path (`choice.named`):
     - `pairs`: the attention projections and an LM head at 1-4 rows 1.6-2.6x faster than
       torch's native bf16 and 1.2-2.0x oneDNN's packed (AVX-512 EPYC);
-    - `brgemm`: whole runs on the AMX Xeon 1.10-1.17x oneDNN's packed at batch 1, 1.01-1.06x
-      at batch 64, even at 16 prompts of 512 (docs/decisions.md, 2026-12-07).
+    - `amx`: whole runs on the AMX Xeon 1.10-1.17x oneDNN's packed at batch 1, 1.01-1.06x
+      at batch 64, even at 16 prompts of 512, with the brgemm form it replaced
+      (docs/decisions.md, 2026-12-07).
     The widened form was not measured so."""
-    return variant() in ("pairs", "brgemm") and not choice.named
+    return variant() in ("pairs", "amx") and not choice.named
 
 
 def linear_packing(packed: bool):
@@ -152,7 +170,7 @@ def linear_packing(packed: bool):
     from hrm.rules.gemm_paths import pack_weight
 
     def lay_out(w):
-        if w.dtype == torch.bfloat16 and w.shape[0] % BLOCK == 0 and w.shape[1] % 2 == 0:
+        if w.dtype == torch.bfloat16 and w.shape[0] % BLOCK == 0 and w.shape[1] % k_multiple() == 0:
             return Kernel(w)
         return pack_weight(w) if packed and w.shape[0] >= BLOCK else w.clone()
 

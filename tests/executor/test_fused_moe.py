@@ -62,18 +62,19 @@ def wide(tmp_path_factory):
     }
 
 
-@pytest.mark.parametrize("counts", [[0, 70, 3, 1, 2, 4, 5, 7], [301]])
-@pytest.mark.parametrize("variant", ["brgemm", "pairs", "widened"])
+@pytest.mark.parametrize("counts", [[0, 70, 3, 1, 2, 4, 5, 7], [16, 17, 32, 33], [301]])
+@pytest.mark.parametrize("variant", ["amx", "pairs", "widened"])
 def test_the_grouped_gemm_is_each_experts_gemm_rounded_to_bf16(variant, counts):
     """Rows sorted by expert, counts with an expert unhit, one past a row block (64), and 1-7
-    rows (the widened form's direct path takes 4 or fewer, the pairs form's passes take 6),
-    K past a widened chunk (256); or one matrix of many rows (a dense one's prefill, which the
+    rows (the widened form's direct path takes 4 or fewer, the pairs form's passes take 6);
+    either side of the amx form's one row tile (16) and its pass (32); K past a widened chunk
+    (256); or one matrix of many rows (a dense one's prefill, which the
     pairs form cuts into spans of rows): each row is its expert's x @ w.T, within a bf16
     rounding of the float32 product. Each variant where this host runs it (widened runs
     everywhere)."""
     module = fused_moe._built()
-    if variant == "brgemm" and not module.available():
-        pytest.skip("no bf16 micro-kernel for torch's brgemm here (AMX)")
+    if variant == "amx" and not module.has_amx():
+        pytest.skip("no AMX-BF16 here")
     if variant == "pairs" and not module.has_pairs():
         pytest.skip("no AVX512-BF16 here")
     grouped = getattr(module, fused_moe._CALLS[variant])
@@ -91,12 +92,12 @@ def test_the_grouped_gemm_is_each_experts_gemm_rounded_to_bf16(variant, counts):
         start += c
 
 
-@pytest.mark.parametrize("variant", ["brgemm", "pairs", "widened"])
+@pytest.mark.parametrize("variant", ["amx", "pairs", "widened"])
 def test_a_weight_in_parts_is_the_whole_weight(variant):
     """An expert's gate and up, each laid out where it was loaded, are the kernel's two parts of
     one [2I, H] weight: the same outputs, bit for bit, as the stacked weight."""
     module = fused_moe._built()
-    if (variant == "brgemm" and not module.available()) or (
+    if (variant == "amx" and not module.has_amx()) or (
         variant == "pairs" and not module.has_pairs()
     ):
         pytest.skip(f"no {variant} form here")
@@ -151,14 +152,14 @@ def test_routed_experts_are_laid_out_where_they_were_loaded():
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss"])
 def test_fused_experts_match_the_loop_and_transformers_in_bf16(wide, name, linears):
     """The fused call ran every routed layer (linears fused: the other matrices too, where the
-    kernel's form is pairs or brgemm and no path was named); its bf16 logits are within
+    kernel's form is pairs or amx and no path was named); its bf16 logits are within
     TOLERANCE of the loop's on the same path (only the GEMMs' summation order differs), and of
     transformers' at every step where the loop's are (test_matches_transformers' check), while
     the runs chose the same tokens. The loop is the bar: on the widened path one Mixtral step
     here is 10% from transformers' bf16 in the loop too (a routing decision within a
     rounding)."""
     if linears == "fused" and fused_moe.variant() == "widened":
-        pytest.skip("the other matrices go on the kernel only in its pairs and brgemm forms")
+        pytest.skip("the other matrices go on the kernel only in its pairs and amx forms")
     path = wide[name]
     prompts = ragged_prompts((5, 9, 12), seed=5)
     source = "auto" if linears == "fused" else NAMED + HOST_PATH
@@ -273,3 +274,18 @@ def test_a_layers_fused_experts_run_as_runs_of_experts_within_the_tokens_rows(wi
     assert more > calls and cut.output_token_ids == whole.output_token_ids
     for a, b in zip(whole.step_logits, cut.step_logits, strict=True):
         assert relative_error(a, b) <= 1e-2
+
+
+@pytest.mark.parametrize("width", [64, 48, 40])
+def test_a_matrix_the_hosts_form_cannot_tile_stays_native(width):
+    """fused_linears lays a matrix out for the kernel only where its inputs fit the host's form
+    (amx: 32 of K a tile, pairs: K pairs); else it stays as it is. Either way x @ w.T within a
+    bf16 rounding of the float32 product."""
+    torch.manual_seed(2)
+    w = torch.randn(128, width, dtype=torch.bfloat16)
+    x = torch.randn(5, width, dtype=torch.bfloat16)
+    laid = fused_moe.linear_packing(False)(w)
+    assert isinstance(laid, fused_moe.Kernel) == (width % fused_moe.k_multiple() == 0)
+    got = laid.times(x) if isinstance(laid, fused_moe.Kernel) else x @ laid.T
+    exact = x.float() @ w.float().T
+    assert torch.allclose(got.float(), exact, rtol=2**-7, atol=1e-3)
