@@ -63,6 +63,11 @@ def missing(arch: ModelArch, dtype: str) -> str | None:
     return model_missing(arch, dtype) or host_missing()
 
 
+def ready() -> bool:
+    """Whether this process has already built the kernel (nothing is built to answer)."""
+    return _built.cache_info().currsize > 0 and not isinstance(_built(), str)
+
+
 def host_missing() -> str | None:
     """Why this host cannot run the kernel (None: it can): it did not build."""
     built = _built()

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from executor import small_ops
 from executor.model import MoEModel
 from executor.runtime import Runtime
 from hrm.errors import HrmError
@@ -57,18 +58,19 @@ class Generation:
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
-    """The first largest logit's index per row, [B, V] -> [B]: argmax's choice, by max, which
-    took 0.56 against 1.45 ms at [64, 32000] float32 on the AMX Xeon (its own reduction)."""
-    return logits.max(dim=-1).indices
+    """The first largest logit's index per row, [B, V] (the LM head's dtype) -> [B]: argmax's
+    choice, by max, which took 0.56 against 1.45 ms at [64, 32000] float32 on the AMX Xeon (its
+    own reduction); natively where a fused model built the kernel (small_ops.greedy)."""
+    return small_ops.greedy(logits)
 
 
 def sample(
     logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None
 ) -> torch.Tensor:
-    """Next token per sequence from fp32 logits [B, V] -> [B]."""
+    """Next token per sequence from logits [B, V] -> [B], sampled in fp32."""
     if sampling.temperature == 0:
         return greedy(logits)
-    probs = torch.softmax(logits / sampling.temperature, dim=-1)  # [B, V]
+    probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)  # [B, V]
     if sampling.top_p < 1:
         # Keep the smallest set of most likely tokens whose mass reaches top_p (always >= 1 token).
         sorted_probs, sorted_ids = probs.sort(dim=-1, descending=True)
@@ -124,7 +126,7 @@ def generate(
             for step in range(gen_len):
                 logits = runtime.step(step, previous, last=step == gen_len - 1)
                 if keep_logits:
-                    step_logits.append(logits)
+                    step_logits.append(logits.float())
                 previous = state.advance(logits)
                 if step == 0:
                     _sync(runtime.device)  # a GPU's work is queued: the clock waits for it

@@ -49,6 +49,17 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return _ops().rotary(x, cos.contiguous(), sin.contiguous())
 
 
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """generate.greedy's choice natively (bf16 or fp32 CPU rows [B, V]; else torch's max), where
+    this process already has the kernel (a fused model built it): a sampler never builds it.
+    Read once as bf16, where widening a batch-64 step's [64, 32000] to fp32 and torch's max
+    took 2.2 ms of a 49 ms Mixtral-shape step (AMX Xeon)."""
+    if fused_moe.ready() and logits.device.type == "cpu" and logits.dim() == 2:
+        if logits.dtype in (torch.bfloat16, torch.float32) and logits.shape[-1]:
+            return _ops().greedy(logits.contiguous())
+    return logits.max(dim=-1).indices
+
+
 def combine(ys: torch.Tensor, scale: torch.Tensor, source: torch.Tensor, k: int) -> torch.Tensor:
     """[T, H] bf16: each token's K rows of ys (source[t * K + j], in expert index order), each
     scaled by its row's routing weight and rounded, added in turn, each sum rounded."""

@@ -96,3 +96,35 @@ def test_what_the_native_ops_do_not_serve_is_torchs():
     strided = _bf16(5, 4, 128, seed=4)[:, ::2]
     cos, sin = rotary_tables(torch.arange(5), torch.rand(64), BF16)
     assert torch.equal(small_ops.rotary(strided, cos, sin), apply_rotary(strided, cos, sin))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 9), st.sampled_from([1, 3, 255, 256, 257, 1000]),
+       st.sampled_from([torch.float32, BF16]), st.sampled_from(["ties", "zeros", "nan", "inf"]),
+       st.integers(0, 2**16))  # fmt: skip
+def test_greedy_is_torchs_first_largest(rows, vocab, dtype, special, seed):
+    """small_ops.greedy against torch's max(dim=-1).indices: repeated maxima (the first wins,
+    across its spans of 256), rows of +0 and -0 (equal), NaNs (the first NaN), -inf rows, and
+    no rows."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(-3, 4, (rows, vocab), generator=g).to(dtype)  # many ties
+    picks = torch.randint(0, vocab, (rows, 2), generator=g)
+    value = {"ties": 3.0, "zeros": 0.0, "nan": float("nan"), "inf": float("-inf")}[special]
+    if special in ("zeros", "inf"):  # the rest below the picks: -1, or all -inf
+        x = torch.full((rows, vocab), -1.0 if special == "zeros" else value, dtype=dtype)
+    for r, (a, b) in enumerate(picks.tolist()):
+        x[r, a], x[r, b] = (-0.0 if special == "zeros" else value), value
+    assert fused_moe.ready()  # the module's skip condition built it
+    assert torch.equal(small_ops.greedy(x), x.max(dim=-1).indices)
+    assert torch.equal(small_ops.greedy(x[:0]), x[:0].max(dim=-1).indices)  # no rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_greedy_finds_the_first_across_spans(dtype):
+    """The first of equal maxima in an earlier span of 256 than the largest key: -0 before +0,
+    a NaN before another, a tie two spans apart."""
+    x = torch.full((3, 1000), -1.0, dtype=dtype)
+    x[0, 10], x[0, 300] = -0.0, 0.0
+    x[1, 20], x[1, 700] = float("nan"), float("nan")
+    x[2, 5], x[2, 900] = 2.0, 2.0
+    assert small_ops.greedy(x).tolist() == x.max(dim=-1).indices.tolist() == [10, 20, 5]
