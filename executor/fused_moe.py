@@ -6,7 +6,7 @@ Why: the executor's loop runs each expert as its own GEMMs. At decode's few rows
 its expert cold and pays its setup and Python's per expert: 64 small experts x 2 GEMMs x every
 layer. vLLM's CPU backend, 1.8x ahead at batch 64 with 64 experts of 384, runs one kernel over
 all experts. This one cuts every expert's GEMMs into tiles that torch's threads share, in one of
-three forms (`variant`), chosen by what the host's bf16 GEMMs run on:
+three forms (`variant`), chosen by what the host's CPU has:
 - `amx` (AMX): tiles of our own over weights laid out once at load in 1 KB tile rows, up to
   32 rows of an expert a pass, so a decode reads each weight once. On the AMX VM it streams
   Mixtral's experts at 1.1-1.25x oneDNN's AMX brgemm (the form it replaced), bit for bit its
