@@ -17,6 +17,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from executor import small_ops
 from executor.kv_cache import KVCache, packed_layout
 
 
@@ -94,7 +95,31 @@ def last_window(keys, values, mask, window: int | None):
     return keys[:, :, -window:], values[:, :, -window:], mask
 
 
-DECODE_KERNELS = {"sdpa": sdpa_decode, "matmul": matmul_decode}
+def native_decode(q, keys, values, mask, scale: float | None = None) -> torch.Tensor:
+    """small_ops.decode_attention where it serves (an AMX host, bf16, the heads it takes), else
+    the kernel the head's width picks. At the bench's decode steps, 64 sequences against ~90
+    keys, it took 0.32 against SDPA's 0.63-0.71 ms at Mixtral's 4 x 4 heads of 64 and 0.45
+    against 0.55-0.68 at Qwen3-MoE's 2 x 8 of 128 (AMX Xeon; docs/decisions.md, 2026-12-07)."""
+    if small_ops.serves_decode(q, keys, values, mask):
+        return small_ops.decode_attention(q, keys, values, mask, _scale(q, scale))
+    return DECODE_KERNELS[_by_width(q.shape[-1])](q, keys, values, mask, scale)
+
+
+def decode_kernel(arch, dtype: str) -> str | None:
+    """The decode kernel a default CPU run of `arch` in `dtype` takes (None: by the head's
+    width): native where its experts run fused (MoEModel) on an AMX host."""
+    from executor import fused_moe
+
+    if dtype == "bfloat16" and fused_moe.missing(arch, dtype) is None and small_ops.amx_attention():
+        return "native"
+    return None
+
+
+def _by_width(d: int) -> str:
+    return "matmul" if d > SDPA_MAX_HEAD_DIM else DECODE_KERNEL
+
+
+DECODE_KERNELS = {"sdpa": sdpa_decode, "matmul": matmul_decode, "native": native_decode}
 # Kept: SDPA. bench/bench_cpu_attention.py on the 2-core Sapphire Rapids VM (2026-12-01,
 # Mixtral's 32/8 heads, batch 1-32, context 128-2048, bf16 and fp32): SDPA faster in 16 of 18
 # cases (up to 3.3x at batch 1, 1.34x at fp32 32x2048); the batched GEMMs won twice by 3-4%,
@@ -124,7 +149,7 @@ def attend_one_step(
     dimension, SDPA_MAX_HEAD_DIM)."""
     B, nkv, D = q.shape[0], keys.shape[1], q.shape[-1]
     if kernel is None:
-        kernel = "matmul" if D > SDPA_MAX_HEAD_DIM else DECODE_KERNEL
+        kernel = _by_width(D)
     keys, values, mask = last_window(keys, values, mask, window)
     q = q.view(B, nkv, -1, D)
     if sinks is not None:
@@ -248,6 +273,7 @@ def measure_attention_curve(
     quick: bool = False,
     rotate_bytes: float = ROTATE_BYTES,
     kv_format: str | None = None,
+    kernel: str | None = None,
 ):
     """The achieved K/V read rate of the executor's decode attention stage on this CPU against
     bytes per call (a Curve of bytes -> bytes/s), at the model's heads, a quarter of each batch
@@ -255,7 +281,7 @@ def measure_attention_curve(
     (planner/cost.py). Each call is append_and_attend on a KVCache, the append and the strided
     views included: timing contiguous K/V alone was 8-18% fast on an AMX Xeon VM (2026-12-03).
     kv_format: a compact cache (hrm/formats.py), its bytes the stored ones, read and
-    dequantized by the stage as a run's are."""
+    dequantized by the stage as a run's are. kernel: attend_one_step's (a run's, decode_kernel)."""
     from hrm.hardware.parts import Curve
 
     torch_dtype = getattr(torch, dtype)
@@ -281,16 +307,16 @@ def measure_attention_curve(
                 return torch.randn(size, generator=g).to(torch_dtype)
 
             step = (tensor(batch, nq, d), tensor(batch, nkv, d), tensor(batch, nkv, dv))
-            points.append((float(nbytes), nbytes / _seconds_per_call(cache, step)))
+            points.append((float(nbytes), nbytes / _seconds_per_call(cache, step, kernel)))
     return Curve(points=tuple(points))
 
 
-def _seconds_per_call(cache: KVCache, step: tuple) -> float:
+def _seconds_per_call(cache: KVCache, step: tuple, kernel: str | None) -> float:
     """Median seconds of one decode attention stage, cycling over the cache's layers."""
     turn = [0]
 
     def call() -> None:
-        append_and_attend(cache, turn[0] % len(cache.k), *step)
+        append_and_attend(cache, turn[0] % len(cache.k), *step, kernel=kernel)
         turn[0] += 1
 
     return _median_seconds(call)

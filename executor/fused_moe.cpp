@@ -366,6 +366,7 @@ torch::Tensor grouped_pairs(torch::Tensor xs, const std::vector<int64_t>& counts
 }
 
 void register_small_ops(pybind11::module_& m);  // executor/small_ops.cpp, built beside
+void register_decode_attention(pybind11::module_& m);  // executor/decode_attention.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_amx", &has_amx);
@@ -374,4 +375,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_pairs", &has_pairs);
   m.def("grouped_pairs", &grouped_pairs);
   register_small_ops(m);
+  register_decode_attention(m);
 }

@@ -41,7 +41,8 @@ from hrm.errors import HrmError
 from hrm.hardware.parts import Curve
 from hrm.rules.cpu_moe import BLOCK, check_mode, model_missing
 
-SOURCES = [str(Path(__file__).with_name(f)) for f in ("fused_moe.cpp", "small_ops.cpp")]
+SOURCES = [str(Path(__file__).with_name(f))
+           for f in ("fused_moe.cpp", "small_ops.cpp", "decode_attention.cpp")]  # fmt: skip
 GROUP = 8  # experts in one timed call of the profile's sweep (fused_curves)
 
 

@@ -109,20 +109,20 @@ class KVBlocks(StoredRows):
 
 
 def attend(q, keys, values, query_pos, batch_idx, local_idx, *, window=None, sinks=None,
-           scale=None) -> torch.Tensor:  # fmt: skip
+           scale=None, kernel=None) -> torch.Tensor:  # fmt: skip
     """Packed queries q [T, nq, D] of B sequences (query t: sequence batch_idx[t], its
     local_idx[t]-th new token, at position query_pos[t]) against gathered keys and values
     [B, nkv, S, D] (no left padding: sequence b's token t at slot t), each query seeing the keys
     at or before its position (within the last `window`); gpt-oss's `sinks` [nq] join each
-    softmax -> [T, nq*Dv]. The G query heads of a K/V head are stacked along the query axis, so
-    SDPA reads each K/V head once."""
+    softmax -> [T, nq*Dv]; `kernel`: a pass of decodes' (attend_one_step's). The G query heads
+    of a K/V head are stacked along the query axis, so SDPA reads each K/V head once."""
     B, nkv, S, D = keys.shape
     T, G = q.shape[0], q.shape[1] // nkv
     Q = int(local_idx.max()) + 1
     if Q == 1:  # decodes: one query a sequence, in order (executor/passes.py's groups), run as
         # the static decode step runs them: one mask row a sequence, not one a head and query
         mask = _allowed(query_pos.to(keys.device)[:, None], S, window).view(B, 1, 1, S)
-        return attend_one_step(q, keys, values, mask, sinks=sinks, scale=scale)
+        return attend_one_step(q, keys, values, mask, kernel, sinks=sinks, scale=scale)
     q_pad = q.new_zeros(B, Q, nkv, G, D)
     q_pad[batch_idx, local_idx] = q.view(T, nkv, G, D)
     q_pad = q_pad.permute(0, 2, 3, 1, 4).reshape(B, nkv, G * Q, D)

@@ -101,12 +101,12 @@ class MoEModel:
         packed = held and "packed" in cpu_gemm.paths
         self.fused = fused_experts(self.arch, dtype_name, cpu_moe, held=held)
         kernel = self.fused and fused_moe.fused_linears(cpu_gemm)  # the other matrices too
-        # where the kernel is built for a bf16 run, the small ops between the GEMMs too
+        # a bf16 run's kernel: the small ops between the GEMMs too, and on AMX decode attention
         self._rms, self._rotary = (small_ops.rms_norm, small_ops.rotary) if self.fused else (
             rms_norm, apply_rotary)  # fmt: skip
+        self._native_attention = self.fused and small_ops.amx_attention()
         native = {"rmsnorm": self._rms, "rmsnorm_fp32": small_ops.rms_norm_fp32}
-        native = native if self.fused else {}
-        self._norm = native.get(self.arch.norm, NORMS[self.arch.norm])
+        self._norm = (native if self.fused else {}).get(self.arch.norm, NORMS[self.arch.norm])
         if cpu_gemm is not None:  # what the record reports and a prediction prices
             cpu_gemm = dataclasses.replace(cpu_gemm, experts="fused" if self.fused else "loop",
                                            linears="fused" if kernel else "paths")  # fmt: skip
@@ -194,10 +194,13 @@ class MoEModel:
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return rotary_tables(positions, self._inv_freq, self.dtype, self._rope_scaling)
 
-    def attention_terms(self, layer: int, device: torch.device) -> dict:
+    def attention_terms(self, layer: int, device: torch.device, *, decode: bool = False) -> dict:
         """What a layer's attention adds to causal attention: its window, sinks (on `device`) and
-        the scores' scale where the family sets its own."""
+        the scores' scale where the family sets its own; a decode step's kernel: the native one
+        where a bf16 step runs on an AMX host's CPU (attention.native_decode)."""
         terms: dict = {"window": self.arch.window(layer), "scale": self.arch.softmax_scale}
+        if decode and self._native_attention and torch.device(device).type == "cpu":
+            terms["kernel"] = "native"
         if layer in self._sinks:
             key = (layer, torch.device(device))
             if key not in self._sinks_on:
@@ -255,7 +258,8 @@ class MoEModel:
     ) -> torch.Tensor:
         """Append one token per sequence, attend to every cached slot: [B, nq, D] -> [B, nq*D]
         (the stage `hrm profile` times for the attention curve)."""
-        return append_and_attend(cache, layer, q, k, v, **self.attention_terms(layer, q.device))
+        terms = self.attention_terms(layer, q.device, decode=True)
+        return append_and_attend(cache, layer, q, k, v, **terms)
 
     # -- PostAttn ------------------------------------------------------------------------------
 
@@ -391,7 +395,11 @@ class MoEModel:
         adds them, and its clamped GLU."""
         self.gemm_calls["fused"] += 2
         i, h = self.arch.intermediate_size, self.arch.hidden_size
-        experts = w.experts[first : first + len(counts)]
+        # the experts hit only: a batch-1 step of 64 experts passed 8, not 128 weights, each
+        # converted for the call (50 us a call of 8 at Qwen3-MoE's shape, AMX Xeon)
+        hit = [j for j, n in enumerate(counts) if n]
+        experts = [w.experts[first + j] for j in hit]
+        counts = [counts[j] for j in hit]
         biased = experts[0].b1 is not None
         rows = torch.tensor(counts) if biased else None
 

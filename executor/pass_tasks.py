@@ -77,7 +77,7 @@ class PassTaskBuilder(TaskBuilder):
                                              values_rows.permute(0, 2, 1, 3))  # fmt: skip
         return attend(
             q, keys, values, mb.at("positions", dev), mb.at("batch_idx", dev),
-            mb.at("local_idx", dev), **self.model.attention_terms(layer, dev),
+            mb.at("local_idx", dev), **self.model.attention_terms(layer, dev, decode=True),
         )  # fmt: skip
 
     def _in_place(self, layer: int, mb: PassGroup, q, k, v) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """The small bf16 ops of a CPU layer in one native pass each (executor/small_ops.cpp, built with
-the fused experts' kernel): RMSNorm (Mixtral's and gpt-oss's), rotary and the routed experts'
-combination.
+the fused experts' kernel): RMSNorm (Mixtral's and gpt-oss's), rotary, the routed experts'
+combination, greedy choice, and on AMX hosts a decode step's attention
+(executor/decode_attention.cpp).
 
 Why: between the GEMMs, torch runs each of these as four to eight ops over fp32 or bf16 copies
 of the rows, each paying its dispatch and an allocation. On the AMX Xeon at batch 64 (Qwen3-MoE
@@ -64,3 +65,30 @@ def combine(ys: torch.Tensor, scale: torch.Tensor, source: torch.Tensor, k: int)
     """[T, H] bf16: each token's K rows of ys (source[t * K + j], in expert index order), each
     scaled by its row's routing weight and rounded, added in turn, each sum rounded."""
     return _ops().combine(ys.contiguous(), scale.reshape(-1).float().contiguous(), source, k)
+
+
+def amx_attention() -> bool:
+    """Whether this host runs decode_attention: AMX-BF16 granted (fused_moe's amx form), the
+    kernel built (building it here if need be)."""
+    return fused_moe.host_missing() is None and fused_moe.variant() == "amx"
+
+
+def serves_decode(q, keys, values, mask) -> bool:
+    """Whether decode_attention takes these: bf16 CPU q [B, nkv, G, D], keys and values [B, nkv,
+    S, D or Dv] with contiguous rows, a bool mask [B, 1, 1, S] or None, G dividing 16, D a
+    multiple of 32 up to 128, Dv up to 256, on an AMX host."""
+    tensors = (q, keys, values)
+    if any(t.dtype != torch.bfloat16 or t.device.type != "cpu" or t.dim() != 4 for t in tensors):
+        return False
+    if keys.stride(-1) != 1 or values.stride(-1) != 1 or keys.shape[2] == 0:
+        return False
+    rows = (q.shape[0], 1, 1, keys.shape[2])
+    if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != rows):
+        return False
+    return amx_attention() and _ops().decode_attention_serves(*q.shape[2:], values.shape[-1])
+
+
+def decode_attention(q, keys, values, mask, scale: float) -> torch.Tensor:
+    """attention.sdpa_decode's product in one native pass a K/V head (decode_attention.cpp):
+    [B, nkv, G, Dv] bf16, for what serves_decode takes."""
+    return _ops().decode_attention(q.contiguous(), keys, values, mask, scale)

@@ -193,6 +193,7 @@ def _attention_curves(arch, dtypes: list[str], quick: bool) -> dict:
     model's cache and over a latent one (latent_reference), prefill; each measurement hands back
     the pages it freed (released)."""
     from executor.attention import (
+        decode_kernel,
         latent_reference,
         measure_attention_curve,
         measure_prefill_attention_curve,
@@ -201,12 +202,15 @@ def _attention_curves(arch, dtypes: list[str], quick: bool) -> dict:
     from hrm.rules.host_memory import released
 
     decode, prefill = released(measure_attention_curve), released(measure_prefill_attention_curve)
-    attention = {d: decode(arch, d, quick=quick) for d in dtypes}
+    # each by the kernel a default run takes (native where a bf16 run is fused on an AMX host)
+    attention = {d: decode(arch, d, quick=quick, kernel=decode_kernel(arch, d)) for d in dtypes}
     latent = attention if arch.kv_lora_rank else {
         d: decode(latent_reference(arch), d, quick=quick) for d in dtypes}  # fmt: skip
     # a compact KV cache, read by bfloat16 layers (keyed by its format); 30 s on a 2-core VM,
     # so the full sweep only: a quick profile prices it by its bytes
-    compact = {f: decode(arch, "bfloat16", kv_format=f) for f in ([] if quick else WEIGHT_FORMATS)}
+    native = decode_kernel(arch, "bfloat16")
+    compact = {f: decode(arch, "bfloat16", kv_format=f, kernel=native)
+               for f in ([] if quick else WEIGHT_FORMATS)}  # fmt: skip
     return {
         "attention_curves": attention | compact,
         "latent_attention_curves": latent,
