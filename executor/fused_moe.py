@@ -166,17 +166,17 @@ def fused_linears(choice) -> bool:
 
 
 def linear_packing(packed: bool):
-    """How fused_linears lays out a matrix [out, in]: for the kernel where its widths allow
-    (Kernel); a matrix narrower than one of its blocks (a router of fewer than 64 experts) as
-    it is, multiplied natively: oneDNN's packed GEMM of Mixtral's 8-wide router ran a decode
-    step 4% slower (AMX Xeon, bf16, batch 64, alternating: 839 against 871 tok/s); else as
-    its path has it (oneDNN's packing where the run packs, else a copy)."""
+    """How fused_linears lays out a matrix [out, in]: for the kernel where its inputs allow
+    (Kernel), one narrower than a block or not a whole number of them padded with zero rows:
+    Mixtral's 8-wide router took 8-16 us a call so at 1-64 rows against 34-41 us natively and
+    177 us as oneDNN's packed GEMM (AMX Xeon; the same bits as native there); else as its path
+    has it (oneDNN's packing where the run packs, else a copy)."""
     import torch
 
     from hrm.rules.gemm_paths import pack_weight
 
     def lay_out(w):
-        if w.dtype == torch.bfloat16 and w.shape[0] % BLOCK == 0 and w.shape[1] % k_multiple() == 0:
+        if w.dtype == torch.bfloat16 and w.shape[1] % k_multiple() == 0:
             return Kernel(w)
         return pack_weight(w) if packed and w.shape[0] >= BLOCK else w.clone()
 
@@ -184,17 +184,24 @@ def linear_packing(packed: bool):
 
 
 class Kernel:
-    """A matrix [out, in] laid out for the kernel (pack), multiplied by `times` as one expert
-    of all the rows; `shape` and `dtype` are the matrix's."""
+    """A matrix [out, in] laid out for the kernel (pack; zero rows to a whole number of
+    blocks), multiplied by `times` as one expert of all the rows; `shape` and `dtype` are the
+    matrix's."""
 
     __slots__ = ("packed", "shape", "dtype")
 
     def __init__(self, w):
-        self.packed, self.shape, self.dtype = pack(w), tuple(w.shape), w.dtype
+        import torch
+
+        self.shape, self.dtype = tuple(w.shape), w.dtype
+        short = -w.shape[0] % BLOCK
+        self.packed = pack(torch.cat([w, w.new_zeros(short, w.shape[1])]) if short else w)
 
     def times(self, x):
         """x [T, in] @ w.T: [T, out] bf16."""
-        return grouped(x, [x.shape[0]], [self.packed], self.shape[0])
+        width = self.packed.shape[0] * BLOCK
+        y = grouped(x, [x.shape[0]], [self.packed], width)
+        return y if width == self.shape[0] else y[:, : self.shape[0]]
 
 
 def fused_curves(
