@@ -145,37 +145,107 @@ __attribute__((target("amx-tile,amx-bf16"))) static void amx_pass(const BFloat16
   }
 }
 
+// 16 lanes of e^x: x = n ln2 + r, Cephes' expf polynomial for e^r, scaled by 2^n (vscalefps:
+// inf past fp32's largest, 0 past its smallest); within 2 ulp of fp32's, where torch's SiLU takes
+// Sleef's within 1.
+__attribute__((target("avx512f"))) static __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.8f)), _mm512_set1_ps(-104.f));
+  const __m512 n = _mm512_roundscale_ps(
+      _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f,
+                        5.0000001201e-1f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// 16 lanes rounded to bf16 as BFloat16(float) rounds (to nearest even, a NaN quiet), kept as
+// fp32 (the low half zero).
+__attribute__((target("avx512f"))) static __m512 round16(__m512 f) {
+  const __m512i u = _mm512_castps_si512(f);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i up = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(
+      _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+  const __m512i kept = _mm512_and_si512(up, _mm512_set1_epi32(int32_t(0xffff0000u)));
+  return _mm512_castsi512_ps(_mm512_mask_mov_epi32(kept, nan, _mm512_set1_epi32(0x7fc00000)));
+}
+
+// A tile's m rows of gate and up sums (fp32, BLOCK_N apart) into its block of y as the loop's
+// torch ops compute them: each GEMM output rounded to bf16, F.silu (x / (1 + e^-x) in fp32,
+// rounded), then its product with the up, rounded.
+__attribute__((target("avx512f"))) static void swiglu_rows(const float* gate, const float* up,
+                                                          int64_t m, BFloat16* y, int64_t ldy) {
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t c = 0; c < BLOCK_N; c += 16) {
+      const __m512 g = round16(_mm512_loadu_ps(gate + r * BLOCK_N + c));
+      const __m512 u = round16(_mm512_loadu_ps(up + r * BLOCK_N + c));
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+      const __m512 s = round16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+      const __m512i out = _mm512_castps_si512(round16(_mm512_mul_ps(s, u)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + c),
+                          _mm512_cvtepi32_epi16(_mm512_srli_epi32(out, 16)));
+    }
+}
+
 // grouped() over the AMX layout. A thread's tile configuration follows its passes' rows; at
 // the end it is released through torch's brgemm_release, which also tells torch's own AMX
-// brgemm (flash attention's) that its configuration is gone.
-torch::Tensor grouped(torch::Tensor xs, const std::vector<int64_t>& counts,
-                      const std::vector<torch::Tensor>& w, int64_t n_out) {
-  const int64_t rows = xs.size(0), k = xs.size(1);
+// brgemm (flash attention's) that its configuration is gone. With swiglu, the weights' first
+// half of columns a gate's and the second an up's: a tile computes the gate's block and the
+// up's and writes their SwiGLU, [rows, n_out / 2], where the loop ran the GEMM, F.silu_, mul_
+// and the copy of the gate's strided half for the next GEMM.
+static torch::Tensor amx_grouped(torch::Tensor xs, const std::vector<int64_t>& counts,
+                                 const std::vector<torch::Tensor>& w, int64_t n_out, bool swiglu) {
+  const int64_t rows = xs.size(0), k = xs.size(1), width = swiglu ? n_out / 2 : n_out;
   const auto start = starts(xs, counts, w, n_out);
   TORCH_CHECK(k % 32 == 0, "grouped: K a multiple of 32 in the AMX form");
-  auto ys = torch::empty({rows, n_out}, xs.options());
+  TORCH_CHECK(width % BLOCK_N == 0, "grouped_swiglu: a gate of whole blocks");
+  auto ys = torch::empty({rows, width}, xs.options());
   const BFloat16* x = xs.data_ptr<BFloat16>();
   BFloat16* y = ys.data_ptr<BFloat16>();
-  const auto work = tiles(start, n_out / BLOCK_N);
+  const auto work = tiles(start, width / BLOCK_N);
   at::parallel_for(0, work.size(), 1, [&](int64_t first, int64_t last) {
-    alignas(64) float acc[AMX_ROWS * BLOCK_N];
+    alignas(64) float acc[AMX_ROWS * BLOCK_N], up[AMX_ROWS * BLOCK_N];
     int64_t configured = 0;
     for (int64_t i = first; i < last; ++i) {
       const auto [e, b] = work[i];
       const BFloat16* wb = block(w, counts.size(), e, b, n_out, k);
+      const BFloat16* wu = swiglu ? block(w, counts.size(), e, b + width / BLOCK_N, n_out, k)
+                                  : nullptr;
       for (int64_t m = start[e]; m < start[e + 1]; m += AMX_ROWS) {
         const int64_t n = std::min(AMX_ROWS, start[e + 1] - m);
         if (n != configured) {
           configure(n);
           configured = n;
         }
-        (n > 16 ? amx_pass<true> : amx_pass<false>)(x + m * k, k, wb, acc);
-        round_rows(acc, n, y + m * n_out + b * BLOCK_N, n_out);
+        const auto pass = n > 16 ? amx_pass<true> : amx_pass<false>;
+        pass(x + m * k, k, wb, acc);
+        BFloat16* out = y + m * width + b * BLOCK_N;
+        if (swiglu) {
+          pass(x + m * k, k, wu, up);
+          swiglu_rows(acc, up, n, out, width);
+        } else {
+          round_rows(acc, n, out, width);
+        }
       }
     }
     at::native::cpublas::brgemm_release();
   });
   return ys;
+}
+
+torch::Tensor grouped(torch::Tensor xs, const std::vector<int64_t>& counts,
+                      const std::vector<torch::Tensor>& w, int64_t n_out) {
+  return amx_grouped(xs, counts, w, n_out, false);
+}
+
+torch::Tensor grouped_swiglu(torch::Tensor xs, const std::vector<int64_t>& counts,
+                             const std::vector<torch::Tensor>& w, int64_t n_out) {
+  return amx_grouped(xs, counts, w, n_out, true);
 }
 
 constexpr int64_t K_CHUNK = 256;  // weight rows widened at once: 64 KB of fp32, in L2
@@ -371,6 +441,7 @@ void register_decode_attention(pybind11::module_& m);  // executor/decode_attent
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_amx", &has_amx);
   m.def("grouped", &grouped);
+  m.def("grouped_swiglu", &grouped_swiglu);
   m.def("grouped_widened", &grouped_widened);
   m.def("has_pairs", &has_pairs);
   m.def("grouped_pairs", &grouped_pairs);

@@ -92,6 +92,29 @@ def test_the_grouped_gemm_is_each_experts_gemm_rounded_to_bf16(variant, counts):
         start += c
 
 
+@pytest.mark.parametrize("counts", [[0, 70, 3, 1, 2, 4, 5, 7], [16, 17, 32, 33], [1]])
+@pytest.mark.parametrize("stacked", [False, True])
+def test_the_tiles_swiglu_is_the_loops_bits(counts, stacked):
+    """grouped_swiglu (the amx form's gate-up call) against the loop's torch ops over the same
+    call's sums: F.silu(gate) * up, bit for bit, from a gate and an up laid out apart or
+    stacked in one weight; gates large enough that e^-x overflows and underflows."""
+    if fused_moe.variant() != "amx":
+        pytest.skip("the amx form only")
+    torch.manual_seed(1)
+    k, i = 320, 128
+    gates = [torch.randn(i, k, dtype=torch.bfloat16) * 2 for _ in counts]
+    ups = [torch.randn(i, k, dtype=torch.bfloat16) * 0.1 for _ in counts]
+    if stacked:
+        parts = [fused_moe.pack(torch.cat([g, u])) for g, u in zip(gates, ups, strict=True)]
+    else:
+        parts = [fused_moe.pack(t) for g, u in zip(gates, ups, strict=True) for t in (g, u)]
+    xs = torch.randn(sum(counts), k, dtype=torch.bfloat16) * 3
+    gate, up = fused_moe.grouped(xs, counts, parts, 2 * i).chunk(2, -1)
+    assert gate.abs().max() > 100  # e^-x past fp32's range on the negative side
+    want = torch.nn.functional.silu(gate.clone()).mul_(up)
+    assert torch.equal(fused_moe.grouped_swiglu(xs, counts, parts, 2 * i), want)
+
+
 @pytest.mark.parametrize("variant", ["amx", "pairs", "widened"])
 def test_a_weight_in_parts_is_the_whole_weight(variant):
     """An expert's gate and up, each laid out where it was loaded, are the kernel's two parts of

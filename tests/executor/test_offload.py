@@ -236,9 +236,9 @@ def test_the_attention_curve_times_the_executors_kernel(monkeypatch):
 
     seen = []
 
-    def stage(cache, layer, q, k, v):
+    def stage(cache, layer, q, k, v, **kw):
         seen.append((cache.k[layer].shape, cache.length, cache.has_padding))
-        return real_stage(cache, layer, q, k, v)
+        return real_stage(cache, layer, q, k, v, **kw)
 
     real_stage = attention.append_and_attend
     monkeypatch.setattr(attention, "append_and_attend", stage)

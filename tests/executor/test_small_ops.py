@@ -128,3 +128,22 @@ def test_greedy_finds_the_first_across_spans(dtype):
     x[1, 20], x[1, 700] = float("nan"), float("nan")
     x[2, 5], x[2, 900] = 2.0, 2.0
     assert small_ops.greedy(x).tolist() == x.max(dim=-1).indices.tolist() == [10, 20, 5]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 8), st.sampled_from([(8, 2), (64, 8), (16, 4), (4, 4), (1, 1)]),
+       st.integers(0, 2**16))  # fmt: skip
+def test_a_few_assignments_sort_as_torchs(tokens, experts_k, seed):
+    """_assignments' Python sort of a few sequences' ids (at most SORT_IN_PYTHON) gives torch's
+    stable argsort, bincount and _by_token exactly."""
+    from executor.model import SORT_IN_PYTHON, _assignments
+
+    experts, k = experts_k
+    g = torch.Generator().manual_seed(seed)
+    top_i = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
+    order, counts, source = _assignments(top_i, experts)
+    want = torch.argsort(top_i.flatten(), stable=True)
+    assert torch.equal(order, want)
+    assert counts == torch.bincount(top_i.flatten(), minlength=experts).tolist()
+    assert torch.equal(source, _by_token(top_i, want))
+    assert tokens * k <= SORT_IN_PYTHON  # the Python sort ran
