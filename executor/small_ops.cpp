@@ -99,6 +99,53 @@ torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const tor
   return out;
 }
 
+// A step's routed assignments laid out for the grouped GEMMs (MoEModel.experts' argsort,
+// bincount, index_selects and _by_token in one pass): top_i [T, K] sorted by expert, stably (a
+// counting sort); xs [A, H] each sorted assignment's token row of x; scale [A] its routing
+// weight in fp32; source [T * K] the sorted row at each token's k-th place, its experts in index
+// order (combine's); counts [E].
+std::vector<torch::Tensor> dispatch(const torch::Tensor& x, const torch::Tensor& top_w,
+                                    const torch::Tensor& top_i, int64_t experts) {
+  check_bf16(x, "dispatch x");
+  TORCH_CHECK(top_i.scalar_type() == at::kLong && top_i.is_contiguous() && top_i.dim() == 2 &&
+                  top_i.size(0) == x.size(0) && experts > 0,
+              "dispatch: top_i [T, K] int64");
+  TORCH_CHECK((top_w.scalar_type() == at::kFloat || top_w.scalar_type() == at::kBFloat16) &&
+                  top_w.is_contiguous() && top_w.sizes() == top_i.sizes(),
+              "dispatch: top_w [T, K] fp32 or bf16");
+  const int64_t k = top_i.size(1), a_n = top_i.numel(), h = x.size(1);
+  const int64_t* ids = top_i.data_ptr<int64_t>();
+  std::vector<int64_t> next(experts + 1, 0), pos(a_n);
+  for (int64_t a = 0; a < a_n; ++a) {
+    TORCH_CHECK(ids[a] >= 0 && ids[a] < experts, "dispatch: an expert id out of range");
+    ++next[ids[a] + 1];
+  }
+  auto counts = torch::empty({experts}, top_i.options());
+  int64_t* c = counts.data_ptr<int64_t>();
+  for (int64_t e = 0; e < experts; ++e) c[e] = next[e + 1], next[e + 1] += next[e];
+  for (int64_t a = 0; a < a_n; ++a) pos[a] = next[ids[a]]++;
+  auto xs = torch::empty({a_n, h}, x.options());
+  auto scale = torch::empty({a_n}, top_w.options().dtype(at::kFloat));
+  auto source = torch::empty({a_n}, top_i.options());
+  float* sc = scale.data_ptr<float>();
+  int64_t* src = source.data_ptr<int64_t>();
+  const bool half = top_w.scalar_type() == at::kBFloat16;
+  for (int64_t a = 0; a < a_n; ++a) {
+    sc[pos[a]] = half ? f32(bits(top_w)[a]) : top_w.data_ptr<float>()[a];
+    int64_t rank = 0;  // its place among its token's experts, by index (then by k)
+    for (int64_t j = a - a % k; j < a - a % k + k; ++j)
+      rank += ids[j] < ids[a] || (ids[j] == ids[a] && j < a);
+    src[a - a % k + rank] = pos[a];
+  }
+  const uint16_t* xr = bits(x);
+  uint16_t* out = bits(xs);
+  at::parallel_for(0, a_n, 16, [&](int64_t first, int64_t last) {
+    for (int64_t a = first; a < last; ++a)
+      std::memcpy(out + pos[a] * h, xr + (a / k) * h, h * sizeof(uint16_t));
+  });
+  return {xs, scale, source, counts};
+}
+
 // The routed experts' outputs back to their tokens: ys [A, H] rows sorted by expert, each
 // scaled by its fp32 routing weight and rounded; a token's K rows (source[t * K + k], in expert
 // index order) added in turn, each sum rounded (MoEModel.experts' mul_, gather and adds).
@@ -202,5 +249,6 @@ void register_small_ops(pybind11::module_& m) {
   m.def("rms_norm", &rms_norm);
   m.def("rotary", &rotary);
   m.def("combine", &combine);
+  m.def("dispatch", &dispatch);
   m.def("greedy", &greedy);
 }

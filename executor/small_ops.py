@@ -61,6 +61,17 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(dim=-1).indices
 
 
+def dispatch(x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor, experts: int):
+    """A step's assignments laid out for the grouped GEMMs in one pass: (xs [A, H] each token's
+    row in expert order, stably; scale [A] fp32; combine's source [A]; counts, a list of
+    `experts`), as MoEModel.experts' argsort, bincount, index_selects and _by_token give them,
+    where at batch 64 they took about 0.36 ms a layer (Qwen3-MoE shape, AMX Xeon). bf16 CPU
+    rows (a fused model's)."""
+    top_w, top_i = top_w.contiguous(), top_i.contiguous()
+    xs, scale, source, counts = _ops().dispatch(x.contiguous(), top_w, top_i, experts)
+    return xs, scale, source, counts.tolist()
+
+
 def combine(ys: torch.Tensor, scale: torch.Tensor, source: torch.Tensor, k: int) -> torch.Tensor:
     """[T, H] bf16: each token's K rows of ys (source[t * K + j], in expert index order), each
     scaled by its row's routing weight and rounded, added in turn, each sum rounded."""

@@ -147,3 +147,22 @@ def test_a_few_assignments_sort_as_torchs(tokens, experts_k, seed):
     assert counts == torch.bincount(top_i.flatten(), minlength=experts).tolist()
     assert torch.equal(source, _by_token(top_i, want))
     assert tokens * k <= SORT_IN_PYTHON  # the Python sort ran
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 70), st.sampled_from([(8, 2), (64, 8), (16, 4), (4, 4), (1, 1)]),
+       st.sampled_from([torch.float32, BF16]), st.integers(0, 2**16))  # fmt: skip
+def test_dispatch_is_the_loops_sort_and_gathers(tokens, experts_k, weight_dtype, seed):
+    """small_ops.dispatch against MoEModel.experts' torch ops: the rows in expert order
+    (stable), their fp32 weights, combine's source and the counts, exactly."""
+    experts, k = experts_k
+    g = torch.Generator().manual_seed(seed)
+    top_i = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
+    top_w = torch.rand(tokens, k, generator=g).to(weight_dtype)
+    x = _bf16(tokens, 96, seed=seed)
+    xs, scale, source, counts = small_ops.dispatch(x, top_w, top_i, experts)
+    order = torch.argsort(top_i.flatten(), stable=True)
+    assert torch.equal(xs, x.index_select(0, order // k))
+    assert torch.equal(scale, top_w.flatten().index_select(0, order).float())
+    assert torch.equal(source, _by_token(top_i, order))
+    assert counts == torch.bincount(top_i.flatten(), minlength=experts).tolist()
