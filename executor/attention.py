@@ -107,7 +107,7 @@ def native_decode(q, keys, values, mask, scale: float | None = None) -> torch.Te
 
 def decode_kernel(arch, dtype: str) -> str | None:
     """The decode kernel a default CPU run of `arch` in `dtype` takes (None: by the head's
-    width): native where its experts run fused (MoEModel) on an AMX host."""
+    width): native where its experts run fused (MoEModel.attention_terms) on an AMX host."""
     from executor import fused_moe
 
     if dtype == "bfloat16" and fused_moe.missing(arch, dtype) is None and small_ops.amx_attention():

@@ -14,6 +14,8 @@ kernel built); each falls back to torch's ops for what it does not serve.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from executor import fused_moe
@@ -78,10 +80,12 @@ def combine(ys: torch.Tensor, scale: torch.Tensor, source: torch.Tensor, k: int)
     return _ops().combine(ys.contiguous(), scale.reshape(-1).float().contiguous(), source, k)
 
 
+@functools.cache
 def amx_attention() -> bool:
     """Whether this host runs decode_attention: AMX-BF16 granted (fused_moe's amx form), the
-    kernel built (building it here if need be)."""
-    return fused_moe.host_missing() is None and fused_moe.variant() == "amx"
+    kernel built (building it here if need be; not on a CPU without AMX tiles)."""
+    has_tiles = getattr(torch.cpu, "_is_amx_tile_supported", lambda: True)()
+    return has_tiles and fused_moe.host_missing() is None and fused_moe.variant() == "amx"
 
 
 def serves_decode(q, keys, values, mask) -> bool:

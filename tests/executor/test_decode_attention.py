@@ -2,7 +2,7 @@
 against an fp32 product: as near it as torch's SDPA at every shape it serves (ragged keys, a
 padding mask, the cache's strided rows), masked keys given no weight, what it does not serve left
 to SDPA, and a fused bf16 model's decode steps through it, static and continuous, within the
-suite's tolerance of transformers. Skipped where the host has no AMX or the kernel does not
+suite's tolerance of the same runs by SDPA. Skipped where the host has no AMX or the kernel does not
 build."""
 
 from __future__ import annotations
@@ -111,26 +111,33 @@ def heads_of_32(tmp_path_factory):
     return save_model(config, tmp_path_factory.mktemp("heads32") / "mixtral", seed=31)
 
 
-def test_a_fused_bf16_model_decodes_through_it(heads_of_32, monkeypatch):
-    """Every decode step of a fused bf16 model, static or continuous, runs the native kernel; a
-    loop model's never; the fused logits are within the suite's tolerance of transformers'
-    wherever the loop's are, and both runs choose the same tokens."""
+def test_a_bf16_model_decodes_through_it(heads_of_32, monkeypatch):
+    """Every decode step of a fused bf16 model on the CPU, static or continuous, runs the native
+    kernel, and a loop model's or a float32 one's never; the fused run's logits are within the
+    suite's tolerance of the same run's with SDPA, and of transformers' wherever SDPA's are,
+    with the same tokens."""
     calls = []
     native = small_ops.decode_attention
     monkeypatch.setattr(small_ops, "decode_attention", lambda *a: calls.append(1) or native(*a))
     prompts = ragged_prompts((5, 9, 12), seed=6)
-    runs = {}
-    for mode in ("loop", "fused"):
-        model = MoEModel(open_checkpoint(heads_of_32, "bfloat16"), cpu_moe=mode)
-        before = len(calls)
-        runs[mode] = generate(model, prompts, 6, keep_logits=True)
-        assert len(calls) - before == (5 * model.arch.num_layers if mode == "fused" else 0)
     _, theirs = reference_generate(reference_model(heads_of_32, BF16), prompts, 6)
-    for step in range(6):
-        fused, loop = runs["fused"].step_logits[step], runs["loop"].step_logits[step]
-        if relative_error(loop, theirs[step]) <= TOLERANCE["bfloat16"]:
-            assert relative_error(fused, theirs[step]) <= TOLERANCE["bfloat16"], f"step {step}"
-    assert runs["fused"].output_token_ids == runs["loop"].output_token_ids
+    for mode in ("loop", "fused"):
+        runs = {}
+        for kernel in ("native", "sdpa"):
+            if kernel == "sdpa":  # the same run with torch's kernel in the native one's place
+                monkeypatch.setitem(attention.DECODE_KERNELS, "native", attention.sdpa_decode)
+            model = MoEModel(open_checkpoint(heads_of_32, "bfloat16"), cpu_moe=mode)
+            before = len(calls)
+            runs[kernel] = generate(model, prompts, 6, keep_logits=True)
+            steps = 5 * model.arch.num_layers if kernel == "native" and mode == "fused" else 0
+            assert len(calls) - before == steps
+            monkeypatch.setitem(attention.DECODE_KERNELS, "native", attention.native_decode)
+        for step in range(6):
+            ours, sdpa = runs["native"].step_logits[step], runs["sdpa"].step_logits[step]
+            assert relative_error(ours, sdpa) <= TOLERANCE["bfloat16"], f"{mode} step {step}"
+            if relative_error(sdpa, theirs[step]) <= TOLERANCE["bfloat16"]:
+                assert relative_error(ours, theirs[step]) <= TOLERANCE["bfloat16"]
+        assert runs["native"].output_token_ids == runs["sdpa"].output_token_ids
     before, out = len(calls), {}
     limits = {i: Limits(max_new=6) for i in range(3)}
     run_passes(
@@ -139,7 +146,10 @@ def test_a_fused_bf16_model_decodes_through_it(heads_of_32, monkeypatch):
         token_budget=32, total_blocks=64, on_finish=lambda i, ids, _: out.update({i: ids}),
     )  # fmt: skip
     assert len(calls) > before
-    assert [list(out[i]) for i in range(3)] == runs["fused"].output_token_ids
+    assert [list(out[i]) for i in range(3)] == runs["native"].output_token_ids
+    before = len(calls)
+    generate(MoEModel(open_checkpoint(heads_of_32, "float32")), prompts, 3)
+    assert len(calls) == before
 
 
 def test_its_host_has_the_bf16_decode_curve_of_the_kernel():
