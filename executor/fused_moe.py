@@ -153,6 +153,12 @@ def grouped(xs, counts: list[int], weights: list, n_out: int):
     return getattr(_built(), _CALLS[variant()])(xs.contiguous(), counts, weights, n_out)
 
 
+def glu_in_tiles(arch: ModelArch) -> bool:
+    """Whether `arch`'s fused gate-up call computes its SwiGLU in the tiles (grouped_swiglu):
+    the amx form, a plain SwiGLU without biases (gpt-oss's clamped, biased GLU runs apart)."""
+    return variant() == "amx" and arch.swiglu_limit is None and not arch.expert_bias
+
+
 def grouped_swiglu(xs, counts: list[int], weights: list, n_out: int):
     """grouped() over gate-up weights (n_out: a gate's and an up's columns), in the amx form
     only: [A, n_out / 2], each row's SwiGLU as the loop's F.silu(gate) * up rounds it, from the

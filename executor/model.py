@@ -111,8 +111,7 @@ class MoEModel:
         native = {"rmsnorm": self._rms, "rmsnorm_fp32": small_ops.rms_norm_fp32}
         self._norm = (native if self.fused else {}).get(self.arch.norm, NORMS[self.arch.norm])
         if cpu_gemm is not None:  # what the record reports and a prediction prices
-            cpu_gemm = dataclasses.replace(cpu_gemm, experts="fused" if self.fused else "loop",
-                                           linears="fused" if kernel else "paths")  # fmt: skip
+            cpu_gemm = self._as_run(cpu_gemm, kernel)
         self.cpu_gemm = cpu_gemm
         if packed or self.fused:
             # the other matrices: for the kernel, for oneDNN where packed, else as they are
@@ -130,6 +129,17 @@ class MoEModel:
         # weights stay stored in the run's dtype; one scratch buffer, reused, holds a widened slice
         widens = cpu_gemm is not None and "widened" in cpu_gemm.paths
         self._scratch = torch.empty(WIDEN_SLICE_ELEMENTS) if widens else None
+
+    def _as_run(self, cpu_gemm: CpuGemmChoice, kernel: bool) -> CpuGemmChoice:
+        """cpu_gemm with how this model runs its experts, its other matrices and their GLU."""
+        return dataclasses.replace(cpu_gemm, experts="fused" if self.fused else "loop",
+                                   linears="fused" if kernel else "paths",
+                                   glu="tiles" if self._glu_tiles else "apart")  # fmt: skip
+
+    @functools.cached_property
+    def _glu_tiles(self) -> bool:
+        """Whether the fused gate-up call computes the SwiGLU in its tiles (grouped_swiglu)."""
+        return self.fused and fused_moe.glu_in_tiles(self.arch)
 
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x [T, in] @ w [out, in].T along the chosen path for T tokens; the result in x's dtype."""
@@ -411,7 +421,7 @@ class MoEModel:
             return torch.stack([getattr(e, name) for e in experts]).repeat_interleave(rows, 0)
 
         gate_up = [t for e in experts for t in (e.w1, e.w3) if t is not None]  # parts
-        if not biased and self.arch.swiglu_limit is None and fused_moe.variant() == "amx":
+        if self._glu_tiles:
             hidden = fused_moe.grouped_swiglu(xs, counts, gate_up, 2 * i)  # the tiles' SwiGLU
             return fused_moe.grouped(hidden, counts, [e.w2 for e in experts], h)
         gate, up = fused_moe.grouped(xs, counts, gate_up, 2 * i).chunk(2, -1)
@@ -458,9 +468,8 @@ class MoEModel:
 
 def _assignments(top_i: torch.Tensor, experts: int):
     """A step's assignments (top_i [T, K]) sorted by expert, stably: their order [A], the rows
-    each expert takes (a list of `experts`) and _by_token's source [A]. A decode of a few
-    sequences sorts its few ids in Python: torch's argsorts, bincount and scatter took about
-    0.1 ms a layer at one sequence (11 small ops, AMX Xeon)."""
+    each expert takes (a list of `experts`) and _by_token's source [A]; a few sequences' ids
+    sorted in Python, where torch's 11 small ops took 0.1 ms a layer at one (AMX Xeon)."""
     T, K = top_i.shape
     if T * K > SORT_IN_PYTHON:
         order = torch.argsort(top_i.flatten(), stable=True)

@@ -8,6 +8,6 @@ from planner.evaluate import predict, predict_resident_run, resident_run_memory
 
 # Stamped on every prediction a RunRecord carries; bump it whenever the cost model changes what it
 # predicts, so that `hrm report` never pools errors of two different models.
-MODEL_VERSION = "2026-12-07.3"
+MODEL_VERSION = "2026-12-07.4"
 
 __all__ = ["MODEL_VERSION", "predict", "predict_resident_run", "resident_run_memory"]

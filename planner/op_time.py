@@ -126,7 +126,9 @@ def _experts_seconds(
     n = 0 costs nothing."""
     counts, weights = _binomial(group, arch.experts_per_token / arch.num_experts)
     fused = runs_fused(device, dtype, cpu_gemm)
-    expert = routed_expert_op(arch, rows=counts, weight_dtype=weight_dtype, fused=fused)
+    tiles = fused and cpu_gemm.glu == "tiles"  # the SwiGLU in the kernel's tiles: no pass
+    expert = routed_expert_op(arch, rows=counts, weight_dtype=weight_dtype, fused=fused,
+                              glu_in_tiles=tiles)  # fmt: skip
     if fused:  # each expert at its rows on the kernel's curves (hrm profile)
         cpu_gemm = cpu_gemm.fused_experts()
     seconds = op_seconds(expert, device, dtype, counts, cpu_gemm=cpu_gemm)

@@ -169,20 +169,24 @@ def fused_expert_gemm_shapes(arch: ModelArch) -> tuple[tuple[int, int], ...]:
     return ((h, 2 * i), (i, h))
 
 
-def routed_expert_op(arch: ModelArch, *, rows: float, weight_dtype: str, fused: bool = False) -> Op:
+def routed_expert_op(
+    arch: ModelArch, *, rows: float, weight_dtype: str, fused: bool = False, glu_in_tiles=False
+) -> Op:
     """One expert over the `rows` tokens routed to it: its three GEMMs at those rows (fused: as
     the fused kernel's two calls run them, gate and up stacked; hrm.rules.cpu_moe), its whole
     weight read once, and the elementwise passes of the executor's grouped FFN per assignment:
-    the gate silu(a)*b, 5*i (2 for silu, 3 for the product); the gather of inputs, the copy of
-    outputs, the scale by the router weight and its rounding, 2*h each; index_add_'s read, h."""
+    the gate silu(a)*b, 5*i (2 for silu, 3 for the product; none where the kernel's tiles
+    compute it, glu_in_tiles); the gather of inputs, the copy of outputs, the scale by the
+    router weight and its rounding, 2*h each; index_add_'s read, h."""
     wdt, adt = dtype_bytes(weight_dtype), dtype_bytes(ACTIVATION_DTYPE)
     h, i = arch.hidden_size, arch.intermediate_size
+    glu = 0 if glu_in_tiles else 5 * i
     return Op(
         name="expert_ffn",
         flops=6.0 * rows * h * i,
         weight_bytes=arch.expert_params * wdt,
         activation_bytes=rows * (2 * h + 3 * i) * adt,
-        elementwise_elements=rows * (5 * i + 9 * h),
+        elementwise_elements=rows * (glu + 9 * h),
         gemm_shapes=fused_expert_gemm_shapes(arch) if fused else expert_gemm_shapes(arch),
     )
 

@@ -195,6 +195,9 @@ class CpuGemmChoice:
     # how the other matrices run: `paths`, along the buckets' paths, or `fused`, on the experts'
     # kernel as one expert of all the rows (executor/fused_moe.py fused_linears)
     linears: str = "paths"
+    # where fused experts' GLU runs: `apart`, torch's ops between the two calls, or `tiles`, in
+    # the gate-up call's tiles (executor/fused_moe.py grouped_swiglu): no pass of its own
+    glu: str = "apart"
     # id(rates) -> (rates, {(tokens, shape): FLOP/s}): a search asks for the same few row counts
     # hundreds of thousands of times; holding `rates` keeps its id from being reused
     _memo: dict = field(default_factory=dict, init=False, compare=False, repr=False)
@@ -235,7 +238,7 @@ class CpuGemmChoice:
                     buckets.append((start, path))
             self._unpacked.append(dataclasses.replace(
                 self, buckets=tuple(buckets), source=f"{self.source}, pages unpacked",
-                experts="loop", linears="paths",
+                experts="loop", linears="paths", glu="apart",
             ))  # fmt: skip
         return self._unpacked[0]
 
@@ -277,6 +280,7 @@ class CpuGemmChoice:
             "source": self.source,
             "experts": self.experts,
             "linears": self.linears,
+            "glu": self.glu,
         }
 
     @classmethod
@@ -284,7 +288,7 @@ class CpuGemmChoice:
         """The choice as to_dict wrote it (a RunRecord's environment); an extra key (the run's
         `calls`) is not the choice's and is left to the caller."""
         # records made before small_pads, experts or linears existed ran without them (the loop)
-        optional = {"calls", "experts", "linears", "small_pads"}
+        optional = {"calls", "experts", "linears", "glu", "small_pads"}
         required = {f.name for f in dataclasses.fields(cls) if f.init} - optional
         data = check_keys(data, where=where, required=required, optional=optional)
         experts, linears = data.get("experts", "loop"), data.get("linears", "paths")
@@ -292,6 +296,8 @@ class CpuGemmChoice:
             raise HrmError(f"{where}: experts must be loop or fused, not {experts!r}")
         if linears not in ("paths", "fused"):
             raise HrmError(f"{where}: linears must be paths or fused, not {linears!r}")
+        if data.get("glu", "apart") not in ("apart", "tiles"):
+            raise HrmError(f"{where}: glu must be apart or tiles, not {data['glu']!r}")
         buckets = data["buckets"]
         if (
             not isinstance(buckets, list)
@@ -307,6 +313,7 @@ class CpuGemmChoice:
             source=str(data["source"]),
             experts=experts,
             linears=linears,
+            glu=data.get("glu", "apart"),
         )
 
 

@@ -193,6 +193,8 @@ def test_fused_experts_match_the_loop_and_transformers_in_bf16(wide, name, linea
         runs[mode] = generate(model, prompts, 8, keep_logits=True)
         calls[mode] = model.gemm_calls["fused"]
         assert model.cpu_gemm.linears == (linears if mode == "fused" else "paths")
+        tiles = mode == "fused" and fused_moe.variant() == "amx" and name != "gpt_oss"
+        assert model.cpu_gemm.glu == ("tiles" if tiles else "apart")  # gpt-oss's GLU: apart
     sparse = sum(w.router is not None for w in model.weights.layers)
     assert calls["loop"] == 0
     if linears == "paths":

@@ -128,3 +128,22 @@ def test_the_other_matrices_on_the_kernel_are_priced_by_its_curves(arch, make_cp
     assert "experts and linears fused" in both.describe()
     with pytest.raises(HrmError, match="linears must be paths or fused"):
         CpuGemmChoice.from_dict({**both.to_dict(), "linears": "kernel"})
+
+
+def test_a_glu_in_the_kernels_tiles_has_no_pass_of_its_own(arch, make_cpu_profile):
+    """A run whose fused gate-up call computes the SwiGLU in its tiles (glu tiles) is charged
+    the experts' other elementwise passes only (9 h a row, not 5 i + 9 h); the choice records
+    it, a record from before it had the GLU apart, and a bad value is one line."""
+    timed = device(make_cpu_profile, arch, 4e9)
+    tiles = dataclasses.replace(FUSED, glu="tiles")
+    i = arch.intermediate_size
+    apart, fused = (expert_ffn_seconds(arch, timed, "bfloat16", tokens=1.0, group_tokens=1,
+                                       weight_dtype="bfloat16", cpu_gemm=c)
+                    for c in (FUSED, tiles))  # fmt: skip
+    rows = arch.experts_per_token  # one token's assignments
+    assert apart - fused == pytest.approx(rows * 5 * i / 1e9, rel=1e-6)
+    assert CpuGemmChoice.from_dict(tiles.to_dict()) == tiles
+    old = {k: v for k, v in tiles.to_dict().items() if k != "glu"}
+    assert CpuGemmChoice.from_dict(old).glu == "apart"
+    with pytest.raises(HrmError, match="glu must be apart or tiles"):
+        CpuGemmChoice.from_dict({**tiles.to_dict(), "glu": "fused"})
