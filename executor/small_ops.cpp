@@ -130,8 +130,10 @@ std::vector<torch::Tensor> dispatch(const torch::Tensor& x, const torch::Tensor&
   float* sc = scale.data_ptr<float>();
   int64_t* src = source.data_ptr<int64_t>();
   const bool half = top_w.scalar_type() == at::kBFloat16;
+  const uint16_t* w16 = half ? bits(top_w) : nullptr;
+  const float* w32 = half ? nullptr : top_w.data_ptr<float>();
   for (int64_t a = 0; a < a_n; ++a) {
-    sc[pos[a]] = half ? f32(bits(top_w)[a]) : top_w.data_ptr<float>()[a];
+    sc[pos[a]] = half ? f32(w16[a]) : w32[a];
     int64_t rank = 0;  // its place among its token's experts, by index (then by k)
     for (int64_t j = a - a % k; j < a - a % k + k; ++j)
       rank += ids[j] < ids[a] || (ids[j] == ids[a] && j < a);
